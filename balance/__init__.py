@@ -1,0 +1,1 @@
+"""Automatic partition sizes for pipeline.Pipe."""

@@ -1,0 +1,1 @@
+"""GPipe-style pipeline parallelism for PyTorch."""
