@@ -10,8 +10,10 @@ from typing import Any, Literal, TypeAlias
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from pipeline.batchnorm import DeferredBatchNorm
+from pipeline.completion import Hook
 from pipeline.microbatch import NoChunk, TensorOrValues, check_input, gather, scatter
 from pipeline.pipeline import Pipeline
 from pipeline.worker import Worker, stop_workers
@@ -91,6 +93,7 @@ class Pipe(nn.Module):
         self._finalizer = weakref.finalize(self, stop_workers, self._workers)
         self._pipeline = Pipeline(self.partitions, self.devices, self._workers)
         self._deferred_batch_norms = [m for m in self.modules() if isinstance(m, DeferredBatchNorm)]
+        self._completion_hooks: OrderedDict[int, Hook] = OrderedDict()
 
     def _register_layers(self, layers: OrderedDict[str, nn.Module]) -> None:
         # Layers are this module's direct children under their Sequential
@@ -109,7 +112,8 @@ class Pipe(nn.Module):
             raise RuntimeError("this Pipe is closed; create a new Pipe to run it again")
         check_input(input)
         batches = scatter(_to_device(input, self.devices[0]), self.chunks)
-        self._pipeline.run(batches, self._checkpoint_stop(len(batches)))
+        hooks = list(self._completion_hooks.values())
+        self._pipeline.run(batches, self._checkpoint_stop(len(batches)), hooks)
         if self.training:
             for bn in self._deferred_batch_norms:
                 bn.commit()
@@ -120,6 +124,22 @@ class Pipe(nn.Module):
         if not (self.training and torch.is_grad_enabled()):
             return 0
         return {"always": m, "except_last": m - 1, "never": 0}[self.checkpoint]
+
+    def register_partition_backward_hook(self, hook: Hook) -> RemovableHandle:
+        """Call ``hook(j)`` in backward once partition ``j``'s gradients are final.
+
+        A gradient hook on a parameter fires once per micro-batch; this one
+        fires once per backward, when every micro-batch has been
+        back-propagated through partition ``j``, so that gradients can be
+        communicated while earlier partitions are still in backward. It runs
+        on an autograd engine thread. Partition 0 is signalled only when the
+        input requires grad (otherwise its end is the end of backward)::
+
+            pipe.register_partition_backward_hook(lambda j: print(f"partition {j} done"))
+        """
+        handle = RemovableHandle(self._completion_hooks)
+        self._completion_hooks[handle.id] = hook
+        return handle
 
     def close(self) -> None:
         """Stop the worker threads now (garbage collection does it otherwise)."""
@@ -255,8 +275,7 @@ def _split(
     items = list(layers.items())
     bounds = [sum(balance[:j]) for j in range(len(balance) + 1)]
     partitions = [
-        nn.Sequential(OrderedDict(items[start:stop]))
-        for start, stop in itertools.pairwise(bounds)
+        nn.Sequential(OrderedDict(items[start:stop])) for start, stop in itertools.pairwise(bounds)
     ]
     _check_not_shared(partitions)
     for partition, device in zip(partitions, devices, strict=True):

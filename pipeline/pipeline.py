@@ -23,6 +23,7 @@ from torch import nn
 
 from pipeline import rng
 from pipeline.checkpoint import Checkpointing
+from pipeline.completion import Arrival, Hook, PartitionCompletion
 from pipeline.copy import Copy, Wait
 from pipeline.dependency import depend
 from pipeline.microbatch import Batch, TensorOrValues
@@ -46,9 +47,13 @@ class Pipeline:
         self.random_layers = [rng.may_draw_random(p) for p in partitions]
         self.copy_streams: list[list[Stream]] = [[] for _ in partitions]
 
-    def run(self, batches: list[Batch], checkpoint_stop: int) -> None:
-        """Run every micro-batch through every partition, in place in ``batches``."""
-        step = _Step(self, batches, checkpoint_stop)
+    def run(self, batches: list[Batch], checkpoint_stop: int, completion_hooks: list[Hook]) -> None:
+        """Run every micro-batch through every partition, in place in ``batches``.
+
+        ``completion_hooks`` are called with ``j`` during backward once
+        partition ``j``'s gradients are final (see ``completion.py``).
+        """
+        step = _Step(self, batches, checkpoint_stop, completion_hooks)
         for schedule in clock_cycles(len(batches), len(self.partitions)):
             step.fence(schedule)
             step.compute(schedule)
@@ -72,7 +77,13 @@ class Pipeline:
 class _Step:
     """The state of one forward pass through the pipeline."""
 
-    def __init__(self, pipeline: Pipeline, batches: list[Batch], checkpoint_stop: int) -> None:
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        batches: list[Batch],
+        checkpoint_stop: int,
+        completion_hooks: list[Hook],
+    ) -> None:
         self.pipeline = pipeline
         self.batches = batches
         self.checkpoint_stop = checkpoint_stop
@@ -80,6 +91,16 @@ class _Step:
         self.compute_streams = [current_stream(d) for d in pipeline.devices]
         self.copy_streams = pipeline.copy_streams_for(len(batches))
         self.seeds = pipeline.seeds_for_random_partitions()
+        self.completions = self._completions(completion_hooks)
+
+    def _completions(self, hooks: list[Hook]) -> list[PartitionCompletion | None]:
+        """A completion counter per partition whose inputs all carry gradients."""
+        if not (hooks and torch.is_grad_enabled()):
+            return [None] * len(self.pipeline.partitions)
+        m = len(self.batches)
+        first_observable = all(_carrier(b) is not None for b in self.batches)
+        observable = [first_observable] + [True] * (len(self.pipeline.partitions) - 1)
+        return [PartitionCompletion(j, m, hooks) if ok else None for j, ok in enumerate(observable)]
 
     def fence(self, schedule: list[tuple[int, int]]) -> None:
         batches, devices = self.batches, self.pipeline.devices
@@ -118,6 +139,7 @@ class _Step:
         function = partial(_call_partition, self.pipeline.partitions[j], j)
         base = self.seeds[j]
         seed = None if base is None else rng.task_seed(base, i, j)
+        self._mark_arrival(i, j)
         with (
             self.state.applied(device),
             use_stream(self.compute_streams[j]),
@@ -129,6 +151,27 @@ class _Step:
                     self.batches[i]
                 )
             return self.batches[i].call(function)
+
+    def _mark_arrival(self, i: int, j: int) -> None:
+        completion = self.completions[j]
+        if completion is None:
+            return
+        batch = self.batches[i]
+        carrier = _carrier(batch)
+        if carrier is None:
+            # Some micro-batch carries no gradient here: the partition's
+            # completion cannot be observed, so it is never signalled.
+            self.completions[j] = None
+            return
+        batch[carrier] = Arrival.apply(batch[carrier], completion)
+
+
+def _carrier(batch: Batch) -> int | None:
+    """The index of a tensor of ``batch`` that will receive a gradient, if any."""
+    index = batch.first_differentiable()
+    if index is None or not batch[index].requires_grad:
+        return None
+    return index
 
 
 def _rng_replay(
