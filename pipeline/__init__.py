@@ -5,13 +5,16 @@ from pipeline.checkpoint import is_checkpointing, is_recomputing
 from pipeline.microbatch import NoChunk
 from pipeline.pipe import BalanceError, Pipe
 from pipeline.rng import mark_random
+from pipeline.trace import Trace, trace
 
 __all__ = [
     "BalanceError",
     "DeferredBatchNorm",
     "NoChunk",
     "Pipe",
+    "Trace",
     "is_checkpointing",
     "is_recomputing",
     "mark_random",
+    "trace",
 ]

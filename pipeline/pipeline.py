@@ -30,6 +30,7 @@ from pipeline.microbatch import Batch, TensorOrValues
 from pipeline.schedule import clock_cycles
 from pipeline.stream import Stream, current_stream, new_stream, use_stream
 from pipeline.threadstate import ThreadState
+from pipeline.trace import span, traced
 from pipeline.worker import Failure, Worker
 
 __all__ = ["Pipeline"]
@@ -110,7 +111,8 @@ class _Step:
             if i > 0 and j > 0:
                 _depend(batches[i - 1], batches[i])
             if j > 0 and devices[j] != devices[j - 1]:
-                self._copy(batches[i], i, j)
+                with span("copy", i, j):
+                    self._copy(batches[i], i, j)
 
     def _copy(self, batch: Batch, i: int, j: int) -> None:
         prev_copy, next_copy = self.copy_streams[j - 1][i], self.copy_streams[j][i]
@@ -136,7 +138,7 @@ class _Step:
     def _task(self, i: int, j: int) -> Batch:
         """Run partition ``j`` on micro-batch ``i`` (on partition ``j``'s worker)."""
         device = self.pipeline.devices[j]
-        function = partial(_call_partition, self.pipeline.partitions[j], j)
+        function = traced(partial(_call_partition, self.pipeline.partitions[j], j), i, j)
         base = self.seeds[j]
         seed = None if base is None else rng.task_seed(base, i, j)
         self._mark_arrival(i, j)

@@ -1,0 +1,63 @@
+"""Gantt: a text chart of a traced step, one line per partition.
+
+Each column is a slice of time; it shows the task that fills most of it, or
+``.`` when the partition was idle for most of it::
+
+    time 0 .. 12.31 ms, 1 column = 0.17 ms
+    partition 0 |FFFFffffFFFFffff........BBBBBbbbbbBBBBBbbbbb| idle 33.3%
+    partition 1 |....FFFFffffFFFFffffbbbbbBBBBBbbbbbBBBBB....| idle 33.3%
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pipeline.timeline.event import COMPUTE_KINDS, Event, Kind, covered_time
+
+__all__ = ["LEGEND", "render"]
+
+_LETTERS: dict[Kind, str] = {"forward": "F", "backward": "B", "recompute": "R", "copy": "C"}
+LEGEND = "F forward, B backward, R recompute, C copy; lower case: odd micro-batch; . idle"
+
+
+def render(events: Sequence[Event], width: int = 72) -> str:
+    """Chart ``events`` in ``width`` columns; the time axis spans them all.
+
+    >>> print(render([Event("forward", 0, 0, 0, "t", 0.0, 0.001),
+    ...               Event("forward", 0, 1, 0, "t", 0.001, 0.002)], width=4))
+    time 0 .. 2.00 ms, 1 column = 0.50 ms
+    partition 0 |FF..| idle 50.0%
+    partition 1 |..FF| idle 50.0%
+    F forward, B backward, R recompute, C copy; lower case: odd micro-batch; . idle
+    """
+    if width < 1:
+        raise ValueError(f"width must be a positive number of columns, got {width}")
+    if not events:
+        return "(no tasks recorded)"
+    origin = min(e.start for e in events)
+    span = max(e.end for e in events) - origin
+    column = span / width
+    n = 1 + max(e.partition for e in events)
+    label = len(f"partition {n - 1}")
+    lines = [f"time 0 .. {span * 1e3:.2f} ms, 1 column = {column * 1e3:.2f} ms"]
+    for j in range(n):
+        row = [e for e in events if e.partition == j]
+        cells = "".join(_cell(row, origin + c * column, column) for c in range(width))
+        busy = covered_time(e for e in row if e.kind in COMPUTE_KINDS)
+        idle = 1.0 - busy / span if span > 0 else 0.0
+        lines.append(f"{f'partition {j}'.ljust(label)} |{cells}| idle {idle:.1%}")
+    lines.append(LEGEND)
+    return "\n".join(lines)
+
+
+def _cell(events: Sequence[Event], start: float, length: float) -> str:
+    best: Event | None = None
+    best_overlap = 0.0
+    for e in events:
+        overlap = min(e.end, start + length) - max(e.start, start)
+        if overlap > best_overlap:
+            best, best_overlap = e, overlap
+    if best is None or best_overlap < length / 2:
+        return "."
+    letter = _LETTERS[best.kind]
+    return letter if best.microbatch % 2 == 0 else letter.lower()

@@ -1,0 +1,206 @@
+"""Timeline traces: which task of the pipeline ran on which partition, and when.
+
+Wrap the steps to look at in ``pipeline.trace()``::
+
+    with pipeline.trace() as t:
+        loss_fn(pipe(x), y).backward()
+    t.save_chrome_trace("trace.json")  # open in chrome://tracing or ui.perfetto.dev
+    print(t.summary())                 # busy and idle (bubble) time per partition
+    print(t.render())                  # the schedule as a text Gantt chart
+
+The driver reports each task: ``forward`` (a partition run on a micro-batch,
+on its worker), ``copy`` (a micro-batch moved to the next partition's
+device, in the fence), ``recompute`` (a checkpointed task run again in
+backward) and ``backward`` (timed by marks put in the autograd graph, only
+while tracing). Outside a trace, a task costs a check of two flags.
+
+Under ``torch.profiler`` the same tasks appear as ranges with the events'
+names (``pipe.forward[mb=3,part=1]``). The profiler records the thread that
+started it and autograd's threads; the forward tasks run on the Pipe's
+worker threads, which it records when asked to profile every thread::
+
+    from torch.profiler import _ExperimentalConfig, profile
+    with profile(experimental_config=_ExperimentalConfig(profile_all_threads=True)) as prof:
+        pipe(x).sum().backward()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager
+from functools import partial
+from typing import Any
+
+import torch
+from torch.autograd import profiler as _profiler
+
+from pipeline.checkpoint import is_recomputing
+from pipeline.microbatch import TensorOrValues
+from pipeline.timeline.backward import BackwardSpan, run_marked
+from pipeline.timeline.chrome import chrome_trace
+from pipeline.timeline.event import Event, Kind, task_name
+from pipeline.timeline.gantt import render
+from pipeline.timeline.summary import Summary, summarize
+
+__all__ = ["Trace", "span", "trace", "traced"]
+
+PartitionCall = Callable[[TensorOrValues], TensorOrValues]
+
+# The trace recording now. A process-wide global, not a thread-local: the
+# tasks it records run on worker and autograd threads.
+_active: Trace | None = None
+_UNTRACED = contextlib.nullcontext()
+
+
+class Trace:
+    """The tasks recorded inside one ``pipeline.trace()`` block.
+
+    A step begins with the forward task of micro-batch 0 on partition 0 (one
+    ``Pipe`` call). A backward that runs after the block still reports the
+    tasks marked inside it::
+
+        with pipeline.trace() as t:
+            out = pipe(x)
+        out.sum().backward()
+        [e.name for e in t.events if e.kind == "backward"]
+
+    A trace can also be made of given events (times relative to ``origin``),
+    to report on them: ``Trace(events, origin=0.0).summary()``.
+    """
+
+    def __init__(self, events: Iterable[Event] = (), origin: float | None = None) -> None:
+        self.origin = time.perf_counter() if origin is None else origin
+        self._events: list[Event] = list(events)
+        self._backward: list[BackwardSpan] = []
+        self._step = max((e.step for e in self._events), default=-1)
+
+    @property
+    def events(self) -> list[Event]:
+        """Every finished task, in order of start."""
+        backward = (span.event() for span in self._backward)
+        finished = [*self._events, *(e for e in backward if e is not None)]
+        return sorted(finished, key=lambda e: e.start)
+
+    def begin_step(self) -> None:
+        self._step += 1
+
+    def record(self, kind: Kind, microbatch: int, partition: int, start: float, end: float) -> None:
+        thread = threading.current_thread().name
+        self._events.append(Event(kind, microbatch, partition, self._step, thread, start, end))
+
+    def backward_span(self, microbatch: int, partition: int) -> BackwardSpan:
+        """A span that the autograd engine will fill in with the task's backward."""
+        span = BackwardSpan(microbatch, partition, self._step)
+        self._backward.append(span)
+        return span
+
+    def chrome_trace(self) -> dict[str, Any]:
+        """The trace as a Chrome trace event JSON object, one row per partition."""
+        return chrome_trace(self.events, self.origin)
+
+    def save_chrome_trace(self, path: str | os.PathLike[str]) -> None:
+        """Write the Chrome trace JSON to ``path`` (chrome://tracing and Perfetto open it).
+
+        Example: ``t.save_chrome_trace("pipe.json")``.
+        """
+        with open(path, "w") as file:
+            json.dump(self.chrome_trace(), file)
+
+    def summary(self) -> Summary:
+        """Busy time and idle fraction per partition, beside GPipe's bound.
+
+        Example: ``print(t.summary())`` prints a table.
+        """
+        return summarize(self.events)
+
+    def render(self, width: int = 72, step: int | None = None) -> str:
+        """A text Gantt chart of step ``step`` (default: the last), one line per partition.
+
+        Example: ``print(t.render(width=100))``.
+        """
+        events = self.events
+        if events and step is None:
+            step = events[-1].step
+        return render([e for e in events if e.step == step], width)
+
+
+@contextlib.contextmanager
+def trace() -> Iterator[Trace]:
+    """Record the pipeline's tasks while the block runs.
+
+    Example::
+
+        with pipeline.trace() as t:
+            pipe(x).sum().backward()
+        print(t.summary())
+
+    Traces nest: the innermost one records.
+    """
+    global _active
+    recording = Trace()
+    previous, _active = _active, recording
+    try:
+        yield recording
+    finally:
+        _active = previous
+
+
+def span(kind: Kind, microbatch: int, partition: int) -> AbstractContextManager[None]:
+    """Report the enclosed work as a task to the trace and to ``torch.profiler``.
+
+    Example::
+
+        with span("copy", i, j):
+            copy(batch)
+    """
+    recording = _active
+    if recording is None and not _profiler._is_profiler_enabled:
+        return _UNTRACED
+    return _span(kind, microbatch, partition, recording)
+
+
+def traced(function: PartitionCall, microbatch: int, partition: int) -> PartitionCall:
+    """``function`` (a partition's call) reporting to the trace recording now.
+
+    Its calls are ``forward`` tasks, or ``recompute`` tasks when made in
+    checkpointing's recomputation (which reports to the trace that recorded
+    the forward). With grad enabled, its backward is marked too. Example::
+
+        function = traced(partial(partition_call, partition), i, j)
+    """
+    return partial(_call_traced, function, microbatch, partition, _active)
+
+
+def _call_traced(
+    function: PartitionCall,
+    microbatch: int,
+    partition: int,
+    recording: Trace | None,
+    value: TensorOrValues,
+) -> TensorOrValues:
+    if recording is None and not _profiler._is_profiler_enabled:
+        return function(value)
+    kind: Kind = "recompute" if is_recomputing() else "forward"
+    if recording is not None and kind == "forward" and microbatch == partition == 0:
+        recording.begin_step()
+    with _span(kind, microbatch, partition, recording):
+        if recording is None or not torch.is_grad_enabled():
+            return function(value)
+        return run_marked(function, value, recording.backward_span(microbatch, partition))
+
+
+@contextlib.contextmanager
+def _span(kind: Kind, microbatch: int, partition: int, recording: Trace | None) -> Iterator[None]:
+    profiling = _profiler._is_profiler_enabled
+    name = task_name(kind, microbatch, partition)
+    with _profiler.record_function(name) if profiling else _UNTRACED:
+        start = time.perf_counter()
+        yield
+        end = time.perf_counter()
+    if recording is not None:
+        recording.record(kind, microbatch, partition, start, end)
