@@ -26,8 +26,9 @@ def walk_layers(
     ``module`` (parameters, buffers, gradients, flags) is never touched and
     only one layer's copy lives on the device at a time.
     """
-    inputs = fresh_inputs(sample, device)
-    with torch.enable_grad():
+    # Profiling needs autograd even where the caller turned it off.
+    with torch.inference_mode(False), torch.enable_grad():
+        inputs = fresh_inputs(sample, device)
         for index, layer in enumerate(module):
             outputs = measure(index, sandbox(layer, device), inputs)
             # A fresh copy drops this layer's graph before the next one runs.
@@ -97,6 +98,9 @@ def fresh_inputs(value: Value, device: torch.device) -> Value:
 
 def _fresh_tensor(tensor: Tensor, device: torch.device) -> Tensor:
     detached = tensor.detach().to(device)
+    if detached.is_inference():
+        # A tensor made under torch.inference_mode cannot join autograd; a copy can.
+        detached = detached.clone()
     if detached.is_floating_point() or detached.is_complex():
         # A layer may not change a leaf that requires grad (or a view of one)
         # in place, so it gets a clone of the leaf: a tensor with a history.

@@ -21,6 +21,25 @@ class Sleep(nn.Module):
         return x
 
 
+class SleepInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        time.sleep(0.02)
+        return grad
+
+
+class SlowBackward(nn.Module):
+    """A layer whose forward pass is quick and whose backward pass sleeps 20 ms."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        result: Tensor = SleepInBackward.apply(x)
+        return result
+
+
 class HugeActivation(nn.Module):
     """Keeps 1024 times its input's size for backward (the output of a sigmoid)."""
 
@@ -91,6 +110,12 @@ def test_by_time_puts_a_slow_layer_alone() -> None:
     model = nn.Sequential(*linears(3), Sleep(), *linears(4))
     balance = balance_by_time(3, model, torch.randn(8, 16), timeout=0.1, device=CPU)
     assert balance == [3, 1, 4]
+
+
+def test_by_time_counts_the_backward_pass() -> None:
+    model = nn.Sequential(*linears(4), SlowBackward(), *linears(3))
+    balance = balance_by_time(3, model, torch.randn(8, 16), timeout=0.1, device=CPU)
+    assert balance == [4, 1, 3]
 
 
 def test_by_size_puts_a_layer_with_huge_activations_alone() -> None:
@@ -252,6 +277,21 @@ def test_a_tuple_sample_reaches_the_first_layer_as_a_tuple() -> None:
     sample = (torch.randn(8, 16), torch.ones(8, 16, dtype=torch.long))
     assert sum(balance_by_size(2, model, sample, device=CPU)) == 3
     assert sum(balance_by_time(2, model, sample, timeout=0.05, device=CPU)) == 3
+
+
+def test_profiling_records_autograd_even_where_the_caller_turned_it_off() -> None:
+    model = nn.Sequential(nn.Linear(16, 32), nn.Sigmoid())
+    sample = torch.randn(8, 16)
+    expected = profile_activations(model, sample, CPU)
+    assert min(expected) > 0
+    with torch.no_grad():
+        assert profile_activations(model, sample, CPU) == expected
+    with torch.inference_mode():
+        assert profile_activations(model, sample, CPU) == expected
+        inference_sample = torch.randn(8, 16)
+    assert profile_activations(model, inference_sample, CPU) == expected
+    with torch.inference_mode():
+        assert sum(balance_by_time(2, model, inference_sample, timeout=0.01, device=CPU)) == 2
 
 
 def test_each_layer_gets_the_previous_layers_real_output() -> None:
