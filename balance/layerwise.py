@@ -30,9 +30,9 @@ def walk_layers(
     with torch.inference_mode(False), torch.enable_grad():
         inputs = fresh_inputs(sample, device)
         for index, layer in enumerate(module):
-            outputs = measure(index, sandbox(layer, device), inputs)
-            # A fresh copy drops this layer's graph before the next one runs.
-            inputs = fresh_inputs(outputs, device)
+            # Only a detached copy of the outputs outlives this line, so the
+            # layer's copy and its graph are freed before the next layer runs.
+            inputs = fresh_inputs(measure(index, sandbox(layer, device), inputs), device)
 
 
 def run_layer(index: int, layer: nn.Module, inputs: Value) -> Value:

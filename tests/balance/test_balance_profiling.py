@@ -1,6 +1,7 @@
 """balance_by_time, balance_by_size and balance_by_params on CPU models."""
 
 import time
+import weakref
 from typing import Any
 
 import pytest
@@ -307,3 +308,18 @@ def test_each_layer_gets_the_previous_layers_real_output() -> None:
     balance_by_size(1, model, sample, device=CPU)
     assert len(seen) == 1
     assert torch.allclose(seen[0], model[0](sample).detach())
+
+
+def test_one_layer_copy_at_a_time() -> None:
+    weights: list[weakref.ref[Tensor]] = []
+    alive_at_each_forward: list[int] = []
+
+    class Tracked(nn.Linear):
+        def forward(self, x: Tensor) -> Tensor:
+            alive_at_each_forward.append(sum(ref() is not None for ref in weights))
+            weights.append(weakref.ref(self.weight))
+            return super().forward(x)
+
+    model = nn.Sequential(*[Tracked(16, 16) for _ in range(4)])
+    balance_by_size(2, model, torch.randn(8, 16), device=CPU)
+    assert alive_at_each_forward == [0, 0, 0, 0]
