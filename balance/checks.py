@@ -2,12 +2,12 @@
 
 import math
 import numbers
-from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from balance.errors import BalanceError
+from balance.layerwise import Value
 
 
 def check_partitions(partitions: object, items: int, noun: str) -> int:
@@ -31,7 +31,7 @@ def check_count(name: str, value: object) -> int:
     return count
 
 
-def check_sample(sample: object) -> Tensor | tuple[Any, ...]:
+def check_sample(sample: object) -> Value:
     """Return ``sample`` once it is what a first layer is called with: a Tensor or a tuple."""
     if not isinstance(sample, Tensor | tuple):
         raise TypeError(

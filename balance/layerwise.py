@@ -80,11 +80,11 @@ def backward_layer(index: int, layer: nn.Module, outputs: Value) -> None:
 
 
 def sandbox(layer: nn.Module, device: torch.device) -> nn.Module:
-    """A copy of ``layer`` on ``device``, in training mode, with no gradients."""
-    duplicate = copy.deepcopy(layer)
-    for parameter in duplicate.parameters():
-        parameter.grad = None
-    return duplicate.to(device).train()
+    """A copy of ``layer`` on ``device``, in training mode.
+
+    Deep copies of parameters carry no gradients, so the copy starts clean.
+    """
+    return copy.deepcopy(layer).to(device).train()
 
 
 def fresh_inputs(value: Value, device: torch.device) -> Value:
