@@ -30,9 +30,10 @@ def solve(costs: Sequence[float], partitions: int) -> list[list[float]]:
        blocks take the extra layers, as ``numpy.array_split`` does).
 
     The bottleneck comes from a binary search over integers with a greedy
-    check; criteria 2 and 3 come from a dynamic program over the splits
+    check. Criteria 2 and 3 come from a dynamic program over the splits
     whose blocks stay within the bottleneck (divide and conquer over its
-    monotone choices), in O(partitions * n log n).
+    monotone choices, O(partitions * n log n) at worst), and criterion 4
+    from reading the split back with each block as long as it can be.
 
     Example:
         >>> solve([1, 1, 1, 5, 1, 1], 3)
