@@ -30,7 +30,8 @@ def test_hook_fires_once_per_partition_with_final_gradients(
         got = [p.grad for p in pipe.partitions[j].parameters()]
         offset = sum(len(list(pipe.partitions[k].parameters())) for k in range(j))
         want = expected[offset : offset + len(got)]
-        final[j] = all(g is not None and torch.allclose(g, w) for g, w in zip(got, want))
+        pairs = zip(got, want, strict=True)
+        final[j] = all(g is not None and torch.allclose(g, w) for g, w in pairs)
 
     handle = pipe.register_partition_backward_hook(hook)
     out = pipe(x.requires_grad_(input_requires_grad))

@@ -95,9 +95,9 @@ def test_bad_balance(balance: object, message: str) -> None:
 
 
 def test_not_a_sequential() -> None:
-    with pytest.raises(TypeError, match="Pipe splits an nn.Sequential, got Linear"):
+    with pytest.raises(TypeError, match=r"Pipe splits an nn\.Sequential, got Linear"):
         Pipe(nn.Linear(2, 2), [1])  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="empty nn.Sequential"):
+    with pytest.raises(ValueError, match=r"empty nn\.Sequential"):
         Pipe(nn.Sequential(), [1])
 
 
