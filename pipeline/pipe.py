@@ -85,7 +85,10 @@ class Pipe(nn.Module):
         self.devices = _resolve_devices(devices, len(balance))
         if deferred_batch_norm:
             DeferredBatchNorm.convert(module)
-        layers = OrderedDict(module.named_children())
+        # _modules, unlike named_children(), keeps a layer listed twice.
+        layers = OrderedDict(
+            (name, layer) for name, layer in module._modules.items() if layer is not None
+        )
         self._register_layers(layers)
         self.partitions = _split(layers, balance, self.devices)
 
