@@ -137,10 +137,10 @@ class _Step:
     def compute(self, schedule: list[tuple[int, int]]) -> None:
         workers = self.pipeline.workers
         for i, j in schedule:
-            workers[j].submit(partial(self._task, i, j))
+            workers[j].submit(self, partial(self._task, i, j))
         failure: Failure | None = None
         for i, j in schedule:
-            result = workers[j].result()
+            result = workers[j].result(self)
             if isinstance(result, Failure):
                 failure = failure or result
             else:
