@@ -1,5 +1,9 @@
-"""The error raised for arguments that cannot be balanced."""
+"""The error raised for arguments that cannot be balanced.
 
+It is the same class as ``pipeline.BalanceError``, raised by ``Pipe`` for a
+bad ``balance``, so one ``except BalanceError`` catches both.
+"""
 
-class BalanceError(ValueError):
-    """A value given to :mod:`balance` cannot be balanced; the message names it and the fix."""
+from pipeline.pipe import BalanceError
+
+__all__ = ["BalanceError"]

@@ -8,6 +8,8 @@ import torch
 from torch import Tensor, nn
 
 from balance.errors import BalanceError
+from pipeline.skip.carrier import Carrier
+from pipeline.skip.tracker import SkipKey, SkipTracker, use_tracker
 
 # What flows between layers: a Tensor, or a tuple of tensors and other values.
 Value = Tensor | tuple[Any, ...]
@@ -27,7 +29,7 @@ def walk_layers(
     only one layer's copy lives on the device at a time.
     """
     # Profiling needs autograd even where the caller turned it off.
-    with torch.inference_mode(False), torch.enable_grad():
+    with torch.inference_mode(False), torch.enable_grad(), use_tracker(_SkipSandbox(device)):
         inputs = fresh_inputs(sample, device)
         for index, layer in enumerate(module):
             # Only a detached copy of the outputs outlives this line, so the
@@ -35,11 +37,25 @@ def walk_layers(
             inputs = fresh_inputs(measure(index, sandbox(layer, device), inputs), device)
 
 
+class _SkipSandbox(SkipTracker):
+    """Keeps stashed skip tensors as fresh copies, so each layer is profiled alone.
+
+    A popping layer then gets the stashed tensor without the stashing layer's
+    graph: its backward stops at its own inputs, as for the main path.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device = device
+
+    def save(self, output: Carrier, key: SkipKey, tensor: Tensor) -> None:
+        super().save(output, key, _fresh_tensor(tensor, self.device))
+
+
 def run_layer(index: int, layer: nn.Module, inputs: Value) -> Value:
     """Run layer ``index`` on ``inputs``; errors name the layer, its class and the input shapes.
 
-    Every measurement runs layers through this one function, so that
-    skip connections can later be handled in this single place.
+    Every measurement runs layers through this one function.
     """
     try:
         outputs = layer(inputs)

@@ -16,6 +16,8 @@ from pipeline.batchnorm import DeferredBatchNorm
 from pipeline.completion import Hook
 from pipeline.microbatch import NoChunk, TensorOrValues, check_input, gather, scatter
 from pipeline.pipeline import Pipeline
+from pipeline.skip.layout import inspect_skip_layout
+from pipeline.skip.verify import verify_skippables
 from pipeline.worker import Worker, stop_workers
 
 __all__ = ["BalanceError", "Pipe"]
@@ -76,6 +78,7 @@ class Pipe(nn.Module):
     ) -> None:
         super().__init__()
         _check_module(module)
+        verify_skippables(module)
         balance = _check_balance(balance, len(module))
         _check_chunks(chunks)
         _check_checkpoint(checkpoint)
@@ -91,10 +94,11 @@ class Pipe(nn.Module):
         )
         self._register_layers(layers)
         self.partitions = _split(layers, balance, self.devices)
+        self.skip_layout = inspect_skip_layout(self.partitions, self.devices)
 
         self._workers = [Worker(f"pipe-partition-{j}") for j in range(len(balance))]
         self._finalizer = weakref.finalize(self, stop_workers, self._workers)
-        self._pipeline = Pipeline(self.partitions, self.devices, self._workers)
+        self._pipeline = Pipeline(self.partitions, self.devices, self._workers, self.skip_layout)
         self._deferred_batch_norms = [m for m in self.modules() if isinstance(m, DeferredBatchNorm)]
         self._completion_hooks: OrderedDict[int, Hook] = OrderedDict()
 
