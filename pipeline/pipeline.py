@@ -214,6 +214,8 @@ def _call_partition(partition: nn.Sequential, j: int, value: TensorOrValues) -> 
 
 
 def _depend(before: Batch, after: Batch) -> None:
+    if not torch.is_grad_enabled():
+        return  # fork and join draw no edge without grad; skip finding their carriers
     a, b = before.first_differentiable(), after.first_differentiable()
     if a is not None and b is not None:
         before[a], after[b] = depend(before[a], after[b])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from typing import TypeAlias
 
 import torch
@@ -36,6 +37,7 @@ class CPUStream:
 
 
 CPU_STREAM = CPUStream()
+_NO_STREAM = contextlib.nullcontext()
 
 Stream: TypeAlias = torch.cuda.Stream | CPUStream
 
@@ -70,14 +72,12 @@ def use_device(device: torch.device) -> Iterator[None]:
         yield
 
 
-@contextlib.contextmanager
-def use_stream(stream: Stream) -> Iterator[None]:
+def use_stream(stream: Stream) -> AbstractContextManager[object]:
     """Make ``stream`` current on its device (no-op for the CPU stand-in)."""
     if isinstance(stream, CPUStream):
-        yield
-        return
-    with torch.cuda.stream(stream):
-        yield
+        # Entered once per task: a shared no-op beats a generator context.
+        return _NO_STREAM
+    return torch.cuda.stream(stream)
 
 
 def wait_stream(waiter: Stream, waitee: Stream) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
@@ -60,9 +61,24 @@ class ThreadState:
             cuda_device=cuda_device,
         )
 
-    @contextlib.contextmanager
-    def applied(self, device: torch.device) -> Iterator[None]:
+    def applied(self, device: torch.device) -> AbstractContextManager[object]:
         """Apply the state for a task on ``device`` (which becomes the current CUDA device)."""
+        if self._only_grad_mode(device):
+            # Entered once per task: the common case skips the general exit stack.
+            return torch.set_grad_enabled(self.grad_enabled)
+        return self._applied_in_full(device)
+
+    def _only_grad_mode(self, device: torch.device) -> bool:
+        """Whether a task on ``device`` needs the grad mode and nothing else."""
+        return not (
+            self.inference_mode
+            or self.autocasts
+            or device.type == "cuda"
+            or self.cuda_device is not None
+        )
+
+    @contextlib.contextmanager
+    def _applied_in_full(self, device: torch.device) -> Iterator[None]:
         with contextlib.ExitStack() as stack:
             if self.inference_mode:
                 stack.enter_context(torch.inference_mode())

@@ -130,8 +130,8 @@ class Trace:
 
 
 @contextlib.contextmanager
-def trace() -> Iterator[Trace]:
-    """Record the pipeline's tasks while the block runs.
+def trace(enabled: bool = True) -> Iterator[Trace]:
+    """Record the pipeline's tasks while the block runs (an empty trace unless ``enabled``).
 
     Example::
 
@@ -143,6 +143,9 @@ def trace() -> Iterator[Trace]:
     """
     global _active
     recording = Trace()
+    if not enabled:
+        yield recording
+        return
     previous, _active = _active, recording
     try:
         yield recording

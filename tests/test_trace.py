@@ -211,3 +211,10 @@ def test_traces_nest_and_the_innermost_records() -> None:
 @pytest.mark.parametrize("module", [event, summary, gantt, chrome], ids=lambda m: m.__name__)
 def test_docstring_examples_hold(module: ModuleType) -> None:
     assert doctest.testmod(module).failed == 0
+
+
+def test_a_disabled_trace_records_nothing() -> None:
+    pipe = small_pipe()
+    with pipeline.trace(enabled=False) as t:
+        pipe(torch.randn(2 * M, 8)).sum().backward()
+    assert t.events == []
