@@ -11,8 +11,8 @@ Wrap the steps to look at in ``pipeline.trace()``::
 The driver reports each task: ``forward`` (a partition run on a micro-batch,
 on its worker), ``copy`` (a micro-batch moved to the next partition's
 device, in the fence), ``recompute`` (a checkpointed task run again in
-backward) and ``backward`` (timed by marks put in the autograd graph, only
-while tracing). Outside a trace, a task costs a check of two flags.
+backward) and ``backward`` (timed by gradient hooks on each task's input and
+output, only while tracing). Outside a trace, a task costs a check of two flags.
 
 Under ``torch.profiler`` the same tasks appear as ranges with the events'
 names (``pipe.forward[mb=3,part=1]``). The profiler records the thread that
@@ -41,7 +41,7 @@ from torch.autograd import profiler as _profiler
 
 from pipeline.checkpoint import is_recomputing
 from pipeline.microbatch import TensorOrValues
-from pipeline.timeline.backward import BackwardSpan, run_marked
+from pipeline.timeline.backward import BackwardSpan, run_hooked
 from pipeline.timeline.chrome import chrome_trace
 from pipeline.timeline.event import Event, Kind, task_name
 from pipeline.timeline.gantt import render
@@ -62,7 +62,7 @@ class Trace:
 
     A step begins with the forward task of micro-batch 0 on partition 0 (one
     ``Pipe`` call). A backward that runs after the block still reports the
-    tasks marked inside it::
+    tasks hooked inside it::
 
         with pipeline.trace() as t:
             out = pipe(x)
@@ -86,16 +86,23 @@ class Trace:
         finished = [*self._events, *(e for e in backward if e is not None)]
         return sorted(finished, key=lambda e: e.start)
 
+    @property
+    def step(self) -> int:
+        """The index of the step being recorded (-1 before the first)."""
+        return self._step
+
     def begin_step(self) -> None:
         self._step += 1
 
-    def record(self, kind: Kind, microbatch: int, partition: int, start: float, end: float) -> None:
+    def record(
+        self, kind: Kind, microbatch: int, partition: int, step: int, start: float, end: float
+    ) -> None:
         thread = threading.current_thread().name
-        self._events.append(Event(kind, microbatch, partition, self._step, thread, start, end))
+        self._events.append(Event(kind, microbatch, partition, step, thread, start, end))
 
-    def backward_span(self, microbatch: int, partition: int) -> BackwardSpan:
+    def backward_span(self, microbatch: int, partition: int, step: int) -> BackwardSpan:
         """A span that the autograd engine will fill in with the task's backward."""
-        span = BackwardSpan(microbatch, partition, self._step)
+        span = BackwardSpan(microbatch, partition, step)
         self._backward.append(span)
         return span
 
@@ -164,19 +171,25 @@ def span(kind: Kind, microbatch: int, partition: int) -> AbstractContextManager[
     recording = _active
     if recording is None and not _profiler._is_profiler_enabled:
         return _UNTRACED
-    return _span(kind, microbatch, partition, recording)
+    return _span(kind, microbatch, partition, recording, _step_of(recording))
 
 
 def traced(function: PartitionCall, microbatch: int, partition: int) -> PartitionCall:
     """``function`` (a partition's call) reporting to the trace recording now.
 
-    Its calls are ``forward`` tasks, or ``recompute`` tasks when made in
-    checkpointing's recomputation (which reports to the trace that recorded
-    the forward). With grad enabled, its backward is marked too. Example::
+    Call it once per forward task, as the task starts; the task of
+    micro-batch 0 on partition 0 begins a step. The function's calls are
+    ``forward`` tasks, or ``recompute`` tasks when made in checkpointing's
+    recomputation (reported to the trace and step of the forward). With grad
+    enabled, its backward is hooked too. Example::
 
         function = traced(partial(partition_call, partition), i, j)
     """
-    return partial(_call_traced, function, microbatch, partition, _active)
+    recording = _active
+    if recording is not None and microbatch == partition == 0:
+        recording.begin_step()
+    step = _step_of(recording)
+    return partial(_call_traced, function, microbatch, partition, recording, step)
 
 
 def _call_traced(
@@ -184,21 +197,27 @@ def _call_traced(
     microbatch: int,
     partition: int,
     recording: Trace | None,
+    step: int,
     value: TensorOrValues,
 ) -> TensorOrValues:
     if recording is None and not _profiler._is_profiler_enabled:
         return function(value)
     kind: Kind = "recompute" if is_recomputing() else "forward"
-    if recording is not None and kind == "forward" and microbatch == partition == 0:
-        recording.begin_step()
-    with _span(kind, microbatch, partition, recording):
+    with _span(kind, microbatch, partition, recording, step):
         if recording is None or not torch.is_grad_enabled():
             return function(value)
-        return run_marked(function, value, recording.backward_span(microbatch, partition))
+        span = recording.backward_span(microbatch, partition, step)
+        return run_hooked(function, value, span)
+
+
+def _step_of(recording: Trace | None) -> int:
+    return -1 if recording is None else recording.step
 
 
 @contextlib.contextmanager
-def _span(kind: Kind, microbatch: int, partition: int, recording: Trace | None) -> Iterator[None]:
+def _span(
+    kind: Kind, microbatch: int, partition: int, recording: Trace | None, step: int
+) -> Iterator[None]:
     profiling = _profiler._is_profiler_enabled
     name = task_name(kind, microbatch, partition)
     with _profiler.record_function(name) if profiling else _UNTRACED:
@@ -206,4 +225,4 @@ def _span(kind: Kind, microbatch: int, partition: int, recording: Trace | None) 
         yield
         end = time.perf_counter()
     if recording is not None:
-        recording.record(kind, microbatch, partition, start, end)
+        recording.record(kind, microbatch, partition, step, start, end)

@@ -1,16 +1,20 @@
-"""Backward marks: time a task's backward pass from inside the autograd graph.
+"""Backward hooks: time a task's backward pass from inside the autograd graph.
 
 Backward is run by PyTorch's autograd engine, not by the pipeline, so a task's
-backward is timed by marks placed in the graph while the task runs::
+backward is timed by gradient hooks placed while the task runs::
 
-    input --> End --> [partition] --> Start --> output
+    input --> [partition] --> output
+      ^                         ^
+      end: its gradient is      start: its gradient
+      computed                  arrives
 
-``Start`` records when the output's gradient arrives, ``End`` when the
-input's gradient leaves. An input that requires no gradient (the data
-entering partition 0) gets no backward node to mark; then every node the
-partition created reports when it finishes, and the last report is the end.
-The partition's nodes are told apart by their sequence numbers, which each
-thread hands out in creation order.
+A hook on a tensor fires when the gradient with respect to it is complete,
+so the output's hook starts the span and the input's ends it. An input that
+requires no gradient (the data entering partition 0) has no gradient to
+hook; then every backward node the partition created reports when it
+finishes, and the last report is the end. The partition's nodes are told
+apart by their sequence numbers, which each thread hands out in creation
+order. Hooks leave the graph and its tensors as they are.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from torch.autograd.graph import Node
 from pipeline.microbatch import TensorOrValues
 from pipeline.timeline.event import Event
 
-__all__ = ["BackwardSpan", "run_marked"]
+__all__ = ["BackwardSpan", "run_hooked"]
 
 
 class BackwardSpan:
@@ -43,15 +47,15 @@ class BackwardSpan:
         self.start: float | None = None
         self.end: float | None = None
 
-    def begin(self) -> None:
+    def begin(self, grad: Tensor) -> None:
         self.start = time.perf_counter()
         self.thread = threading.current_thread().name
 
-    def finish(self) -> None:
+    def finish(self, grad: Tensor) -> None:
         self.end = time.perf_counter()
 
     def node_finished(self, grad_inputs: Sequence[Any], grad_outputs: Sequence[Any]) -> None:
-        self.finish()
+        self.end = time.perf_counter()
 
     def event(self) -> Event | None:
         """The finished span as an ``Event``; None while backward has not gone through it."""
@@ -68,27 +72,26 @@ class BackwardSpan:
         )
 
 
-def run_marked(
+def run_hooked(
     function: Callable[[TensorOrValues], TensorOrValues], value: TensorOrValues, span: BackwardSpan
 ) -> TensorOrValues:
-    """Run ``function(value)`` with ``span`` marked at its input and output.
+    """Run ``function(value)`` with ``span`` hooked to its input and output gradients.
 
-    Call it with grad enabled; the output is ``function``'s with its first
-    tensor that requires grad passed through ``Start``.
+    Call it with grad enabled; ``function``'s output is returned as it is.
     """
     first_node = torch._C._autograd._get_sequence_nr()
-    marked = _first_requiring_grad(value)
-    if marked is not None:
-        value = _replaced(value, marked, End.apply(_at(value, marked), span))
+    input = _first_requiring_grad(value)
+    if input is not None:
+        input.register_hook(span.finish)
     output = function(value)
     carrier = _first_requiring_grad(output)
     if carrier is None:
         return output
-    tensor = _at(output, carrier)
-    if marked is None and tensor.grad_fn is not None:
+    if input is None and carrier.grad_fn is not None:
         created = range(first_node, torch._C._autograd._get_sequence_nr())
-        _report_nodes_created(tensor.grad_fn, created, span)
-    return _replaced(output, carrier, Start.apply(tensor, span))
+        _report_nodes_created(carrier.grad_fn, created, span)
+    carrier.register_hook(span.begin)
+    return output
 
 
 def _report_nodes_created(root: Node, created: range, span: BackwardSpan) -> None:
@@ -105,49 +108,9 @@ def _report_nodes_created(root: Node, created: range, span: BackwardSpan) -> Non
         pending.extend(successor for successor, _ in node.next_functions)
 
 
-def _first_requiring_grad(value: TensorOrValues) -> int | None:
+def _first_requiring_grad(value: TensorOrValues) -> Tensor | None:
     values = (value,) if isinstance(value, Tensor) else value
-    for index, item in enumerate(values):
+    for item in values:
         if isinstance(item, Tensor) and item.requires_grad:
-            return index
+            return item
     return None
-
-
-def _at(value: TensorOrValues, index: int) -> Tensor:
-    item = value if isinstance(value, Tensor) else value[index]
-    assert isinstance(item, Tensor)
-    return item
-
-
-def _replaced(value: TensorOrValues, index: int, tensor: Tensor) -> TensorOrValues:
-    if isinstance(value, Tensor):
-        return tensor
-    return (*value[:index], tensor, *value[index + 1 :])
-
-
-class Start(torch.autograd.Function):
-    """Identity in forward; the gradient's arrival begins the span in backward."""
-
-    @staticmethod
-    def forward(ctx: Any, input: Tensor, span: BackwardSpan) -> Tensor:
-        ctx.span = span
-        return input.detach()
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        ctx.span.begin()
-        return grad, None
-
-
-class End(torch.autograd.Function):
-    """Identity in forward; the gradient's departure ends the span in backward."""
-
-    @staticmethod
-    def forward(ctx: Any, input: Tensor, span: BackwardSpan) -> Tensor:
-        ctx.span = span
-        return input.detach()
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        ctx.span.finish()
-        return grad, None
