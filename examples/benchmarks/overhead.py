@@ -8,17 +8,20 @@ autograd edges) dominates. The overhead per task is
     (time of the Pipe - time of the plain model on the same micro-batches) / (m * n)
 
 for forward (no_grad), and for backward (the Pipe's backward time minus the
-plain model's, over m * n). Then what the trace wrappers cost per task when
-no trace runs (calls of a no-op partition, wrapped and not), and what a
-running trace adds per task. The last line is JSON.
+plain model's, over m * n). For scale, the round trip of an empty task to a
+``pipeline.worker.Worker`` thread and back: the hand-off every task pays.
+Then what the trace wrappers cost per task when no trace runs (calls of a
+no-op partition, wrapped and not), and what a running trace adds per task.
+The last line is JSON.
 
-Run: python examples/benchmarks/overhead.py [--rounds 30]
+Run: python examples/benchmarks/overhead.py [--rounds 100]
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import statistics
 import time
 from collections.abc import Callable
 from functools import partial
@@ -30,6 +33,7 @@ from torch import nn
 
 import pipeline
 from pipeline.trace import span, traced
+from pipeline.worker import Worker, stop_workers
 
 LAYERS = 16
 PARTITIONS = 4
@@ -67,6 +71,20 @@ def per_task_overhead(times: dict[str, float], who: str) -> dict[str, float]:
         times["micro train"] - times["micro forward"]
     )
     return {"forward_us": forward / tasks * 1e6, "backward_us": backward / tasks * 1e6}
+
+
+def handoff_round_trip(calls: int = 2000) -> float:
+    """Median microseconds to run an empty task on a worker thread and get its answer."""
+    worker = Worker("handoff-probe")
+    tag = object()
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        worker.submit(tag, int)
+        worker.result(tag)
+        times.append(time.perf_counter() - start)
+    stop_workers([worker])
+    return statistics.median(times) * 1e6
 
 
 def untraced_wrapper_cost(calls: int = 200_000) -> float:
@@ -123,7 +141,7 @@ def gpipe(torchgpipe: ModuleType, model: nn.Sequential) -> nn.Module:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=30, help="timed rounds; the best counts")
+    parser.add_argument("--rounds", type=int, default=100, help="timed rounds; the best counts")
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -161,6 +179,8 @@ def main() -> None:
             f"{who} overhead per task ({tasks}): forward {cost['forward_us']:.1f} us, "
             f"backward {cost['backward_us']:.1f} us"
         )
+    handoff = handoff_round_trip()
+    print(f"an empty task's round trip to a worker thread: {handoff:.1f} us (median)")
     off = untraced_wrapper_cost()
     on = traced_cost(pipe, x, args.rounds)
     print(f"trace wrappers with no trace running: {off:.2f} us per task")
@@ -172,6 +192,7 @@ def main() -> None:
             "tasks": {"microbatches": CHUNKS, "partitions": PARTITIONS},
             "step_ms": {name: seconds * 1e3 for name, seconds in times.items()},
             "overhead_per_task": overhead,
+            "handoff_round_trip_us": handoff,
             "untraced_wrapper_us": off,
             "traced_us_per_task": on,
             "torchgpipe": torchgpipe is not None,

@@ -34,10 +34,10 @@ from pipe_common import best_times, machine, print_json, thread_scaling, torchgp
 from torch import nn
 
 import pipeline
+from pipeline.pipe import CheckpointMode
 
 WIDTH = 1024
 BLOCKS = 8
-BALANCE = [BLOCKS, BLOCKS]  # layers per partition: 4 blocks of Linear + ReLU each
 TRACED_CHUNKS = 8
 
 Run = Callable[[], object]
@@ -82,20 +82,25 @@ def micro_batches(model: nn.Module, x: torch.Tensor, chunks: int, *, backward: b
     return run
 
 
-def pipe(model: nn.Sequential, chunks: int, checkpoint: str) -> pipeline.Pipe:
+def halves(model: nn.Sequential) -> list[int]:
+    """A balance of 4 blocks per partition."""
+    return [len(model) // 2, len(model) - len(model) // 2]
+
+
+def pipe(model: nn.Sequential, chunks: int, checkpoint: CheckpointMode) -> pipeline.Pipe:
     return pipeline.Pipe(
         copy.deepcopy(model),
-        balance=[len(model) // 2, len(model) - len(model) // 2],
+        balance=halves(model),
         devices=["cpu", "cpu"],
         chunks=chunks,
-        checkpoint=checkpoint,  # type: ignore[arg-type]
+        checkpoint=checkpoint,
     )
 
 
 def gpipe(torchgpipe: ModuleType, model: nn.Sequential, chunks: int) -> nn.Module:
     gpipe_module: nn.Module = torchgpipe.GPipe(
         copy.deepcopy(model),
-        balance=[len(model) // 2, len(model) - len(model) // 2],
+        balance=halves(model),
         devices=["cpu", "cpu"],
         chunks=chunks,
         checkpoint="never",
