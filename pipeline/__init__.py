@@ -1,1 +1,5 @@
 """GPipe-style pipeline parallelism for PyTorch."""
+
+from pipeline.distributed import DataParallel
+
+__all__ = ["DataParallel"]
