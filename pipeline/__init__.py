@@ -1,5 +1,19 @@
-"""GPipe-style pipeline parallelism for PyTorch."""
+"""GPipe-style pipeline parallelism for PyTorch: wrap an nn.Sequential, get a pipeline."""
 
+from pipeline.batchnorm import DeferredBatchNorm
+from pipeline.checkpoint import is_checkpointing, is_recomputing
 from pipeline.distributed import DataParallel
+from pipeline.microbatch import NoChunk
+from pipeline.pipe import BalanceError, Pipe
+from pipeline.rng import mark_random
 
-__all__ = ["DataParallel"]
+__all__ = [
+    "BalanceError",
+    "DataParallel",
+    "DeferredBatchNorm",
+    "NoChunk",
+    "Pipe",
+    "is_checkpointing",
+    "is_recomputing",
+    "mark_random",
+]

@@ -1,0 +1,143 @@
+"""DeferredBatchNorm: running statistics over the whole mini-batch, not per micro-batch.
+
+In a pipeline, a BatchNorm layer sees one micro-batch at a time. Normalising
+with the micro-batch's statistics is what the layer would do under gradient
+accumulation, but its running mean and variance would be updated once per
+micro-batch, with noisier estimates and ``m`` momentum steps per mini-batch.
+``DeferredBatchNorm`` accumulates the sums over every micro-batch of a
+forward pass and updates the running statistics once, when the Pipe commits
+them after its last micro-batch, exactly as BatchNorm would on the whole
+mini-batch.
+"""
+
+from __future__ import annotations
+
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from pipeline.checkpoint import is_recomputing
+
+__all__ = ["DeferredBatchNorm"]
+
+
+class DeferredBatchNorm(_BatchNorm):
+    """A BatchNorm whose running statistics are updated per mini-batch."""
+
+    sum: Tensor
+    sum_squares: Tensor
+    count: Tensor
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+    ) -> None:
+        super().__init__(num_features, eps, momentum, affine, track_running_stats=True)
+        self._register_accumulators()
+
+    def _register_accumulators(self) -> None:
+        # Not persistent: a Pipe's state_dict keys equal the plain model's.
+        running_mean = cast(Tensor, self.running_mean)
+        self.register_buffer("sum", torch.zeros_like(running_mean), persistent=False)
+        self.register_buffer("sum_squares", torch.zeros_like(running_mean), persistent=False)
+        self.register_buffer(
+            "count", torch.zeros((), dtype=torch.long, device=running_mean.device), persistent=False
+        )
+
+    def _check_input_dim(self, input: Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+
+    def forward(self, input: Tensor) -> Tensor:
+        self._check_input_dim(input)
+        if not self.training:
+            return F.batch_norm(
+                input,
+                self.running_mean,
+                self.running_var,
+                self.weight,
+                self.bias,
+                training=False,
+                momentum=0.0,
+                eps=self.eps,
+            )
+        if not is_recomputing():
+            self._accumulate(input)
+        return F.batch_norm(
+            input, None, None, self.weight, self.bias, training=True, momentum=0.0, eps=self.eps
+        )
+
+    def _accumulate(self, input: Tensor) -> None:
+        dims = [d for d in range(input.dim()) if d != 1]
+        with torch.no_grad():
+            x = input.detach().to(self.sum.dtype)
+            self.sum += x.sum(dims)
+            self.sum_squares += (x * x).sum(dims)
+            self.count += input.numel() // input.size(1)
+
+    def commit(self) -> None:
+        """Fold the accumulated mini-batch statistics into the running ones."""
+        count = int(self.count)
+        if count == 0:
+            return
+        with torch.no_grad():
+            mean = self.sum / count
+            variance = self.sum_squares / count - mean * mean
+            unbiased = variance * (count / max(count - 1, 1))
+            tracked = cast(Tensor, self.num_batches_tracked)
+            tracked += 1
+            factor = 1.0 / float(tracked) if self.momentum is None else self.momentum
+            cast(Tensor, self.running_mean).mul_(1 - factor).add_(mean, alpha=factor)
+            cast(Tensor, self.running_var).mul_(1 - factor).add_(unbiased, alpha=factor)
+            self.sum.zero_()
+            self.sum_squares.zero_()
+            self.count.zero_()
+
+    @classmethod
+    def convert(cls, module: nn.Module) -> nn.Module:
+        """Replace every BatchNorm in ``module`` by a DeferredBatchNorm with the same state.
+
+        Returns ``module`` itself when it is not a BatchNorm (its children are
+        replaced in place), or the new layer when it is one.
+        """
+        if (
+            isinstance(module, _BatchNorm)
+            and module.track_running_stats
+            and not isinstance(module, cls)
+        ):
+            return cls._from(module)
+        for name, child in module.named_children():
+            converted = cls.convert(child)
+            if converted is not child:
+                setattr(module, name, converted)
+        return module
+
+    @classmethod
+    def _from(cls, bn: _BatchNorm) -> DeferredBatchNorm:
+        """A DeferredBatchNorm sharing ``bn``'s parameters and running statistics.
+
+        Sharing (not copying) keeps an optimizer built on the model before the
+        Pipe pointed at the parameters that are trained.
+        """
+        assert bn.running_mean is not None and bn.running_var is not None
+        deferred = cls.__new__(cls)
+        nn.Module.__init__(deferred)
+        deferred.num_features = bn.num_features
+        deferred.eps = bn.eps
+        deferred.momentum = bn.momentum
+        deferred.affine = bn.affine
+        deferred.track_running_stats = True
+        deferred.weight = bn.weight
+        deferred.bias = bn.bias
+        deferred.register_buffer("running_mean", bn.running_mean)
+        deferred.register_buffer("running_var", bn.running_var)
+        deferred.register_buffer("num_batches_tracked", bn.num_batches_tracked)
+        deferred._register_accumulators()
+        deferred.train(bn.training)
+        return deferred

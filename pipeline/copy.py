@@ -1,0 +1,76 @@
+"""Copy and Wait: autograd functions that move micro-batches between devices.
+
+A micro-batch leaving partition ``j - 1`` for partition ``j`` goes::
+
+    compute stream j-1 --Wait--> copy stream j-1 --Copy--> copy stream j --Wait--> compute stream j
+
+so that copies overlap with computation on both devices. Each function's
+backward does the mirror image: ``Copy`` sends the gradient back on the same
+pair of copy streams, ``Wait`` makes the gradient's stream wait. On devices
+without streams (the CPU) both degrade to a plain ``.to(device)`` and an
+identity.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from pipeline.stream import (
+    Stream,
+    get_device,
+    record_stream,
+    use_device,
+    use_stream,
+    wait_stream,
+)
+
+__all__ = ["Copy", "Wait"]
+
+
+class Copy(torch.autograd.Function):
+    """Copy tensors from ``prev_stream``'s device to ``next_stream``'s."""
+
+    @staticmethod
+    def forward(ctx: Any, prev_stream: Stream, next_stream: Stream, *input: Any) -> Any:
+        ctx.prev_stream = prev_stream
+        ctx.next_stream = next_stream
+        return tuple(_copy(x, prev_stream, next_stream) for x in input)
+
+    @staticmethod
+    def backward(ctx: Any, *grad_output: Tensor | None) -> Any:
+        # The Wait that follows this Copy in forward has already made the
+        # next copy stream wait for the gradient's compute stream.
+        grad_input = tuple(
+            None if g is None else _copy(g, ctx.next_stream, ctx.prev_stream) for g in grad_output
+        )
+        return (None, None, *grad_input)
+
+
+class Wait(torch.autograd.Function):
+    """Make ``next_stream`` wait for ``prev_stream`` before it uses the tensors."""
+
+    @staticmethod
+    def forward(ctx: Any, prev_stream: Stream, next_stream: Stream, *input: Any) -> Any:
+        ctx.prev_stream = prev_stream
+        ctx.next_stream = next_stream
+        wait_stream(next_stream, prev_stream)
+        return tuple(x.detach() if isinstance(x, Tensor) else x for x in input)
+
+    @staticmethod
+    def backward(ctx: Any, *grad_output: Tensor | None) -> Any:
+        wait_stream(ctx.prev_stream, ctx.next_stream)
+        return (None, None, *grad_output)
+
+
+def _copy(x: Any, source: Stream, target: Stream) -> Any:
+    if not isinstance(x, Tensor):
+        return x
+    with use_device(get_device(target)), use_stream(source), use_stream(target):
+        y = x.to(get_device(target), non_blocking=True)
+    # Both tensors are used on streams their allocator does not know about.
+    record_stream(x, source)
+    record_stream(y, target)
+    return y

@@ -1,0 +1,314 @@
+"""Pipe: an nn.Sequential split across devices and run as a GPipe pipeline."""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, Literal, TypeAlias
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from pipeline.batchnorm import DeferredBatchNorm
+from pipeline.completion import Hook
+from pipeline.microbatch import NoChunk, TensorOrValues, check_input, gather, scatter
+from pipeline.pipeline import Pipeline
+from pipeline.worker import Worker, stop_workers
+
+__all__ = ["BalanceError", "Pipe"]
+
+Device: TypeAlias = torch.device | str | int
+CheckpointMode: TypeAlias = Literal["always", "except_last", "never"]
+CHECKPOINT_MODES = ("always", "except_last", "never")
+
+
+class BalanceError(ValueError):
+    """The ``balance`` given to a Pipe does not describe a split of its module."""
+
+
+class Pipe(nn.Module):
+    """Wraps an ``nn.Sequential`` to train it as a GPipe pipeline.
+
+    The layers are split into ``len(balance)`` partitions of consecutive
+    layers (``balance[j]`` layers in partition ``j``, placed on
+    ``devices[j]``). Each mini-batch is split into ``chunks`` micro-batches
+    that flow through the partitions so that all devices work at once.
+    Outputs and gradients equal those of the plain module.
+
+    Example::
+
+        model = nn.Sequential(a, b, c, d)
+        pipe = Pipe(model, balance=[2, 2], devices=["cuda:0", "cuda:1"], chunks=8)
+        out = pipe(x.to("cuda:0"))        # out is on cuda:1
+        loss_fn(out, y.to("cuda:1")).backward()
+
+    Args:
+        module: the ``nn.Sequential`` to split; its layers are moved to their
+            partition's device.
+        balance: the number of layers in each partition; ``balance`` (the
+            package) computes one from profiling.
+        devices: a device per partition (default: the CUDA devices in order,
+            or ``'cpu'`` for every partition without CUDA). Partitions may
+            share a device; each still gets its own worker thread.
+        chunks: the number of micro-batches per mini-batch.
+        checkpoint: ``'always'``, ``'except_last'`` (every micro-batch but the
+            last) or ``'never'``: which micro-batches recompute their
+            activations in backward instead of keeping them.
+        deferred_batch_norm: update BatchNorm running statistics once per
+            mini-batch instead of once per micro-batch.
+    """
+
+    partitions: list[nn.Sequential]
+    devices: list[torch.device]
+
+    def __init__(
+        self,
+        module: nn.Sequential,
+        balance: Sequence[int] | None = None,
+        *,
+        devices: Sequence[Device] | None = None,
+        chunks: int = 1,
+        checkpoint: CheckpointMode = "except_last",
+        deferred_batch_norm: bool = False,
+    ) -> None:
+        super().__init__()
+        _check_module(module)
+        balance = _check_balance(balance, len(module))
+        _check_chunks(chunks)
+        _check_checkpoint(checkpoint)
+        self.balance = balance
+        self.chunks = chunks
+        self.checkpoint = checkpoint
+        self.devices = _resolve_devices(devices, len(balance))
+        if deferred_batch_norm:
+            DeferredBatchNorm.convert(module)
+        layers = OrderedDict(module.named_children())
+        self._register_layers(layers)
+        self.partitions = _split(layers, balance, self.devices)
+
+        self._workers = [Worker(f"pipe-partition-{j}") for j in range(len(balance))]
+        self._finalizer = weakref.finalize(self, stop_workers, self._workers)
+        self._pipeline = Pipeline(self.partitions, self.devices, self._workers)
+        self._deferred_batch_norms = [m for m in self.modules() if isinstance(m, DeferredBatchNorm)]
+        self._completion_hooks: OrderedDict[int, Hook] = OrderedDict()
+
+    def _register_layers(self, layers: OrderedDict[str, nn.Module]) -> None:
+        # Layers are this module's direct children under their Sequential
+        # names, so state_dict() keys equal the plain model's.
+        for name, layer in layers.items():
+            if hasattr(self, name):
+                raise ValueError(
+                    f"layer name {name!r} clashes with a Pipe attribute; rename the layer in "
+                    "the nn.Sequential"
+                )
+            self.add_module(name, layer)
+
+    def forward(self, input: TensorOrValues) -> TensorOrValues:
+        """Run ``input`` through the pipeline; the output is on the last device."""
+        if not self._finalizer.alive:
+            raise RuntimeError("this Pipe is closed; create a new Pipe to run it again")
+        check_input(input)
+        batches = scatter(_to_device(input, self.devices[0]), self.chunks)
+        hooks = list(self._completion_hooks.values())
+        self._pipeline.run(batches, self._checkpoint_stop(len(batches)), hooks)
+        if self.training:
+            for bn in self._deferred_batch_norms:
+                bn.commit()
+        return gather(batches)
+
+    def _checkpoint_stop(self, m: int) -> int:
+        """Micro-batches with an index below this one are checkpointed."""
+        if not (self.training and torch.is_grad_enabled()):
+            return 0
+        return {"always": m, "except_last": m - 1, "never": 0}[self.checkpoint]
+
+    def register_partition_backward_hook(self, hook: Hook) -> RemovableHandle:
+        """Call ``hook(j)`` in backward once partition ``j``'s gradients are final.
+
+        A gradient hook on a parameter fires once per micro-batch; this one
+        fires once per backward, when every micro-batch has been
+        back-propagated through partition ``j``, so that gradients can be
+        communicated while earlier partitions are still in backward. It runs
+        on an autograd engine thread. Partition 0 is signalled only when the
+        input requires grad (otherwise its end is the end of backward)::
+
+            pipe.register_partition_backward_hook(lambda j: print(f"partition {j} done"))
+        """
+        handle = RemovableHandle(self._completion_hooks)
+        self._completion_hooks[handle.id] = hook
+        return handle
+
+    def close(self) -> None:
+        """Stop the worker threads now (garbage collection does it otherwise)."""
+        self._finalizer()
+
+    def __len__(self) -> int:
+        return sum(self.balance)
+
+    def __iter__(self) -> Iterator[nn.Module]:
+        for partition in self.partitions:
+            yield from partition
+
+    def __getitem__(self, index: int) -> nn.Module:
+        layers = list(self)
+        if not -len(layers) <= index < len(layers):
+            raise IndexError(f"layer index {index} out of range for a Pipe of {len(layers)} layers")
+        return layers[index]
+
+    def to(self, *args: Any, **kwargs: Any) -> Pipe:
+        device = torch._C._nn._parse_to(*args, **kwargs)[0]
+        if device is not None:
+            self._refuse_move(torch.device(device), "to")
+        return super().to(*args, **kwargs)
+
+    def cuda(self, device: Device | None = None) -> Pipe:
+        target = torch.device("cuda", torch.cuda.current_device()) if device is None else device
+        self._refuse_move(_normalize_device(target), "cuda")
+        return self
+
+    def cpu(self) -> Pipe:
+        self._refuse_move(torch.device("cpu"), "cpu")
+        return self
+
+    def _refuse_move(self, device: torch.device, method: str) -> None:
+        target = _normalize_device(device)
+        if any(d != target for d in self.devices):
+            placed = ", ".join(str(d) for d in self.devices)
+            raise ValueError(
+                f"Pipe.{method}({target}) would move partitions off their devices ({placed}); "
+                "a Pipe places each partition at construction: pass devices=[...] to Pipe "
+                "instead of moving it"
+            )
+
+
+def _check_module(module: Any) -> None:
+    if not isinstance(module, nn.Sequential):
+        raise TypeError(
+            f"Pipe splits an nn.Sequential, got {type(module).__name__}; wrap your layers in "
+            "nn.Sequential(...)"
+        )
+    if len(module) == 0:
+        raise ValueError("Pipe got an empty nn.Sequential; it needs at least one layer")
+
+
+def _check_balance(balance: Sequence[int] | None, layers: int) -> list[int]:
+    hint = (
+        "use balance=balance.balance_by_time(partitions, module, sample) to compute one, or "
+        "give the number of layers of each partition"
+    )
+    if balance is None:
+        raise BalanceError(f"Pipe needs balance, the number of layers in each partition; {hint}")
+    if isinstance(balance, int | str) or not isinstance(balance, Iterable):
+        raise BalanceError(f"balance must be a list of ints, got {balance!r}; {hint}")
+    balance = list(balance)
+    if not balance:
+        raise BalanceError(f"balance is empty; {hint}")
+    bad = [b for b in balance if isinstance(b, bool) or not isinstance(b, int) or b <= 0]
+    if bad:
+        raise BalanceError(
+            f"balance {balance} has entries that are not positive ints ({bad}); every partition "
+            f"needs at least one layer; {hint}"
+        )
+    if sum(balance) != layers:
+        raise BalanceError(
+            f"balance {balance} sums to {sum(balance)} but the module has {layers} layers; {hint}"
+        )
+    return balance
+
+
+def _check_chunks(chunks: Any) -> None:
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks <= 0:
+        raise ValueError(f"chunks must be a positive int (micro-batches per batch), got {chunks!r}")
+
+
+def _check_checkpoint(checkpoint: Any) -> None:
+    if checkpoint not in CHECKPOINT_MODES:
+        raise ValueError(
+            f"checkpoint must be one of {', '.join(map(repr, CHECKPOINT_MODES))}, got "
+            f"{checkpoint!r}"
+        )
+
+
+def _normalize_device(device: Device) -> torch.device:
+    if isinstance(device, int) and not isinstance(device, bool):
+        device = torch.device("cuda", device)
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _resolve_devices(devices: Sequence[Device] | None, partitions: int) -> list[torch.device]:
+    if devices is None:
+        if not torch.cuda.is_available():
+            return [torch.device("cpu")] * partitions
+        count = torch.cuda.device_count()
+        if partitions > count:
+            raise ValueError(
+                f"{partitions} partitions but only {count} CUDA devices; pass devices=[...] "
+                "(a device may appear several times) or use fewer partitions"
+            )
+        return [torch.device("cuda", j) for j in range(partitions)]
+    if isinstance(devices, str | torch.device | int):
+        raise TypeError(f"devices must be a list of devices, got {devices!r}")
+    resolved = [_normalize_device(d) for d in devices]
+    if len(resolved) < partitions:
+        raise ValueError(
+            f"{partitions} partitions but {len(resolved)} devices ({[str(d) for d in resolved]}); "
+            "give one device per partition (a device may appear several times)"
+        )
+    for device in resolved:
+        if device.type == "cuda" and device.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"device {device} is not available (torch.cuda.device_count() is "
+                f"{torch.cuda.device_count()})"
+            )
+    return resolved[:partitions]
+
+
+def _split(
+    layers: OrderedDict[str, nn.Module], balance: list[int], devices: list[torch.device]
+) -> list[nn.Sequential]:
+    items = list(layers.items())
+    bounds = [sum(balance[:j]) for j in range(len(balance) + 1)]
+    partitions = [
+        nn.Sequential(OrderedDict(items[start:stop])) for start, stop in itertools.pairwise(bounds)
+    ]
+    _check_not_shared(partitions)
+    for partition, device in zip(partitions, devices, strict=True):
+        partition.to(device)
+    return partitions
+
+
+def _check_not_shared(partitions: list[nn.Sequential]) -> None:
+    owner: dict[int, tuple[int, str]] = {}
+    for j, partition in enumerate(partitions):
+        named = [*partition.named_modules(remove_duplicate=False)]
+        named += [*partition.named_parameters(remove_duplicate=False)]
+        named += [*partition.named_buffers(remove_duplicate=False)]
+        for name, thing in named:
+            first = owner.setdefault(id(thing), (j, name))
+            if first[0] != j:
+                raise ValueError(
+                    f"{type(thing).__name__} {first[1]!r} of partition {first[0]} is also "
+                    f"{name!r} of partition {j}; a layer or parameter cannot be shared between "
+                    "partitions (they run on different threads and devices): put the sharing "
+                    "layers in one partition, or tie the weights by copying after each step"
+                )
+
+
+def _to_device(input: TensorOrValues, device: torch.device) -> TensorOrValues:
+    if isinstance(input, torch.Tensor):
+        return input.to(device)
+    return tuple(_value_to_device(v, device) for v in input)
+
+
+def _value_to_device(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, NoChunk):
+        return NoChunk(value.tensor.to(device))
+    return value

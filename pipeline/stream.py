@@ -1,0 +1,94 @@
+"""CUDA streams with a CPU fallback, so the pipeline code has one path.
+
+On CUDA a ``Stream`` is a ``torch.cuda.Stream``. On any other device it is
+``CPUStream``, a stand-in on which every operation here is a no-op: CPU work
+is ordered by the threads that run it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import TypeAlias
+
+import torch
+
+__all__ = [
+    "CPUStream",
+    "Stream",
+    "current_stream",
+    "get_device",
+    "new_stream",
+    "record_stream",
+    "use_device",
+    "use_stream",
+    "wait_stream",
+]
+
+
+class CPUStream:
+    """The stream of every non-CUDA device."""
+
+    device = torch.device("cpu")
+
+    def __repr__(self) -> str:
+        return "CPUStream"
+
+
+CPU_STREAM = CPUStream()
+
+Stream: TypeAlias = torch.cuda.Stream | CPUStream
+
+
+def new_stream(device: torch.device) -> Stream:
+    """A fresh stream on ``device`` (the CPU stand-in off CUDA)."""
+    if device.type != "cuda":
+        return CPU_STREAM
+    return torch.cuda.Stream(device)
+
+
+def current_stream(device: torch.device) -> Stream:
+    """The stream the calling thread uses on ``device``."""
+    if device.type != "cuda":
+        return CPU_STREAM
+    return torch.cuda.current_stream(device)
+
+
+def get_device(stream: Stream) -> torch.device:
+    if isinstance(stream, CPUStream):
+        return torch.device("cpu")
+    return stream.device
+
+
+@contextlib.contextmanager
+def use_device(device: torch.device) -> Iterator[None]:
+    """Make ``device`` the current CUDA device (no-op off CUDA)."""
+    if device.type != "cuda":
+        yield
+        return
+    with torch.cuda.device(device):
+        yield
+
+
+@contextlib.contextmanager
+def use_stream(stream: Stream) -> Iterator[None]:
+    """Make ``stream`` current on its device (no-op for the CPU stand-in)."""
+    if isinstance(stream, CPUStream):
+        yield
+        return
+    with torch.cuda.stream(stream):
+        yield
+
+
+def wait_stream(waiter: Stream, waitee: Stream) -> None:
+    """Make work later queued on ``waiter`` wait for what ``waitee`` has queued."""
+    if isinstance(waiter, CPUStream) or isinstance(waitee, CPUStream):
+        return
+    waiter.wait_stream(waitee)
+
+
+def record_stream(tensor: torch.Tensor, stream: Stream) -> None:
+    """Keep ``tensor``'s memory from being reused before ``stream`` is done with it."""
+    if isinstance(stream, CPUStream) or not tensor.is_cuda:
+        return
+    tensor.record_stream(stream)

@@ -1,0 +1,87 @@
+"""Thread-local state that must follow a task from the caller to a worker.
+
+Grad mode, inference mode, autocast and the current CUDA device are
+thread-local in PyTorch. A worker thread starts with the defaults, so the
+caller's state is captured once per forward and applied around every task.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["ThreadState"]
+
+
+def _autocast_device_types() -> tuple[str, ...]:
+    candidates = ["cpu", "cuda", "xpu", "mps", "hpu", "xla", "mtia", "maia"]
+    candidates.append(torch._C._get_privateuse1_backend_name())
+    return tuple(t for t in dict.fromkeys(candidates) if torch.amp.is_autocast_available(t))
+
+
+_AUTOCAST_DEVICE_TYPES = _autocast_device_types()
+
+
+@dataclass(frozen=True)
+class Autocast:
+    device_type: str
+    dtype: torch.dtype
+    cache_enabled: bool
+
+    def applied(self) -> torch.autocast:
+        return torch.autocast(self.device_type, dtype=self.dtype, cache_enabled=self.cache_enabled)
+
+
+@dataclass(frozen=True)
+class ThreadState:
+    """The caller's thread-local state, to be applied on another thread."""
+
+    grad_enabled: bool
+    inference_mode: bool
+    autocasts: tuple[Autocast, ...]
+    cuda_device: int | None
+
+    @classmethod
+    def capture(cls) -> ThreadState:
+        cache = torch.is_autocast_cache_enabled()
+        autocasts = tuple(
+            Autocast(t, torch.get_autocast_dtype(t), cache)
+            for t in _AUTOCAST_DEVICE_TYPES
+            if torch.is_autocast_enabled(t)
+        )
+        cuda_device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+        return cls(
+            grad_enabled=torch.is_grad_enabled(),
+            inference_mode=torch.is_inference_mode_enabled(),
+            autocasts=autocasts,
+            cuda_device=cuda_device,
+        )
+
+    @contextlib.contextmanager
+    def applied(self, device: torch.device) -> Iterator[None]:
+        """Apply the state for a task on ``device`` (which becomes the current CUDA device)."""
+        with contextlib.ExitStack() as stack:
+            if self.inference_mode:
+                stack.enter_context(torch.inference_mode())
+            else:
+                stack.enter_context(torch.set_grad_enabled(self.grad_enabled))
+            self._enter_device_and_autocast(stack, device)
+            yield
+
+    @contextlib.contextmanager
+    def autocast_applied(self, device: torch.device) -> Iterator[None]:
+        """Apply autocast and the CUDA device only (recomputation sets grad mode itself)."""
+        with contextlib.ExitStack() as stack:
+            self._enter_device_and_autocast(stack, device)
+            yield
+
+    def _enter_device_and_autocast(self, stack: contextlib.ExitStack, device: torch.device) -> None:
+        if device.type == "cuda":
+            stack.enter_context(torch.cuda.device(device))
+        elif self.cuda_device is not None:
+            stack.enter_context(torch.cuda.device(self.cuda_device))
+        for autocast in self.autocasts:
+            stack.enter_context(autocast.applied())
