@@ -123,6 +123,12 @@ def _validate(
     for name, value in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_mb", first_bucket_mb)):
         if not value > 0:
             raise ValueError(f"{name} must be a positive number of MiB, got {value!r}")
+    for name, sub in module.named_modules():
+        if getattr(sub, "sparse", False) is True:
+            raise ValueError(
+                f"DataParallel averages dense gradients only, but '{name}' "
+                f"({type(sub).__name__}) produces sparse ones; construct it with sparse=False"
+            )
     named_params = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
     if not named_params:
         raise ValueError(

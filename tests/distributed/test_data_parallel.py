@@ -20,7 +20,7 @@ SHARED = [
     "buffers_broadcast",
     "gradient_as_bucket_view",
     "mismatched_replicas_raise",
-    "fake_pipe_matches_full_batch",
+    "pipe_matches_full_batch",
     "unused_parameter_without_flag_raises",
     "repeated_accumulation_without_protocol_raises",
 ]

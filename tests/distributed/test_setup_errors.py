@@ -37,6 +37,12 @@ def test_module_without_trainable_parameters_is_rejected() -> None:
         DataParallel(frozen)
 
 
+def test_sparse_gradients_are_rejected() -> None:
+    model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 1))
+    with pytest.raises(ValueError, match=r"'0' \(Embedding\) produces sparse"):
+        DataParallel(model)
+
+
 def test_non_module_is_rejected() -> None:
     with pytest.raises(TypeError, match=r"nn\.Module"):
         DataParallel(lambda x: x)  # type: ignore[arg-type]
