@@ -103,7 +103,8 @@ class Reducer:
             if members and self._ready[members[0]]:
                 raise RuntimeError(
                     f"DataParallel: partition {partition} signalled the end of its backward "
-                    "twice in one backward pass"
+                    "twice in one backward pass; run one forward per backward (to accumulate "
+                    "gradients over several, use no_sync() for all but the last)"
                 )
             for index in members:
                 self._mark_ready(index)

@@ -439,6 +439,15 @@ def pipe_matches_full_batch() -> None:
 
 
 @scenario
+def pipe_two_forwards_one_backward_raises() -> None:
+    pipe, _ = pipe_and_plain(seed=10, checkpoint="except_last")
+    dp = DataParallel(pipe)
+    x, y = global_batch(0)
+    loss = F.mse_loss(dp(shard(x)), shard(y)) + F.mse_loss(dp(shard(x)), shard(y))
+    expect_error(RuntimeError, loss.backward, "signalled the end of its backward twice", "no_sync")
+
+
+@scenario
 def repeated_accumulation_without_protocol_raises() -> None:
     model = MicroBatched(two_partitions(seed=8), chunks=2)
     dp = DataParallel(model)

@@ -23,6 +23,7 @@ SHARED = [
     "pipe_matches_full_batch",
     "unused_parameter_without_flag_raises",
     "repeated_accumulation_without_protocol_raises",
+    "pipe_two_forwards_one_backward_raises",
 ]
 
 
