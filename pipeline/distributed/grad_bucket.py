@@ -12,17 +12,27 @@ class GradBucket:
     """The flat gradient buffer of a few parameters of one dtype and device.
 
     Each parameter owns a slot (a view of `flat` shaped like the parameter).
-    With `track_use`, `flat` ends with one flag per parameter, 1 where this
-    rank produced a gradient: the flags ride along in the same all-reduce, so
-    afterwards a zero flag means no rank used the parameter and its `.grad`
-    is left alone, as if it had not been wrapped.
+    Gradients are divided by the world size as they are loaded, so the sum
+    all-reduce leaves the average (gloo has no average reduction; dividing
+    first also keeps low-precision sums in range, and doing it during the copy
+    saves a pass over memory). With `track_use`, `flat` ends with one flag per
+    parameter, 1 where this rank produced a gradient: the flags ride along in
+    the same all-reduce, so afterwards a zero flag means no rank used the
+    parameter and its `.grad` is left alone, as if it had not been wrapped.
     """
 
     def __init__(
-        self, index: int, params: list[nn.Parameter], *, track_use: bool, as_view: bool
+        self,
+        index: int,
+        params: list[nn.Parameter],
+        *,
+        world_size: int,
+        track_use: bool,
+        as_view: bool,
     ) -> None:
         self.index = index
         self.params = params
+        self._scale = 1.0 / world_size
         self._as_view = as_view
         sizes = [p.numel() for p in params]
         total = sum(sizes)
@@ -58,13 +68,15 @@ class GradBucket:
 
     @torch.no_grad()
     def load(self, slot: int) -> None:
-        """Copy the final gradient of parameter `slot` into the bucket (zeros if it has none)."""
+        """Put parameter `slot`'s final gradient, divided by the world size, in its slot."""
         param, view = self.params[slot], self._slots[slot]
         grad = param.grad
         if grad is None:
             view.zero_()
-        elif grad.data_ptr() != view.data_ptr():
-            view.copy_(grad)
+        elif grad.data_ptr() == view.data_ptr():
+            view.mul_(self._scale)
+        else:
+            torch.mul(grad, self._scale, out=view)
             if self._as_view:
                 # The optimizer's zero_grad(set_to_none=True) dropped the view,
                 # so autograd stored a fresh tensor: point .grad back at the slot.
@@ -73,12 +85,9 @@ class GradBucket:
             self._used[slot] = 0.0 if grad is None else 1.0
         self._pending -= 1
 
-    def launch(self, group: dist.ProcessGroup, world_size: int) -> None:
+    def launch(self, group: dist.ProcessGroup) -> None:
         """Start the asynchronous all-reduce that turns the bucket into the average."""
         with record_function(f"dp.allreduce[bucket={self.index}]"):
-            # Dividing first keeps low-precision sums from overflowing; gloo
-            # has no AVG reduction.
-            self.flat.div_(world_size)
             self._work = dist.all_reduce(self.flat, group=group, async_op=True)
 
     @property

@@ -122,6 +122,7 @@ class Reducer:
             GradBucket(
                 k,
                 [self._params[i] for i in spec.indices],
+                world_size=self._world_size,
                 track_use=self._find_unused,
                 as_view=self._as_view,
             )
@@ -188,7 +189,7 @@ class Reducer:
         while self._next_launch < len(self._buckets) and self._buckets[self._next_launch].full:
             bucket = self._buckets[self._next_launch]
             try:
-                bucket.launch(self._group, self._world_size)
+                bucket.launch(self._group)
             except RuntimeError as error:
                 raise self._comm_error(bucket, error) from error
             self._next_launch += 1
