@@ -68,6 +68,9 @@ class DataParallel(nn.Module):
         self.module = module
         self.process_group = group
         self.broadcast_buffers = broadcast_buffers
+        # Walking the module tree on every forward costs more than the
+        # broadcast of a small model's buffers; like DDP, take them once.
+        self._synced_buffers = list(module.buffers())
         self._sync = True
         partitions = partition_of_each(module, [p for _, p in named_params])
         self.reducer = Reducer(
@@ -108,10 +111,9 @@ class DataParallel(nn.Module):
             self._sync = previous
 
     def _broadcast_buffers(self) -> None:
-        buffers = list(self.module.buffers())
-        if buffers:
+        if self._synced_buffers:
             with record_function("dp.broadcast_buffers"):
-                broadcast_from_rank0(buffers, self.process_group, "buffers")
+                broadcast_from_rank0(self._synced_buffers, self.process_group, "buffers")
 
 
 def _validate(
