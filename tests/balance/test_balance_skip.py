@@ -31,8 +31,14 @@ class Add(nn.Module):
 
 def skip_model() -> nn.Sequential:
     return nn.Sequential(
-        nn.Linear(8, 8), Save(), nn.Linear(8, 8), nn.ReLU(inplace=True), nn.Linear(8, 8),
-        nn.ReLU(inplace=True), Add(), nn.Linear(8, 2),
+        nn.Linear(8, 8),
+        Save(),
+        nn.Linear(8, 8),
+        nn.ReLU(inplace=True),
+        nn.Linear(8, 8),
+        nn.ReLU(inplace=True),
+        Add(),
+        nn.Linear(8, 2),
     )
 
 
