@@ -1,5 +1,6 @@
 """GPipe-style pipeline parallelism for PyTorch: wrap an nn.Sequential, get a pipeline."""
 
+from pipeline import skip
 from pipeline.batchnorm import DeferredBatchNorm
 from pipeline.checkpoint import is_checkpointing, is_recomputing
 from pipeline.distributed import DataParallel
@@ -16,4 +17,5 @@ __all__ = [
     "is_checkpointing",
     "is_recomputing",
     "mark_random",
+    "skip",
 ]

@@ -16,6 +16,8 @@ from pipeline.batchnorm import DeferredBatchNorm
 from pipeline.completion import Hook
 from pipeline.microbatch import NoChunk, TensorOrValues, check_input, gather, scatter
 from pipeline.pipeline import Pipeline
+from pipeline.skip.layout import inspect_skip_layout
+from pipeline.skip.verify import verify_skippables
 from pipeline.worker import Worker, stop_workers
 
 __all__ = ["BalanceError", "Pipe"]
@@ -76,6 +78,7 @@ class Pipe(nn.Module):
     ) -> None:
         super().__init__()
         _check_module(module)
+        verify_skippables(module)
         balance = _check_balance(balance, len(module))
         _check_chunks(chunks)
         _check_checkpoint(checkpoint)
@@ -85,13 +88,17 @@ class Pipe(nn.Module):
         self.devices = _resolve_devices(devices, len(balance))
         if deferred_batch_norm:
             DeferredBatchNorm.convert(module)
-        layers = OrderedDict(module.named_children())
+        # _modules, unlike named_children(), keeps a layer listed twice.
+        layers = OrderedDict(
+            (name, layer) for name, layer in module._modules.items() if layer is not None
+        )
         self._register_layers(layers)
         self.partitions = _split(layers, balance, self.devices)
+        self.skip_layout = inspect_skip_layout(self.partitions, self.devices)
 
         self._workers = [Worker(f"pipe-partition-{j}") for j in range(len(balance))]
         self._finalizer = weakref.finalize(self, stop_workers, self._workers)
-        self._pipeline = Pipeline(self.partitions, self.devices, self._workers)
+        self._pipeline = Pipeline(self.partitions, self.devices, self._workers, self.skip_layout)
         self._deferred_batch_norms = [m for m in self.modules() if isinstance(m, DeferredBatchNorm)]
         self._completion_hooks: OrderedDict[int, Hook] = OrderedDict()
 
@@ -165,8 +172,7 @@ class Pipe(nn.Module):
         return super().to(*args, **kwargs)
 
     def cuda(self, device: Device | None = None) -> Pipe:
-        target = torch.device("cuda", torch.cuda.current_device()) if device is None else device
-        self._refuse_move(_normalize_device(target), "cuda")
+        self._refuse_move(_normalize_device("cuda" if device is None else device), "cuda")
         return self
 
     def cpu(self) -> Pipe:
@@ -236,7 +242,7 @@ def _normalize_device(device: Device) -> torch.device:
     if isinstance(device, int) and not isinstance(device, bool):
         device = torch.device("cuda", device)
     device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
     return device
 
@@ -261,7 +267,7 @@ def _resolve_devices(devices: Sequence[Device] | None, partitions: int) -> list[
             "give one device per partition (a device may appear several times)"
         )
     for device in resolved:
-        if device.type == "cuda" and device.index >= torch.cuda.device_count():
+        if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
             raise ValueError(
                 f"device {device} is not available (torch.cuda.device_count() is "
                 f"{torch.cuda.device_count()})"

@@ -17,17 +17,20 @@ import contextlib
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from functools import partial
+from typing import Any
 
 import torch
 from torch import nn
 
 from pipeline import rng
-from pipeline.checkpoint import Checkpointing
+from pipeline.checkpoint import Checkpointing, Function, starts_in_place
 from pipeline.completion import Arrival, Hook, PartitionCompletion
 from pipeline.copy import Copy, Wait
 from pipeline.dependency import depend
 from pipeline.microbatch import Batch, TensorOrValues
 from pipeline.schedule import clock_cycles
+from pipeline.skip.layout import SkipLayout
+from pipeline.skip.step import start_step
 from pipeline.stream import Stream, current_stream, new_stream, use_stream
 from pipeline.threadstate import ThreadState
 from pipeline.worker import Failure, Worker
@@ -39,12 +42,18 @@ class Pipeline:
     """Runs a GPipe schedule over partitions, each with its own worker thread."""
 
     def __init__(
-        self, partitions: list[nn.Sequential], devices: list[torch.device], workers: list[Worker]
+        self,
+        partitions: list[nn.Sequential],
+        devices: list[torch.device],
+        workers: list[Worker],
+        skip_layout: SkipLayout | None = None,
     ) -> None:
         self.partitions = partitions
         self.devices = devices
         self.workers = workers
+        self.skip_layout = skip_layout
         self.random_layers = [rng.may_draw_random(p) for p in partitions]
+        self.protect_inputs = [starts_in_place(p) for p in partitions]
         self.copy_streams: list[list[Stream]] = [[] for _ in partitions]
 
     def run(self, batches: list[Batch], checkpoint_stop: int, completion_hooks: list[Hook]) -> None:
@@ -92,6 +101,7 @@ class _Step:
         self.copy_streams = pipeline.copy_streams_for(len(batches))
         self.seeds = pipeline.seeds_for_random_partitions()
         self.completions = self._completions(completion_hooks)
+        self.skips = start_step(pipeline.skip_layout, len(batches), checkpoint_stop)
 
     def _completions(self, hooks: list[Hook]) -> list[PartitionCompletion | None]:
         """A completion counter per partition whose inputs all carry gradients."""
@@ -111,21 +121,27 @@ class _Step:
                 _depend(batches[i - 1], batches[i])
             if j > 0 and devices[j] != devices[j - 1]:
                 self._copy(batches[i], i, j)
+            if self.skips is not None:
+                self.skips.fence(i, j, batches[i], partial(self._move, i))
 
     def _copy(self, batch: Batch, i: int, j: int) -> None:
-        prev_copy, next_copy = self.copy_streams[j - 1][i], self.copy_streams[j][i]
-        prev_compute, next_compute = self.compute_streams[j - 1], self.compute_streams[j]
-        values = Wait.apply(prev_compute, prev_copy, *batch.values)
+        batch.values[:] = self._move(i, batch.values, j - 1, j)
+
+    def _move(self, i: int, values: list[Any], source: int, target: int) -> list[Any]:
+        """Copy micro-batch ``i``'s values from partition ``source``'s device to ``target``'s."""
+        prev_copy, next_copy = self.copy_streams[source][i], self.copy_streams[target][i]
+        prev_compute, next_compute = self.compute_streams[source], self.compute_streams[target]
+        values = Wait.apply(prev_compute, prev_copy, *values)
         values = Copy.apply(prev_copy, next_copy, *values)
-        batch.values[:] = Wait.apply(next_copy, next_compute, *values)
+        return list(Wait.apply(next_copy, next_compute, *values))
 
     def compute(self, schedule: list[tuple[int, int]]) -> None:
         workers = self.pipeline.workers
         for i, j in schedule:
-            workers[j].submit(partial(self._task, i, j))
+            workers[j].submit(self, partial(self._task, i, j))
         failure: Failure | None = None
         for i, j in schedule:
-            result = workers[j].result()
+            result = workers[j].result(self)
             if isinstance(result, Failure):
                 failure = failure or result
             else:
@@ -136,7 +152,9 @@ class _Step:
     def _task(self, i: int, j: int) -> Batch:
         """Run partition ``j`` on micro-batch ``i`` (on partition ``j``'s worker)."""
         device = self.pipeline.devices[j]
-        function = partial(_call_partition, self.pipeline.partitions[j], j)
+        function: Function = partial(_call_partition, self.pipeline.partitions[j], j)
+        if self.skips is not None:
+            function = self.skips.bind(i, function)
         base = self.seeds[j]
         seed = None if base is None else rng.task_seed(base, i, j)
         self._mark_arrival(i, j)
@@ -146,10 +164,15 @@ class _Step:
             contextlib.nullcontext() if seed is None else rng.seeded(device, seed),
         ):
             if i < self.checkpoint_stop:
-                replay = _rng_replay(device, seed)
-                return Checkpointing(function, device, self.state, replay).checkpoint(
-                    self.batches[i]
+                chk = Checkpointing(
+                    function,
+                    device,
+                    self.state,
+                    _rng_replay(device, seed),
+                    partition=j,
+                    protect_inputs=self.pipeline.protect_inputs[j],
                 )
+                return chk.checkpoint(self.batches[i])
             return self.batches[i].call(function)
 
     def _mark_arrival(self, i: int, j: int) -> None:

@@ -1,0 +1,106 @@
+"""Argument checks shared by the solver and the profilers, run before any work."""
+
+import math
+import numbers
+
+import torch
+from torch import Tensor, nn
+
+from balance.errors import BalanceError
+from balance.layerwise import Value
+
+
+def check_partitions(partitions: object, items: int, noun: str) -> int:
+    """Return ``partitions`` as an int once it can split ``items`` things called ``noun``."""
+    count = check_count("partitions", partitions)
+    if count > items:
+        raise BalanceError(
+            f"partitions={count} is more than the {items} {noun}; every partition needs "
+            f"at least one, so pass partitions <= {items}"
+        )
+    return count
+
+
+def check_count(name: str, value: object) -> int:
+    """Return ``value`` as an int once it is a whole number of at least one."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    count = int(value)
+    if count < 1:
+        raise BalanceError(f"{name}={count}, but it must be at least 1")
+    return count
+
+
+def check_sample(sample: object) -> Value:
+    """Return ``sample`` once it is what a first layer is called with: a Tensor or a tuple."""
+    if not isinstance(sample, Tensor | tuple):
+        raise TypeError(
+            f"sample must be a Tensor or a tuple, got {type(sample).__name__}; "
+            "pass one micro-batch as the first layer takes it"
+        )
+    return sample
+
+
+def check_device(device: object) -> torch.device:
+    """The device to profile on: ``device``, or by default the accelerator if any, else the CPU."""
+    if device is None:
+        return torch.accelerator.current_accelerator(check_available=True) or torch.device("cpu")
+    if not isinstance(device, torch.device | str):
+        raise TypeError(
+            f"device must be a torch.device or a str, got {type(device).__name__} {device!r}"
+        )
+    try:
+        resolved = torch.device(device)
+    except RuntimeError as error:
+        raise BalanceError(
+            f"device={device!r} is not a device ({error}); pass e.g. 'cpu' or 'cuda:0'"
+        ) from None
+    if resolved.type != "cpu" and resolved.type != _accelerator_type():
+        raise BalanceError(
+            f"device={device!r}, but no {resolved.type} device is available here; "
+            "pass device='cpu' or profile on a machine that has one"
+        )
+    return resolved
+
+
+def _accelerator_type() -> str | None:
+    accelerator = torch.accelerator.current_accelerator(check_available=True)
+    return None if accelerator is None else accelerator.type
+
+
+def check_sequential(module: object) -> nn.Sequential:
+    """Return ``module`` once it is a non-empty ``nn.Sequential``."""
+    if not isinstance(module, nn.Sequential):
+        raise TypeError(
+            f"module must be an nn.Sequential, got {type(module).__name__}; "
+            "wrap the layers in nn.Sequential(...) in the order they run"
+        )
+    if len(module) == 0:
+        raise BalanceError("module is an empty nn.Sequential; there are no layers to balance")
+    return module
+
+
+def check_positive(name: str, value: object) -> float:
+    """Return ``value`` as a float once it is a finite number above zero."""
+    number = check_real(name, value)
+    if number <= 0:
+        raise BalanceError(f"{name}={value!r}, but it must be above 0")
+    return number
+
+
+def check_non_negative(name: str, value: object) -> float:
+    """Return ``value`` as a float once it is a finite number of at least zero."""
+    number = check_real(name, value)
+    if number < 0:
+        raise BalanceError(f"{name}={value!r}, but it must be 0 or more")
+    return number
+
+
+def check_real(name: str, value: object) -> float:
+    """Return ``value`` as a float once it is a finite real number."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    number = float(value)
+    if not math.isfinite(number):
+        raise BalanceError(f"{name}={value!r}, but it must be a finite number")
+    return number

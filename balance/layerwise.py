@@ -1,0 +1,150 @@
+"""Runs an nn.Sequential one layer at a time on throwaway copies, for profiling."""
+
+import copy
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from balance.errors import BalanceError
+from pipeline.skip.carrier import Carrier
+from pipeline.skip.tracker import SkipKey, SkipTracker, use_tracker
+
+# What flows between layers: a Tensor, or a tuple of tensors and other values.
+Value = Tensor | tuple[Any, ...]
+
+# Runs one layer copy on its inputs, measures what the caller wants, and
+# returns the layer's outputs (see ``run_layer``).
+Measure = Callable[[int, nn.Module, Value], Value]
+
+
+def walk_layers(
+    module: nn.Sequential, sample: Value, device: torch.device, measure: Measure
+) -> None:
+    """Call ``measure`` on each layer in order, fed the previous layer's real output.
+
+    Each layer runs as a fresh copy on ``device`` in training mode, so that
+    ``module`` (parameters, buffers, gradients, flags) is never touched and
+    only one layer's copy lives on the device at a time.
+    """
+    # Profiling needs autograd even where the caller turned it off.
+    with torch.inference_mode(False), torch.enable_grad(), use_tracker(_SkipSandbox(device)):
+        inputs = fresh_inputs(sample, device)
+        for index, layer in enumerate(module):
+            # Only a detached copy of the outputs outlives this line, so the
+            # layer's copy and its graph are freed before the next layer runs.
+            inputs = fresh_inputs(measure(index, sandbox(layer, device), inputs), device)
+
+
+class _SkipSandbox(SkipTracker):
+    """Keeps stashed skip tensors as fresh copies, so each layer is profiled alone.
+
+    A popping layer then gets the stashed tensor without the stashing layer's
+    graph: its backward stops at its own inputs, as for the main path.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device = device
+
+    def save(self, output: Carrier, key: SkipKey, tensor: Tensor) -> None:
+        super().save(output, key, _fresh_tensor(tensor, self.device))
+
+
+def run_layer(index: int, layer: nn.Module, inputs: Value) -> Value:
+    """Run layer ``index`` on ``inputs``; errors name the layer, its class and the input shapes.
+
+    Every measurement runs layers through this one function.
+    """
+    try:
+        outputs = layer(inputs)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as error:
+        fix = (
+            "pass a sample that this layer accepts"
+            if index == 0
+            else f"check that it accepts the output of layer {index - 1}"
+        )
+        raise BalanceError(
+            f"layer {index} ({type(layer).__name__}) failed on input {describe(inputs)} "
+            f"with {type(error).__name__}: {error}; {fix}"
+        ) from error
+    if not isinstance(outputs, Tensor | tuple):
+        raise BalanceError(
+            f"layer {index} ({type(layer).__name__}) returned {type(outputs).__name__}; "
+            "layers must return a Tensor or a tuple"
+        )
+    return outputs
+
+
+def backward_layer(index: int, layer: nn.Module, outputs: Value) -> None:
+    """Backpropagate ones from every output of layer ``index`` that requires grad."""
+    tensors = [tensor for tensor in tensors_in(outputs) if tensor.requires_grad]
+    if not tensors:
+        return
+    try:
+        torch.autograd.backward(tensors, [torch.ones_like(tensor) for tensor in tensors])
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as error:
+        raise BalanceError(
+            f"backward of layer {index} ({type(layer).__name__}) failed with "
+            f"{type(error).__name__}: {error}; the layer must be differentiable to be timed"
+        ) from error
+
+
+def sandbox(layer: nn.Module, device: torch.device) -> nn.Module:
+    """A copy of ``layer`` on ``device``, in training mode.
+
+    Deep copies of parameters carry no gradients, so the copy starts clean.
+    """
+    return copy.deepcopy(layer).to(device).train()
+
+
+def fresh_inputs(value: Value, device: torch.device) -> Value:
+    """A copy of ``value`` on ``device`` that a layer may change in place."""
+    if isinstance(value, Tensor):
+        return _fresh_tensor(value, device)
+    return tuple(
+        _fresh_tensor(item, device) if isinstance(item, Tensor) else item for item in value
+    )
+
+
+def _fresh_tensor(tensor: Tensor, device: torch.device) -> Tensor:
+    detached = tensor.detach().to(device)
+    if detached.is_inference():
+        # A tensor made under torch.inference_mode cannot join autograd; a copy can.
+        detached = detached.clone()
+    if detached.is_floating_point() or detached.is_complex():
+        # A layer may not change a leaf that requires grad (or a view of one)
+        # in place, so it gets a clone of the leaf: a tensor with a history.
+        return detached.requires_grad_().clone()
+    return detached.clone()
+
+
+def tensors_in(value: Value) -> Iterator[Tensor]:
+    """The tensors in ``value``: itself, or the tensor items of a tuple."""
+    if isinstance(value, Tensor):
+        yield value
+        return
+    for item in value:
+        if isinstance(item, Tensor):
+            yield item
+
+
+def describe(value: Value) -> str:
+    """The dtypes and shapes of ``value``, like ``float32[8, 3]`` or ``(int64[8], int)``."""
+    if isinstance(value, Tensor):
+        return _describe_tensor(value)
+    items = (
+        _describe_tensor(item) if isinstance(item, Tensor) else type(item).__name__
+        for item in value
+    )
+    return "(" + ", ".join(items) + ")"
+
+
+def _describe_tensor(tensor: Tensor) -> str:
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    return f"{dtype}[{', '.join(str(size) for size in tensor.shape)}]"

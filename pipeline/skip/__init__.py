@@ -1,0 +1,21 @@
+"""Skip connections across partitions: a layer stashes a tensor, a later layer pops it.
+
+See ``skippable.py`` for how a layer declares and uses skips, ``portal.py``
+for how a skip crosses partitions without passing through those between,
+and ``docs/skip.md`` for the guide.
+"""
+
+from pipeline.skip.layout import Route, SkipLayout
+from pipeline.skip.namespace import Namespace
+from pipeline.skip.skippable import pop, skippable, stash
+from pipeline.skip.verify import verify_skippables
+
+__all__ = [
+    "Namespace",
+    "Route",
+    "SkipLayout",
+    "pop",
+    "skippable",
+    "stash",
+    "verify_skippables",
+]

@@ -1,0 +1,110 @@
+"""Portals: how a skip tensor goes from one partition to a later one, around those between.
+
+A portal holds one skip tensor of one micro-batch. ``Enter`` puts the
+tensor in and returns a phony; ``Exit`` takes a phony and gives the tensor
+back. Neither is a path of the micro-batch, so the partitions in between
+never see the tensor. When the two partitions are on different devices, the
+driver's fence moves the tensor with the same ``Wait``/``Copy``/``Wait`` as
+the micro-batches, in the popping task's clock cycle (``step.py``)::
+
+  partition a: stash           fence of the popping task             partition b: pop
+
+  output --Join--> ... --> input --Fork--------------Join--> ... --> input --Fork--> layer
+            ^                        | phony           ^ phony                | phony
+            | phony                  v                 |                      v
+  tensor -Enter               Exit --> Wait/Copy/Wait --> Enter              Exit --> popped
+       (portal holds tensor)  (takes it)          (portal holds the copy)   (takes it)
+
+Backward runs the same way back: the popping ``Exit`` puts the gradient in
+the portal; the fence's ``Enter`` takes it and sends it over ``Copy``; the
+fence's ``Exit`` puts it back; the stashing ``Enter`` hands it to the
+tensor's own history. Each ``Exit`` takes its phony from a ``Fork`` on the
+micro-batch's path downstream of the ``Join`` that holds the matching
+``Enter``, so the engine cannot reach that ``Enter`` before the ``Exit`` has
+put the gradient in the portal, even with a thread per device.
+
+Lifetime: the tensor is dropped at its last ``Exit``. ``enter`` is told how
+many reads to expect (one, or two for a checkpointed micro-batch whose
+recomputation pops again), so nothing outlives its use.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from pipeline.phony import get_phony
+
+__all__ = ["Portal"]
+
+
+class Portal:
+    """Holds one skip tensor of one micro-batch, and its gradient on the way back."""
+
+    __slots__ = ("grad", "reads_left", "tensor")
+
+    def __init__(self) -> None:
+        self.tensor: Tensor | None = None
+        self.reads_left = 0
+        self.grad: Tensor | None = None
+
+    def enter(self, tensor: Tensor, reads: int) -> Tensor:
+        """Keep ``tensor`` for ``reads`` exits; the phony returned carries its gradient edge.
+
+        With ``reads == 0`` the tensor is not kept: the call only rebuilds
+        the gradient edge (recomputation of the stashing partition).
+        """
+        self.tensor = tensor if reads > 0 else None
+        self.reads_left = reads
+        phony: Tensor = Enter.apply(self, tensor)
+        return phony
+
+    def exit(self, phony: Tensor) -> Tensor:
+        """The kept tensor, as a new node whose gradient goes back into the portal."""
+        tensor: Tensor = Exit.apply(self, phony)
+        return tensor
+
+    def read(self) -> Tensor:
+        tensor = self.tensor
+        if tensor is None:
+            raise RuntimeError(
+                "a skip tensor was popped more often than it was stashed for (the portal is "
+                "empty); was backward run twice through a checkpointed Pipe?"
+            )
+        self.reads_left -= 1
+        if self.reads_left == 0:
+            self.tensor = None
+        return tensor
+
+    def take_grad(self) -> Tensor | None:
+        grad, self.grad = self.grad, None
+        return grad
+
+
+class Enter(torch.autograd.Function):
+    """tensor -> portal; the phony output brings the portal's gradient back to the tensor."""
+
+    @staticmethod
+    def forward(ctx: Any, portal: Portal, tensor: Tensor) -> Tensor:
+        ctx.portal = portal
+        return get_phony(tensor.device, requires_grad=False).detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad_phony: Tensor) -> tuple[None, Tensor | None]:
+        return None, ctx.portal.take_grad()
+
+
+class Exit(torch.autograd.Function):
+    """phony -> the portal's tensor; its gradient goes into the portal."""
+
+    @staticmethod
+    def forward(ctx: Any, portal: Portal, phony: Tensor) -> Tensor:
+        ctx.portal = portal
+        return portal.read().detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[None, None]:
+        ctx.portal.grad = grad
+        return None, None

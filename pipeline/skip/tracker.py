@@ -1,0 +1,71 @@
+"""Skip trackers: where a stashed tensor waits until a later layer pops it.
+
+``SkipTracker`` keeps the tensors in a dict. That is all a plain run needs:
+the stash and the pop happen on one thread, one after the other, and the
+popped tensor is the stashed one, with its autograd history. A Pipe gives
+each micro-batch a tracker of its own that also sends skips between
+partitions through portals (``step.py``).
+
+A skippable layer finds its tracker with ``current_tracker()``: the one
+installed by ``use_tracker`` on the calling thread, or else the thread's own.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TypeAlias
+
+from torch import Tensor
+
+from pipeline.skip.carrier import Carrier
+from pipeline.skip.namespace import Namespace
+
+__all__ = ["SkipKey", "SkipTracker", "current_tracker", "use_tracker"]
+
+SkipKey: TypeAlias = tuple[Namespace, str]
+
+_local = threading.local()
+
+
+class SkipTracker:
+    """Holds stashed tensors, by (namespace, name), until they are popped."""
+
+    def __init__(self) -> None:
+        self.tensors: dict[SkipKey, Tensor] = {}
+
+    def save(self, output: Carrier, key: SkipKey, tensor: Tensor) -> None:
+        """Keep ``tensor``, stashed by the layer whose output is ``output``."""
+        self.tensors[key] = tensor
+
+    def load(self, input: Carrier, key: SkipKey) -> Tensor:
+        """Give up the tensor stashed as ``key`` to the layer whose input is ``input``."""
+        try:
+            return self.tensors.pop(key)
+        except KeyError:
+            ns, name = key
+            raise RuntimeError(
+                f"{input.owner} pops {name!r} ({ns.label}) but no earlier layer of this "
+                "forward pass has stashed it; check the layer order and namespaces "
+                "(verify_skippables(model) lists every mismatch)"
+            ) from None
+
+
+def current_tracker() -> SkipTracker:
+    """The tracker that skippable layers on this thread use now."""
+    tracker: SkipTracker | None = getattr(_local, "tracker", None)
+    if tracker is None:
+        tracker = _local.tracker = SkipTracker()
+    return tracker
+
+
+@contextmanager
+def use_tracker(tracker: SkipTracker) -> Iterator[None]:
+    """Make ``tracker`` the current one on this thread for the block."""
+    previous = getattr(_local, "tracker", None)
+    _local.tracker = tracker
+    try:
+        yield
+    finally:
+        _local.tracker = previous

@@ -1,0 +1,23 @@
+"""Small models and comparisons shared by the tests."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+
+def mlp(width: int = 8, depth: int = 6, dtype: torch.dtype = torch.float64) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for k in range(depth):
+        layers.append(nn.Linear(width, width) if k % 2 == 0 else nn.Tanh())
+    return nn.Sequential(*layers).to(dtype)
+
+
+def grads(module: nn.Module) -> dict[str, Tensor]:
+    return {name: p.grad.clone() for name, p in module.named_parameters() if p.grad is not None}
+
+
+def assert_close_dicts(actual: dict[str, Tensor], expected: dict[str, Tensor]) -> None:
+    assert actual.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], msg=name)

@@ -1,0 +1,79 @@
+"""DeferredBatchNorm tracks running statistics over the whole mini-batch."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from pipeline import DeferredBatchNorm, Pipe
+
+
+def bn_model(momentum: float | None = 0.1) -> nn.Sequential:
+    # The BatchNorm's input is the same with or without micro-batches, so its
+    # statistics can be compared with the plain model's.
+    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.BatchNorm1d(6, momentum=momentum))
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+@pytest.mark.parametrize("chunks", [1, 3, 4])
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_running_statistics_equal_batch_norm_on_the_full_batch(
+    checkpoint: str, chunks: int, momentum: float | None
+) -> None:
+    model = bn_model(momentum)
+    pipe = Pipe(
+        copy.deepcopy(model),
+        [2, 1],
+        devices=["cpu"] * 2,
+        chunks=chunks,
+        checkpoint=checkpoint,
+        deferred_batch_norm=True,
+    )  # type: ignore[arg-type]
+    for _ in range(3):
+        x = torch.randn(12, 4)
+        model(x).sum().backward()
+        pipe(x).sum().backward()  # type: ignore[union-attr]
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(pipe.state_dict()[name], value, msg=name)
+
+
+def test_eval_uses_the_running_statistics() -> None:
+    model = bn_model()
+    pipe = Pipe(
+        copy.deepcopy(model), [2, 1], devices=["cpu"] * 2, chunks=4, deferred_batch_norm=True
+    )
+    x = torch.randn(8, 4)
+    model(x), pipe(x)
+    model.eval(), pipe.eval()
+    torch.testing.assert_close(pipe(x), model(x))
+
+
+def test_without_deferral_statistics_are_per_micro_batch() -> None:
+    model = bn_model()
+    pipe = Pipe(copy.deepcopy(model), [2, 1], devices=["cpu"] * 2, chunks=4)
+    x = torch.randn(8, 4)
+    model(x), pipe(x)
+    assert pipe.state_dict()["2.num_batches_tracked"] == 4
+    assert not torch.allclose(pipe.state_dict()["2.running_var"], model[2].running_var)
+
+
+def test_convert_shares_parameters_and_buffers() -> None:
+    bn = nn.BatchNorm2d(3)
+    model = nn.Sequential(nn.Conv2d(3, 3, 1), bn)
+    DeferredBatchNorm.convert(model)
+    deferred = model[1]
+    assert isinstance(deferred, DeferredBatchNorm)
+    assert deferred.weight is bn.weight and deferred.running_mean is bn.running_mean
+    out = model(torch.randn(4, 3, 2, 2))
+    assert out.shape == (4, 3, 2, 2)
+    deferred.commit()
+    assert int(bn.num_batches_tracked) == 1
+
+
+def test_convert_returns_a_lone_batch_norm_replaced() -> None:
+    assert isinstance(DeferredBatchNorm.convert(nn.BatchNorm1d(2)), DeferredBatchNorm)
+    with pytest.raises(ValueError, match="expected at least 2D input"):
+        DeferredBatchNorm(2)(torch.zeros(2))

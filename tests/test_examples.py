@@ -1,0 +1,45 @@
+"""The main job runs end to end and its pipe matches the plain model."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def load(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_train_matches_the_plain_model(capsys: pytest.CaptureFixture[str]) -> None:
+    train = load("train")
+    argv = [
+        "--steps",
+        "6",
+        "--batch-size",
+        "64",
+        "--width",
+        "32",
+        "--depth",
+        "2",
+        "--chunks",
+        "4",
+        "--partitions",
+        "3",
+        "--log-every",
+        "3",
+    ]
+    assert train.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "[pipe] step    6/6" in printed and "final losses agree" in printed
+    assert "samples/s" in printed

@@ -1,0 +1,181 @@
+"""Pipe construction: validation, nn.Module semantics, state_dict, device moves."""
+
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict
+
+import pytest
+import torch
+from torch import nn
+
+from pipeline import BalanceError, Pipe
+from tests.helpers import mlp
+
+
+def test_attributes_and_sequence_protocol() -> None:
+    model = mlp()
+    layers = list(model)
+    pipe = Pipe(model, [2, 4], devices=["cpu", "cpu"], chunks=3, checkpoint="never")
+    assert pipe.balance == [2, 4] and pipe.chunks == 3 and pipe.checkpoint == "never"
+    assert pipe.devices == [torch.device("cpu")] * 2
+    assert [list(p) for p in pipe.partitions] == [layers[:2], layers[2:]]
+    assert len(pipe) == 6 and list(pipe) == layers
+    assert pipe[0] is layers[0] and pipe[-1] is layers[-1]
+    with pytest.raises(IndexError, match="layer index 6 out of range for a Pipe of 6 layers"):
+        pipe[6]
+
+
+def test_default_devices_without_cuda_are_cpu() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("the default is CUDA devices here")
+    pipe = Pipe(mlp(), [3, 3])
+    assert pipe.devices == [torch.device("cpu")] * 2
+
+
+def test_state_dict_keys_equal_the_sequential_and_round_trip() -> None:
+    model = nn.Sequential(OrderedDict(fc=nn.Linear(3, 3), act=nn.ReLU(), bn=nn.BatchNorm1d(3)))
+    keys = list(model.state_dict())
+    pipe = Pipe(copy.deepcopy(model), [1, 2], devices=["cpu"] * 2)
+    assert list(pipe.state_dict()) == keys
+    fresh = nn.Sequential(OrderedDict(fc=nn.Linear(3, 3), act=nn.ReLU(), bn=nn.BatchNorm1d(3)))
+    fresh.load_state_dict(pipe.state_dict())
+    pipe.load_state_dict(model.state_dict())
+    for name, value in model.state_dict().items():
+        assert torch.equal(pipe.state_dict()[name], value)
+        assert torch.equal(fresh.state_dict()[name], pipe.state_dict()[name])
+    assert pipe.fc is pipe[0]
+
+
+def test_deferred_batch_norm_keeps_state_dict_keys() -> None:
+    model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
+    keys = list(model.state_dict())
+    pipe = Pipe(model, [1, 1], devices=["cpu"] * 2, deferred_batch_norm=True)
+    assert list(pipe.state_dict()) == keys
+
+
+def test_train_and_eval_reach_every_layer() -> None:
+    pipe = Pipe(nn.Sequential(nn.Dropout(), nn.Dropout()), [1, 1], devices=["cpu"] * 2)
+    pipe.eval()
+    assert not any(layer.training for layer in pipe)
+    pipe.train()
+    assert all(layer.training for layer in pipe)
+
+
+def test_dtype_moves_are_allowed_and_device_moves_refused() -> None:
+    pipe = Pipe(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), [1, 1], devices=["cpu"] * 2)
+    assert pipe.to(torch.float64) is pipe and pipe[0].weight.dtype == torch.float64
+    assert pipe.double() is pipe
+    assert pipe.cpu() is pipe and pipe.to("cpu") is pipe
+    with pytest.raises(ValueError, match=r"Pipe.to\(meta\) would move partitions off their"):
+        pipe.to("meta")
+    with pytest.raises(ValueError, match=r"Pipe.cuda\(cuda:0\) would move partitions"):
+        pipe.cuda(0)
+
+
+@pytest.mark.parametrize(
+    ("balance", "message"),
+    [
+        (None, "Pipe needs balance"),
+        ([], "balance is empty"),
+        (3, "balance must be a list of ints, got 3"),
+        ([3, 0, 3], r"not positive ints \(\[0\]\)"),
+        ([3, -1, 4], r"not positive ints \(\[-1\]\)"),
+        ([3.0, 3], r"not positive ints \(\[3.0\]\)"),
+        ([True, 5], r"not positive ints \(\[True\]\)"),
+        ([2, 2], "sums to 4 but the module has 6 layers"),
+        ([4, 4], "sums to 8 but the module has 6 layers"),
+    ],
+)
+def test_bad_balance(balance: object, message: str) -> None:
+    with pytest.raises(BalanceError, match=message) as info:
+        Pipe(mlp(), balance, devices=["cpu"] * 2)  # type: ignore[arg-type]
+    assert isinstance(info.value, ValueError)
+    assert "balance_by_time" in str(info.value)
+
+
+def test_not_a_sequential() -> None:
+    with pytest.raises(TypeError, match=r"Pipe splits an nn\.Sequential, got Linear"):
+        Pipe(nn.Linear(2, 2), [1])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"empty nn\.Sequential"):
+        Pipe(nn.Sequential(), [1])
+
+
+@pytest.mark.parametrize("chunks", [0, -2, 1.5, "4", True, None])
+def test_bad_chunks(chunks: object) -> None:
+    with pytest.raises(ValueError, match="chunks must be a positive int"):
+        Pipe(mlp(), [6], devices=["cpu"], chunks=chunks)  # type: ignore[arg-type]
+
+
+def test_bad_checkpoint() -> None:
+    with pytest.raises(
+        ValueError,
+        match="checkpoint must be one of 'always', 'except_last', 'never', got 'sometimes'",
+    ):
+        Pipe(mlp(), [6], devices=["cpu"], checkpoint="sometimes")  # type: ignore[arg-type]
+
+
+def test_more_partitions_than_devices() -> None:
+    with pytest.raises(ValueError, match=r"3 partitions but 2 devices"):
+        Pipe(mlp(), [2, 2, 2], devices=["cpu", "cpu"])
+    with pytest.raises(TypeError, match="devices must be a list of devices"):
+        Pipe(mlp(), [6], devices="cpu")  # type: ignore[arg-type]
+
+
+def test_unavailable_cuda_device() -> None:
+    with pytest.raises(ValueError, match=r"device cuda:\d+ is not available"):
+        Pipe(mlp(), [3, 3], devices=["cpu", f"cuda:{torch.cuda.device_count()}"])
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"device cuda is not available"):
+            Pipe(mlp(), [3, 3], devices=["cpu", "cuda"])
+        pipe = Pipe(mlp(), [6], devices=["cpu"])
+        with pytest.raises(ValueError, match=r"Pipe.cuda\(cuda\) would move partitions"):
+            pipe.cuda()
+
+
+def test_extra_devices_are_ignored_like_torchgpipe() -> None:
+    pipe = Pipe(mlp(), [3, 3], devices=["cpu"] * 4)
+    assert len(pipe.devices) == 2
+
+
+def test_layer_shared_between_partitions() -> None:
+    shared = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="cannot be shared between partitions"):
+        Pipe(nn.Sequential(shared, nn.ReLU(), shared), [2, 1], devices=["cpu"] * 2)
+
+
+def test_parameter_shared_between_partitions() -> None:
+    a, b = nn.Linear(2, 2), nn.Linear(2, 2)
+    b.weight = a.weight
+    with pytest.raises(
+        ValueError, match=r"Parameter '0.weight' of partition 0 is also '1.weight' of partition 1"
+    ):
+        Pipe(nn.Sequential(a, b), [1, 1], devices=["cpu"] * 2)
+
+
+def test_sharing_within_one_partition_is_fine() -> None:
+    shared = nn.Linear(2, 2)
+    pipe = Pipe(nn.Sequential(shared, shared, nn.ReLU()), [2, 1], devices=["cpu"] * 2, chunks=2)
+    pipe(torch.randn(4, 2)).sum().backward()  # type: ignore[union-attr]
+    assert shared.weight.grad is not None
+
+
+def test_layer_name_clashing_with_pipe_attribute() -> None:
+    with pytest.raises(ValueError, match="layer name 'chunks' clashes with a Pipe attribute"):
+        Pipe(nn.Sequential(OrderedDict(chunks=nn.ReLU())), [1], devices=["cpu"])
+
+
+def test_bad_input_is_refused_before_any_work() -> None:
+    calls = []
+
+    class Count(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            calls.append(1)
+            return x
+
+    pipe = Pipe(nn.Sequential(Count()), [1], devices=["cpu"])
+    with pytest.raises(TypeError, match="must be a Tensor or a tuple"):
+        pipe([torch.zeros(1)])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="disagree on the batch size"):
+        pipe((torch.zeros(2), torch.zeros(3)))
+    assert calls == []

@@ -1,0 +1,103 @@
+"""The caller's thread-local state reaches every partition's worker."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from pipeline import Pipe, is_checkpointing, is_recomputing
+
+
+class Probe(nn.Module):
+    """Records the state seen on each call, and computes a matmul."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.seen: list[dict[str, object]] = []
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.linear(x)
+        self.seen.append(
+            {
+                "grad": torch.is_grad_enabled(),
+                "inference": torch.is_inference_mode_enabled(),
+                "autocast": torch.is_autocast_enabled("cpu"),
+                "dtype": y.dtype,
+                "checkpointing": is_checkpointing(),
+                "recomputing": is_recomputing(),
+            }
+        )
+        return y
+
+
+def probed_pipe(checkpoint: str = "never", chunks: int = 2) -> tuple[Pipe, list[Probe]]:
+    probes = [Probe(), Probe()]
+    pipe = Pipe(
+        nn.Sequential(*probes), [1, 1], devices=["cpu"] * 2, chunks=chunks, checkpoint=checkpoint
+    )  # type: ignore[arg-type]
+    return pipe, probes
+
+
+def test_autocast_reaches_every_partition_in_forward_and_recompute() -> None:
+    pipe, probes = probed_pipe(checkpoint="always")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = pipe(torch.randn(4, 4))
+    assert isinstance(out, Tensor) and out.dtype == torch.bfloat16
+    out.float().sum().backward()  # recomputation runs outside the caller's autocast block
+    for probe in probes:
+        forward = [s for s in probe.seen if s["checkpointing"]]
+        recompute = [s for s in probe.seen if s["recomputing"]]
+        assert len(forward) == 2 and len(recompute) == 2
+        assert all(s["autocast"] and s["dtype"] == torch.bfloat16 for s in probe.seen)
+        assert all(s["grad"] for s in recompute) and not any(s["grad"] for s in forward)
+
+
+def test_no_autocast_leaks_into_the_next_call() -> None:
+    pipe, probes = probed_pipe()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        pipe(torch.randn(4, 4))
+    out = pipe(torch.randn(4, 4))
+    assert isinstance(out, Tensor) and out.dtype == torch.float32
+    assert [s["autocast"] for s in probes[1].seen] == [True, True, False, False]
+
+
+def test_no_grad_reaches_workers_and_disables_checkpointing() -> None:
+    pipe, probes = probed_pipe(checkpoint="always")
+    with torch.no_grad():
+        out = pipe(torch.randn(4, 4))
+    assert isinstance(out, Tensor) and not out.requires_grad
+    assert all(not s["grad"] and not s["checkpointing"] for p in probes for s in p.seen)
+
+
+def test_inference_mode_reaches_workers() -> None:
+    pipe, probes = probed_pipe()
+    with torch.inference_mode():
+        out = pipe(torch.randn(4, 4))
+    assert isinstance(out, Tensor) and out.is_inference()
+    assert all(s["inference"] for p in probes for s in p.seen)
+
+
+def test_grad_mode_is_on_in_workers_by_default() -> None:
+    pipe, probes = probed_pipe()
+    pipe(torch.randn(4, 4))
+    assert all(s["grad"] and not s["inference"] for p in probes for s in p.seen)
+
+
+@pytest.mark.parametrize(
+    ("checkpoint", "expected"), [("always", 2), ("except_last", 1), ("never", 0)]
+)
+def test_checkpoint_modes_choose_micro_batches(checkpoint: str, expected: int) -> None:
+    pipe, probes = probed_pipe(checkpoint=checkpoint)
+    pipe(torch.randn(4, 4)).sum().backward()  # type: ignore[union-attr]
+    for probe in probes:
+        assert sum(bool(s["checkpointing"]) for s in probe.seen) == expected
+        assert sum(bool(s["recomputing"]) for s in probe.seen) == expected
+
+
+def test_eval_mode_disables_checkpointing() -> None:
+    pipe, probes = probed_pipe(checkpoint="always")
+    pipe.eval()
+    pipe(torch.randn(4, 4))
+    assert not any(s["checkpointing"] for p in probes for s in p.seen)

@@ -1,0 +1,190 @@
+"""Worker threads: concurrency, exceptions, teardown."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import traceback
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from pipeline import Pipe
+from tests.conftest import pipe_threads
+
+
+class Rendezvous(nn.Module):
+    """Waits at a barrier on its ``call``-th call: both partitions must be inside at once."""
+
+    def __init__(self, barrier: threading.Barrier, call: int) -> None:
+        super().__init__()
+        self.barrier = barrier
+        self.call = call
+        self.calls = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.calls += 1
+        if self.calls == self.call:
+            self.barrier.wait()  # raises BrokenBarrierError after the timeout
+        return x + 1
+
+
+def test_two_cpu_partitions_run_concurrently() -> None:
+    # In cycle 1, partition 0 runs micro-batch 1 while partition 1 runs
+    # micro-batch 0. Serialized, one side would wait alone and time out.
+    barrier = threading.Barrier(2, timeout=10)
+    model = nn.Sequential(Rendezvous(barrier, call=2), Rendezvous(barrier, call=1))
+    pipe = Pipe(model, [1, 1], devices=["cpu", "cpu"], chunks=2)
+    with torch.no_grad():
+        out = pipe(torch.zeros(2, 1))
+    assert torch.equal(out, torch.full((2, 1), 2.0))  # type: ignore[arg-type]
+    assert not barrier.broken
+
+
+def test_each_partition_has_its_own_named_thread() -> None:
+    seen: dict[int, str] = {}
+
+    class Where(nn.Module):
+        def __init__(self, j: int) -> None:
+            super().__init__()
+            self.j = j
+
+        def forward(self, x: Tensor) -> Tensor:
+            seen[self.j] = threading.current_thread().name
+            return x
+
+    pipe = Pipe(nn.Sequential(Where(0), Where(1), Where(2)), [1, 1, 1], devices=["cpu"] * 3)
+    pipe(torch.zeros(1, 1))
+    assert seen == {j: f"pipe-partition-{j}" for j in range(3)}
+    assert len(pipe_threads()) == 3
+
+
+class Boom(nn.Module):
+    """Raises a new ``kind`` exception on its ``when``-th call."""
+
+    def __init__(self, kind: type[Exception], when: int) -> None:
+        super().__init__()
+        self.kind = kind
+        self.when = when
+        self.calls = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.calls += 1
+        if self.calls == self.when:
+            raise self.kind("boom")
+        return x
+
+
+@pytest.mark.parametrize("kind", [ValueError, KeyError, ZeroDivisionError])
+def test_exception_keeps_its_type_and_traceback_and_next_call_works(kind: type[Exception]) -> None:
+    pipe = Pipe(
+        nn.Sequential(nn.Linear(2, 2), Boom(kind, when=2), nn.Linear(2, 2)),
+        [1, 1, 1],
+        devices=["cpu"] * 3,
+        chunks=4,
+    )
+    with pytest.raises(kind) as info:
+        pipe(torch.randn(8, 2))
+    frames = traceback.extract_tb(info.value.__traceback__)
+    assert any(frame.name == "forward" and "test_worker" in frame.filename for frame in frames)
+    out = pipe(torch.randn(8, 2))  # the workers survived
+    assert isinstance(out, Tensor) and out.shape == (8, 2)
+    assert len(pipe_threads()) == 3
+
+
+def test_exception_in_backward_recompute_reaches_the_caller() -> None:
+    class FailOnRecompute(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            from pipeline import is_recomputing
+
+            if is_recomputing():
+                raise RuntimeError("recompute failed")
+            return x * 2
+
+    pipe = Pipe(
+        nn.Sequential(nn.Linear(2, 2), FailOnRecompute()),
+        [1, 1],
+        devices=["cpu"] * 2,
+        chunks=2,
+        checkpoint="always",
+    )
+    out = pipe(torch.randn(4, 2))
+    with pytest.raises(RuntimeError, match="recompute failed"):
+        out.sum().backward()  # type: ignore[union-attr]
+
+
+def test_partition_returning_a_non_tensor_is_a_type_error() -> None:
+    class ReturnsList(nn.Module):
+        def forward(self, x: Tensor) -> list[Tensor]:
+            return [x]
+
+    pipe = Pipe(nn.Sequential(nn.Identity(), ReturnsList()), [1, 1], devices=["cpu"] * 2)
+    with pytest.raises(TypeError, match="partition 1 returned list"):
+        pipe(torch.zeros(2, 2))
+
+
+def test_close_stops_threads_and_refuses_more_work() -> None:
+    pipe = Pipe(nn.Sequential(nn.Identity(), nn.Identity()), [1, 1], devices=["cpu"] * 2)
+    assert len(pipe_threads()) == 2
+    pipe.close()
+    assert pipe_threads() == []
+    with pytest.raises(RuntimeError, match="Pipe is closed"):
+        pipe(torch.zeros(1, 1))
+    pipe.close()  # idempotent
+
+
+def test_garbage_collection_stops_threads_of_many_pipes() -> None:
+    pipes = [
+        Pipe(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), [1, 1], devices=["cpu"] * 2, chunks=2)
+        for _ in range(5)
+    ]
+    for pipe in pipes:
+        pipe(torch.randn(4, 2)).sum().backward()  # type: ignore[union-attr]
+    assert len(pipe_threads()) == 10
+    del pipe, pipes
+    gc.collect()
+    assert pipe_threads() == []
+
+
+def test_pipe_is_freed_while_its_output_graph_is_alive() -> None:
+    import weakref
+
+    pipe = Pipe(
+        nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)),
+        [1, 1],
+        devices=["cpu"] * 2,
+        chunks=2,
+        checkpoint="always",
+    )
+    out = pipe(torch.randn(4, 2))
+    ref = weakref.ref(pipe)
+    del pipe
+    gc.collect()
+    assert ref() is None and pipe_threads() == []
+    out.sum().backward()  # type: ignore[union-attr]  # the graph does not need the Pipe
+
+
+def test_interrupt_while_waiting_leaves_no_stale_result_for_the_next_call() -> None:
+    import _thread
+    import time
+
+    class InterruptOnce(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fired = False
+
+        def forward(self, x: Tensor) -> Tensor:
+            if not self.fired:
+                self.fired = True
+                _thread.interrupt_main()
+                time.sleep(0.2)  # the caller is interrupted while this task still runs
+            return x * 2
+
+    pipe = Pipe(
+        nn.Sequential(nn.Identity(), InterruptOnce()), [1, 1], devices=["cpu"] * 2, chunks=2
+    )
+    with pytest.raises(KeyboardInterrupt):
+        pipe(torch.ones(2, 1))
+    out = pipe(torch.full((2, 1), 3.0))
+    assert torch.equal(out, torch.full((2, 1), 6.0))  # type: ignore[arg-type]
