@@ -86,6 +86,12 @@ def run_group(
     return outcomes
 
 
+@pytest.fixture
+def port() -> int:
+    """A free TCP port on 127.0.0.1."""
+    return free_port()
+
+
 @pytest.fixture(scope="session")
 def group_runner(tmp_path_factory: pytest.TempPathFactory) -> GroupRunner:
     """run_group, each call in a fresh temporary directory."""
