@@ -12,8 +12,9 @@ import torch.distributed as dist
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
-# Long enough for a slow first step, short enough that a rank which died
-# mid-step turns into an error on the others within minutes, not torch's 30.
+# Long enough for a slow first step, short enough that a rank which stalls
+# mid-step turns into an error on the others within minutes, not after
+# torch's default of 30.
 DEFAULT_TIMEOUT = timedelta(minutes=5)
 
 

@@ -156,6 +156,18 @@ def sgd_keeps_replicas_identical() -> None:
     assert_params_close(model, full_batch, "4 SGD steps vs full batch")
 
 
+@scenario
+def trace_names_the_work() -> None:
+    dp = DataParallel(mlp(seed=11), **SMALL_BUCKETS)
+    x, y = global_batch(0)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        F.mse_loss(dp(shard(x)), shard(y)).backward()
+    names = {event.name for event in prof.events()}
+    expected = {f"dp.allreduce[bucket={k}]" for k in range(len(dp.reducer.buckets))}
+    expected |= {"dp.wait[bucket=0]", "dp.finish_backward", "dp.rebuild_buckets"}
+    assert expected <= names, f"missing from the trace: {sorted(expected - names)}"
+
+
 class RegisteredBackwards(nn.Module):
     """Registers `late` before `early` but runs `early` first, so readiness order differs."""
 

@@ -15,6 +15,7 @@ SHARED = [
     "matches_ddp_and_full_batch",
     "sgd_keeps_replicas_identical",
     "buckets_rebuilt_in_ready_order",
+    "trace_names_the_work",
     "no_sync_accumulates_locally",
     "unused_parameter_with_flag",
     "buffers_broadcast",
