@@ -3,6 +3,7 @@
 from pipeline import skip
 from pipeline.batchnorm import DeferredBatchNorm
 from pipeline.checkpoint import is_checkpointing, is_recomputing
+from pipeline.distributed import DataParallel
 from pipeline.microbatch import NoChunk
 from pipeline.pipe import BalanceError, Pipe
 from pipeline.rng import mark_random
@@ -10,6 +11,7 @@ from pipeline.trace import Trace, trace
 
 __all__ = [
     "BalanceError",
+    "DataParallel",
     "DeferredBatchNorm",
     "NoChunk",
     "Pipe",

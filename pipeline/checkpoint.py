@@ -24,14 +24,14 @@ from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from pipeline.dependency import join
 from pipeline.microbatch import Batch, TensorOrValues
 from pipeline.phony import get_phony
 from pipeline.threadstate import ThreadState
 
-__all__ = ["Checkpointing", "is_checkpointing", "is_recomputing"]
+__all__ = ["Checkpointing", "is_checkpointing", "is_recomputing", "starts_in_place"]
 
 Function = Callable[[TensorOrValues], TensorOrValues]
 
@@ -69,7 +69,9 @@ class Checkpointing:
     """Checkpoints one task: ``checkpoint()`` in forward, ``recompute()`` in backward.
 
     ``replay_rng`` re-enters the random state of the forward pass; ``state``
-    carries the forward's autocast state into recomputation.
+    carries the forward's autocast state into recomputation. Recomputation
+    starts from the inputs the forward pass saw, so a function that writes
+    into its inputs (an in-place first layer) gets copies: ``protect_inputs``.
     """
 
     def __init__(
@@ -78,11 +80,16 @@ class Checkpointing:
         device: torch.device,
         state: ThreadState,
         replay_rng: Callable[[], AbstractContextManager[None]],
+        *,
+        partition: int,
+        protect_inputs: bool,
     ) -> None:
         self.function = function
+        self.partition = partition
         self.device = device
         self.state = state
         self.replay_rng = replay_rng
+        self.protect_inputs = protect_inputs
         self.atomic = True
         self.recomputed: tuple[TensorOrValues, list[Any]] | None = None
 
@@ -100,7 +107,23 @@ class Checkpointing:
         return out
 
     def call(self, inputs: list[Any] | tuple[Any, ...]) -> TensorOrValues:
+        if self.protect_inputs:
+            inputs = [x.clone() if isinstance(x, Tensor) else x for x in inputs]
         return self.function(inputs[0] if self.atomic else tuple(inputs))
+
+    def call_without_grad(self, inputs: tuple[Any, ...]) -> TensorOrValues:
+        """The forward pass: no activations kept, inputs left as they were."""
+        versions = [x._version for x in inputs if isinstance(x, Tensor)]
+        with torch.no_grad():
+            output = self.call(inputs)
+        if versions != [x._version for x in inputs if isinstance(x, Tensor)]:
+            raise RuntimeError(
+                f"checkpointed partition {self.partition} modified its input in place, so "
+                "recomputation would start from the modified values; give its first layer an "
+                "attribute inplace=True (the Pipe then hands it a copy), make that layer "
+                "out-of-place, or use checkpoint='never'"
+            )
+        return output
 
     def recompute(self, inputs: list[Any]) -> None:
         """Run the function again with grad, as in the forward pass; keep the graph."""
@@ -121,12 +144,19 @@ def _detached_leaf(x: Any) -> Any:
     return x.detach().requires_grad_(x.requires_grad)
 
 
+def starts_in_place(partition: nn.Sequential) -> bool:
+    """Whether the first layer of ``partition`` declares that it writes into its input."""
+    first: nn.Module = partition
+    while isinstance(first, nn.Sequential) and len(first) > 0:
+        first = first[0]
+    return getattr(first, "inplace", False) is True
+
+
 class Checkpoint(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, phony: Tensor, chk: Checkpointing, *inputs: Any) -> Any:
         ctx.chk = chk
-        with torch.no_grad():
-            return chk.call(inputs)
+        return chk.call_without_grad(inputs)
 
     @staticmethod
     def backward(ctx: Any, *grad_output: Tensor | None) -> Any:

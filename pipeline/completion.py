@@ -53,7 +53,8 @@ class Arrival(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, input: Tensor, completion: PartitionCompletion) -> Tensor:
         ctx.completion = completion
-        return input.view_as(input)
+        # detach(), unlike a view, lets the partition write into its input.
+        return input.detach()
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:

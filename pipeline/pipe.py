@@ -172,8 +172,7 @@ class Pipe(nn.Module):
         return super().to(*args, **kwargs)
 
     def cuda(self, device: Device | None = None) -> Pipe:
-        target = torch.device("cuda", torch.cuda.current_device()) if device is None else device
-        self._refuse_move(_normalize_device(target), "cuda")
+        self._refuse_move(_normalize_device("cuda" if device is None else device), "cuda")
         return self
 
     def cpu(self) -> Pipe:
@@ -243,7 +242,7 @@ def _normalize_device(device: Device) -> torch.device:
     if isinstance(device, int) and not isinstance(device, bool):
         device = torch.device("cuda", device)
     device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
     return device
 
@@ -268,7 +267,7 @@ def _resolve_devices(devices: Sequence[Device] | None, partitions: int) -> list[
             "give one device per partition (a device may appear several times)"
         )
     for device in resolved:
-        if device.type == "cuda" and device.index >= torch.cuda.device_count():
+        if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
             raise ValueError(
                 f"device {device} is not available (torch.cuda.device_count() is "
                 f"{torch.cuda.device_count()})"

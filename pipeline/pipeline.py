@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from pipeline import rng
-from pipeline.checkpoint import Checkpointing, Function
+from pipeline.checkpoint import Checkpointing, Function, starts_in_place
 from pipeline.completion import Arrival, Hook, PartitionCompletion
 from pipeline.copy import Copy, Wait
 from pipeline.dependency import depend
@@ -54,6 +54,7 @@ class Pipeline:
         self.workers = workers
         self.skip_layout = skip_layout
         self.random_layers = [rng.may_draw_random(p) for p in partitions]
+        self.protect_inputs = [starts_in_place(p) for p in partitions]
         self.copy_streams: list[list[Stream]] = [[] for _ in partitions]
 
     def run(self, batches: list[Batch], checkpoint_stop: int, completion_hooks: list[Hook]) -> None:
@@ -166,10 +167,15 @@ class _Step:
             contextlib.nullcontext() if seed is None else rng.seeded(device, seed),
         ):
             if i < self.checkpoint_stop:
-                replay = _rng_replay(device, seed)
-                return Checkpointing(function, device, self.state, replay).checkpoint(
-                    self.batches[i]
+                chk = Checkpointing(
+                    function,
+                    device,
+                    self.state,
+                    _rng_replay(device, seed),
+                    partition=j,
+                    protect_inputs=self.pipeline.protect_inputs[j],
                 )
+                return chk.checkpoint(self.batches[i])
             return self.batches[i].call(function)
 
     def _mark_arrival(self, i: int, j: int) -> None:

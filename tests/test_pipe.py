@@ -125,6 +125,12 @@ def test_more_partitions_than_devices() -> None:
 def test_unavailable_cuda_device() -> None:
     with pytest.raises(ValueError, match=r"device cuda:\d+ is not available"):
         Pipe(mlp(), [3, 3], devices=["cpu", f"cuda:{torch.cuda.device_count()}"])
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"device cuda is not available"):
+            Pipe(mlp(), [3, 3], devices=["cpu", "cuda"])
+        pipe = Pipe(mlp(), [6], devices=["cpu"])
+        with pytest.raises(ValueError, match=r"Pipe.cuda\(cuda\) would move partitions"):
+            pipe.cuda()
 
 
 def test_extra_devices_are_ignored_like_torchgpipe() -> None:

@@ -1,0 +1,141 @@
+"""DataParallel: one model replica per process, gradients averaged by bucketed all-reduce."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.profiler import record_function
+
+from pipeline.distributed.broadcast import broadcast_from_rank0
+from pipeline.distributed.partitions import SignalsPartitionBackward, partition_of_each
+from pipeline.distributed.process_group import resolve_group
+from pipeline.distributed.reducer import Reducer
+from pipeline.distributed.replicas import check_replicas_match
+
+
+class DataParallel(nn.Module):
+    """Data parallelism across replicas of a model (typically a pipeline.Pipe), one per process.
+
+    Every process wraps an identical model; each forward sees that process's
+    share of the batch, and after `backward()` every replica's `.grad` holds
+    the gradient averaged over all processes, so identical optimizer steps
+    keep the replicas equal. Gradients are reduced in buckets while the
+    backward pass is still running.
+
+    Args:
+        module: the replica. If it implements `register_partition_backward_hook`
+            (pipeline.Pipe does), a partition's buckets are reduced as soon as
+            the pipeline signals that the partition's gradients are final;
+            otherwise each parameter is ready when its gradient is accumulated.
+        process_group: the group to average over (default: the default group).
+        bucket_cap_mb: size of a gradient bucket in MiB.
+        first_bucket_mb: size of the first bucket in MiB, small so that
+            communication starts early in the backward pass.
+        broadcast_buffers: broadcast rank 0's buffers before each forward that
+            records a graph (outside `no_sync`).
+        find_unused_parameters: allow parameters that get no gradient in a step;
+            their buckets are completed with zeros, and a parameter no rank used
+            keeps its `.grad` untouched.
+        gradient_as_bucket_view: make each `.grad` a view into its bucket,
+            saving one copy of the gradients in memory.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        process_group: dist.ProcessGroup | None = None,
+        bucket_cap_mb: float = 25,
+        first_bucket_mb: float = 1,
+        broadcast_buffers: bool = True,
+        find_unused_parameters: bool = False,
+        gradient_as_bucket_view: bool = False,
+    ) -> None:
+        super().__init__()
+        named_params = _validate(module, bucket_cap_mb, first_bucket_mb)
+        group = resolve_group(process_group)
+        check_replicas_match(module, group)
+        with record_function("dp.broadcast_state"):
+            broadcast_from_rank0(
+                [*module.parameters(), *module.buffers()], group, "parameters and buffers"
+            )
+
+        self.module = module
+        self.process_group = group
+        self.broadcast_buffers = broadcast_buffers
+        # Walking the module tree on every forward costs more than the
+        # broadcast of a small model's buffers; like DDP, take them once.
+        self._synced_buffers = list(module.buffers())
+        self._sync = True
+        partitions = partition_of_each(module, [p for _, p in named_params])
+        self.reducer = Reducer(
+            named_params,
+            partitions,
+            group,
+            cap_bytes=int(bucket_cap_mb * 2**20),
+            first_cap_bytes=int(first_bucket_mb * 2**20),
+            find_unused=find_unused_parameters,
+            as_view=gradient_as_bucket_view,
+        )
+        if isinstance(module, SignalsPartitionBackward):
+            module.register_partition_backward_hook(self.reducer.on_partition_done)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the replica; when it records a graph, its backward will average gradients."""
+        records_graph = torch.is_grad_enabled()
+        if records_graph and self._sync and self.broadcast_buffers:
+            self._broadcast_buffers()
+        output = self.module(*args, **kwargs)
+        if records_graph and self._sync:
+            self.reducer.prepare_for_backward(output)
+        elif records_graph:
+            self.reducer.disarm()
+        return output
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Within this context, backward accumulates gradients locally without communicating.
+
+        The first backward after the context averages everything accumulated.
+        """
+        previous = self._sync
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def _broadcast_buffers(self) -> None:
+        if self._synced_buffers:
+            with record_function("dp.broadcast_buffers"):
+                broadcast_from_rank0(self._synced_buffers, self.process_group, "buffers")
+
+
+def _validate(
+    module: nn.Module, bucket_cap_mb: float, first_bucket_mb: float
+) -> list[tuple[str, nn.Parameter]]:
+    """Reject bad arguments before any communication; return the trainable parameters."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"DataParallel wraps an nn.Module, got {type(module).__name__}")
+    for name, value in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_mb", first_bucket_mb)):
+        if not value > 0:
+            raise ValueError(f"{name} must be a positive number of MiB, got {value!r}")
+    for name, sub in module.named_modules():
+        if getattr(sub, "sparse", False) is True:
+            raise ValueError(
+                f"DataParallel averages dense gradients only, but '{name}' "
+                f"({type(sub).__name__}) produces sparse ones; construct it with sparse=False"
+            )
+    named_params = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+    if not named_params:
+        raise ValueError(
+            f"DataParallel: the {type(module).__name__} has no parameters that require grad, "
+            "so there are no gradients to average; train it without DataParallel or "
+            "unfreeze some parameters"
+        )
+    return named_params

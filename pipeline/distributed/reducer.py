@@ -1,0 +1,244 @@
+"""The reducer: turns gradient readiness during backward into overlapped, bucketed all-reduces."""
+
+from __future__ import annotations
+
+import threading
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.profiler import record_function
+
+from pipeline.distributed.autograd_graph import leaves_reached, tensors_in
+from pipeline.distributed.broadcast import broadcast_from_rank0
+from pipeline.distributed.buckets import assign_buckets
+from pipeline.distributed.grad_bucket import GradBucket
+
+
+class Reducer:
+    """Averages gradients across ranks while the backward pass is still running.
+
+    A gradient is "ready" when it is final for this backward. Readiness comes
+    from one of two places:
+
+    - per parameter, for any module: the hook on the parameter's gradient
+      accumulator, which autograd runs once per backward;
+    - per partition, for a pipeline (`partitions` given): there an accumulator
+      runs once per micro-batch, so only the pipeline knows when a partition's
+      gradients are final, and it calls `on_partition_done(j)`.
+
+    A bucket whose gradients are all loaded is all-reduced at once, but buckets
+    are launched strictly in index order, which is identical on every rank,
+    because collectives on one group must be issued in the same order
+    everywhere. An autograd engine callback at the end of backward loads what
+    was never signalled, waits for every all-reduce and writes the averages
+    into `.grad`. After the first reduced backward the buckets are rebuilt
+    once, in the order the gradients actually became ready on rank 0.
+    """
+
+    def __init__(
+        self,
+        named_params: list[tuple[str, nn.Parameter]],
+        partitions: list[int] | None,
+        group: dist.ProcessGroup,
+        *,
+        cap_bytes: int,
+        first_cap_bytes: int,
+        find_unused: bool,
+        as_view: bool,
+    ) -> None:
+        self._names = [name for name, _ in named_params]
+        self._params = [param for _, param in named_params]
+        self._partitions = partitions
+        self._group = group
+        self._world_size = dist.get_world_size(group)
+        self._rank = dist.get_rank(group)
+        self._cap_bytes = cap_bytes
+        self._first_cap_bytes = first_cap_bytes
+        self._find_unused = find_unused
+        self._as_view = as_view
+
+        # Autograd may run hooks on one thread per device at the same time.
+        self._lock = threading.Lock()
+        self._armed = False
+        self._callback_queued = False
+        self._ready = [False] * len(self._params)
+        self._ready_order: list[int] = []
+        self._next_launch = 0
+        self._rebuilt = False
+        self._build_buckets(list(reversed(range(len(self._params)))))
+        if partitions is None:
+            for index, param in enumerate(self._params):
+                param.register_post_accumulate_grad_hook(partial(self._on_accumulated, index))
+
+    @property
+    def buckets(self) -> list[GradBucket]:
+        """The current buckets, in launch order."""
+        return self._buckets
+
+    def prepare_for_backward(self, output: Any) -> None:
+        """Arm the reducer for the backward of `output`; called after every synced forward."""
+        outputs = [t for t in tensors_in(output) if t.requires_grad]
+        with self._lock:
+            self._start_iteration()
+            self._armed = True
+        for tensor in outputs:
+            tensor.register_hook(self._on_output_grad)
+        if self._find_unused and self._partitions is None:
+            self._mark_unreached_ready(leaves_reached(outputs))
+
+    def disarm(self) -> None:
+        """Let the next backward accumulate gradients locally (no_sync)."""
+        with self._lock:
+            self._armed = False
+
+    def on_partition_done(self, partition: int) -> None:
+        """Pipeline hook: partition `partition`'s gradients are final, reduce its buckets."""
+        with self._lock:
+            if not self._armed:
+                return
+            members = self._partition_members.get(partition, [])
+            if members and self._ready[members[0]]:
+                raise RuntimeError(
+                    f"DataParallel: partition {partition} signalled the end of its backward "
+                    "twice in one backward pass; run one forward per backward (to accumulate "
+                    "gradients over several, use no_sync() for all but the last)"
+                )
+            for index in members:
+                self._mark_ready(index)
+            self._launch_in_order()
+
+    def _build_buckets(self, order: list[int]) -> None:
+        specs = assign_buckets(
+            self._params,
+            order,
+            cap_bytes=self._cap_bytes,
+            first_cap_bytes=self._first_cap_bytes,
+            partitions=self._partitions,
+        )
+        self._buckets = [
+            GradBucket(
+                k,
+                [self._params[i] for i in spec.indices],
+                world_size=self._world_size,
+                track_use=self._find_unused,
+                as_view=self._as_view,
+            )
+            for k, spec in enumerate(specs)
+        ]
+        self._slot_of = {
+            i: (k, slot) for k, spec in enumerate(specs) for slot, i in enumerate(spec.indices)
+        }
+        self._partition_members: dict[int, list[int]] = {}
+        for spec in specs:
+            self._partition_members.setdefault(spec.partition, []).extend(spec.indices)
+
+    def _start_iteration(self) -> None:
+        self._callback_queued = False
+        self._ready = [False] * len(self._params)
+        self._ready_order = []
+        self._next_launch = 0
+        for bucket in self._buckets:
+            bucket.reset()
+
+    def _on_output_grad(self, grad: torch.Tensor) -> None:
+        # The output's gradient is the first thing the outer backward computes,
+        # so the callback lands on its graph task, not on a nested one (such as
+        # a checkpoint's recomputation) that would end too early.
+        with self._lock:
+            if not self._armed or self._callback_queued:
+                return
+            self._callback_queued = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+
+    def _on_accumulated(self, index: int, param: nn.Parameter) -> None:
+        with self._lock:
+            if not self._armed:
+                return
+            if self._ready[index]:
+                raise RuntimeError(
+                    f"DataParallel: parameter '{self._names[index]}' received its gradient "
+                    "twice in one backward pass. A module that runs a parameter's backward in "
+                    "pieces (micro-batches, reentrant checkpointing) must tell DataParallel when "
+                    "gradients are final: wrap a pipeline.Pipe, which implements "
+                    "register_partition_backward_hook."
+                )
+            self._mark_ready(index)
+            self._launch_in_order()
+
+    def _mark_unreached_ready(self, reached: set[int]) -> None:
+        # Unreached parameters will get no gradient; loading them now lets their
+        # buckets launch during backward. Launching waits for the backward, so
+        # a forward that is never followed by one leaves no collective behind.
+        with self._lock:
+            for index, param in enumerate(self._params):
+                if id(param) not in reached:
+                    self._mark_ready(index)
+
+    def _mark_ready(self, index: int) -> None:
+        if self._params[index].grad is None and not self._find_unused:
+            raise RuntimeError(self._unused_message([index]))
+        self._ready[index] = True
+        self._ready_order.append(index)
+        bucket, slot = self._slot_of[index]
+        self._buckets[bucket].load(slot)
+
+    def _launch_in_order(self) -> None:
+        while self._next_launch < len(self._buckets) and self._buckets[self._next_launch].full:
+            bucket = self._buckets[self._next_launch]
+            try:
+                bucket.launch(self._group)
+            except RuntimeError as error:
+                raise self._comm_error(bucket, error) from error
+            self._next_launch += 1
+
+    def _finish_backward(self) -> None:
+        with record_function("dp.finish_backward"):
+            with self._lock:
+                self._armed = False
+                self._load_unsignalled()
+                self._launch_in_order()
+            for bucket in self._buckets:
+                try:
+                    bucket.wait()
+                except RuntimeError as error:
+                    raise self._comm_error(bucket, error) from error
+                bucket.store()
+            if not self._rebuilt:
+                self._rebuild_in_ready_order()
+
+    def _load_unsignalled(self) -> None:
+        missing = [i for i, ready in enumerate(self._ready) if not ready]
+        if missing and self._partitions is None and not self._find_unused:
+            raise RuntimeError(self._unused_message(missing))
+        for index in missing:
+            self._mark_ready(index)
+
+    def _rebuild_in_ready_order(self) -> None:
+        with record_function("dp.rebuild_buckets"):
+            # Ranks may see different orders (threads, data-dependent branches);
+            # all must build the same buckets, so rank 0's order wins.
+            order = torch.tensor(self._ready_order, dtype=torch.int64)
+            order = order.to(self._buckets[0].flat.device)
+            broadcast_from_rank0([order], self._group, "the bucket order")
+            self._build_buckets(order.tolist())
+            self._rebuilt = True
+
+    def _unused_message(self, indices: list[int]) -> str:
+        names = ", ".join(f"'{self._names[i]}'" for i in indices[:5])
+        more = f" and {len(indices) - 5} more" if len(indices) > 5 else ""
+        return (
+            f"DataParallel: parameter {names}{more} received no gradient in this backward "
+            f"pass on rank {self._rank}. If some parameters are legitimately unused in a "
+            "step (a branch not taken, a head without loss), pass "
+            "find_unused_parameters=True; otherwise make sure every parameter contributes "
+            "to the loss."
+        )
+
+    def _comm_error(self, bucket: GradBucket, error: RuntimeError) -> RuntimeError:
+        return RuntimeError(
+            f"DataParallel: all-reduce of {bucket.describe()} failed or timed out on rank "
+            f"{self._rank}: {error}"
+        )

@@ -1,0 +1,521 @@
+"""DataParallel scenarios, run by every rank of a small gloo process group.
+
+Started by conftest.run_group as `python scenarios.py OUT.json PG_TIMEOUT_S NAME...`
+with torchrun's environment variables set; each rank runs the named scenarios
+in order and writes {name: "ok" or the traceback} to OUT.json.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.checkpoint import checkpoint
+
+from pipeline import DataParallel, Pipe
+from pipeline.distributed import init_process_group_from_env
+
+SCENARIOS: dict[str, Callable[[], None]] = {}
+BREAKS_GROUP: set[str] = set()
+
+# Caps of a few KiB, so the small test models still span several buckets.
+SMALL_BUCKETS = {"bucket_cap_mb": 2e-3, "first_bucket_mb": 5e-4}
+WIDTH = 16
+PG_TIMEOUT_S = 20.0  # set from the command line by main()
+
+
+def scenario(fn: Callable[[], None]) -> Callable[[], None]:
+    """Register a scenario under its function name."""
+    SCENARIOS[fn.__name__] = fn
+    return fn
+
+
+def breaks_group(fn: Callable[[], None]) -> Callable[[], None]:
+    """Mark a scenario after which the process group can no longer be used."""
+    BREAKS_GROUP.add(fn.__name__)
+    return fn
+
+
+class SimulatedCrashError(Exception):
+    """Raised by a scenario on the rank that should die abruptly at that point."""
+
+
+def rank() -> int:
+    return dist.get_rank()
+
+
+def world() -> int:
+    return dist.get_world_size()
+
+
+def mlp(seed: int, depth: int = 4) -> nn.Sequential:
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(WIDTH, WIDTH), nn.Tanh()]
+    layers.append(nn.Linear(WIDTH, 1))
+    return nn.Sequential(*layers)
+
+
+def global_batch(step: int, rows_per_rank: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same full batch on every rank; each rank trains on its shard()."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    rows = rows_per_rank * world()
+    return torch.randn(rows, WIDTH, generator=gen), torch.randn(rows, 1, generator=gen)
+
+
+def shard(tensor: torch.Tensor, of_rank: int | None = None) -> torch.Tensor:
+    return tensor.chunk(world())[rank() if of_rank is None else of_rank]
+
+
+def grads(model: nn.Module) -> list[torch.Tensor | None]:
+    return [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+
+
+def assert_grads_close(actual: nn.Module, expected: nn.Module, what: str) -> None:
+    for (name, a), b in zip(actual.named_parameters(), expected.parameters(), strict=True):
+        assert (a.grad is None) == (b.grad is None), f"{what}: {name} grad presence differs"
+        if a.grad is not None and b.grad is not None:
+            torch.testing.assert_close(a.grad, b.grad, msg=lambda m, n=name: f"{what}: {n}: {m}")
+
+
+def assert_params_close(actual: nn.Module, expected: nn.Module, what: str) -> None:
+    for (name, a), b in zip(actual.named_parameters(), expected.parameters(), strict=True):
+        torch.testing.assert_close(a, b, msg=lambda m, n=name: f"{what}: {n}: {m}")
+
+
+def assert_equal_on_all_ranks(tensors: list[torch.Tensor], what: str) -> None:
+    for index, tensor in enumerate(tensors):
+        gathered = [torch.empty_like(tensor) for _ in range(world())]
+        dist.all_gather(gathered, tensor.detach().contiguous())
+        for other, value in enumerate(gathered):
+            assert torch.equal(value, gathered[0]), f"{what} #{index}: rank {other} != rank 0"
+
+
+def expect_error(kind: type[Exception], run: Callable[[], Any], *fragments: str) -> str:
+    try:
+        run()
+    except kind as error:
+        message = str(error)
+        for fragment in fragments:
+            assert fragment in message, f"{fragment!r} missing from: {message}"
+        return message
+    raise AssertionError(f"expected {kind.__name__} mentioning {fragments}")
+
+
+# ---------------------------------------------------------------- plain models
+
+
+@scenario
+def matches_ddp_and_full_batch() -> None:
+    model = mlp(seed=0)
+    full_batch, ddp_model = copy.deepcopy(model), copy.deepcopy(model)
+    dp = DataParallel(model, **SMALL_BUCKETS)
+    ddp = DistributedDataParallel(ddp_model, bucket_cap_mb=SMALL_BUCKETS["bucket_cap_mb"])
+    assert len(dp.reducer.buckets) >= 3, "the test model should span several buckets"
+
+    x, y = global_batch(0)
+    F.mse_loss(dp(shard(x)), shard(y)).backward()
+    F.mse_loss(ddp(shard(x)), shard(y)).backward()
+    F.mse_loss(full_batch(x), y).backward()
+    assert_grads_close(model, ddp_model, "DataParallel vs DDP")
+    assert_grads_close(model, full_batch, "DataParallel vs full batch")
+
+
+@scenario
+def sgd_keeps_replicas_identical() -> None:
+    # Different initialisation per rank: construction must broadcast rank 0's.
+    model = mlp(seed=1 + rank())
+    full_batch = mlp(seed=1)
+    dp = DataParallel(model, **SMALL_BUCKETS)
+    opt = torch.optim.SGD(dp.parameters(), lr=0.05, momentum=0.9)
+    full_opt = torch.optim.SGD(full_batch.parameters(), lr=0.05, momentum=0.9)
+    for step in range(4):
+        x, y = global_batch(step)
+        opt.zero_grad()
+        F.mse_loss(dp(shard(x)), shard(y)).backward()
+        opt.step()
+        full_opt.zero_grad()
+        F.mse_loss(full_batch(x), y).backward()
+        full_opt.step()
+    assert_equal_on_all_ranks(list(model.parameters()), "parameter after 4 steps")
+    assert_params_close(model, full_batch, "4 SGD steps vs full batch")
+
+
+@scenario
+def trace_names_the_work() -> None:
+    dp = DataParallel(mlp(seed=11), **SMALL_BUCKETS)
+    x, y = global_batch(0)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        F.mse_loss(dp(shard(x)), shard(y)).backward()
+    names = {event.name for event in prof.events()}
+    expected = {f"dp.allreduce[bucket={k}]" for k in range(len(dp.reducer.buckets))}
+    expected |= {"dp.wait[bucket=0]", "dp.finish_backward", "dp.rebuild_buckets"}
+    assert expected <= names, f"missing from the trace: {sorted(expected - names)}"
+
+
+class RegisteredBackwards(nn.Module):
+    """Registers `late` before `early` but runs `early` first, so readiness order differs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(2)
+        self.late = nn.Linear(WIDTH, 1)
+        self.early = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.late(self.early(x).tanh())
+
+
+@scenario
+def buckets_rebuilt_in_ready_order() -> None:
+    model = RegisteredBackwards()
+    full_batch = copy.deepcopy(model)
+    dp = DataParallel(model, bucket_cap_mb=1e-4, first_bucket_mb=1e-4)
+    late = {id(p) for p in model.late.parameters()}
+    # Initial order: reverse registration, so `early` (registered last) comes first.
+    assert id(dp.reducer.buckets[0].params[0]) not in late
+    for step in range(2):
+        x, y = global_batch(step)
+        dp.zero_grad()
+        full_batch.zero_grad()
+        F.mse_loss(dp(shard(x)), shard(y)).backward()
+        F.mse_loss(full_batch(x), y).backward()
+        assert_grads_close(model, full_batch, f"step {step}")
+        # `late` runs last in forward, so its gradients are ready first.
+        assert id(dp.reducer.buckets[0].params[0]) in late, "buckets not rebuilt"
+
+
+@scenario
+def no_sync_accumulates_locally() -> None:
+    model = mlp(seed=3)
+    full_batch, local = copy.deepcopy(model), copy.deepcopy(model)
+    dp = DataParallel(model)
+    batches = [global_batch(step) for step in range(3)]
+    with dp.no_sync():
+        for x, y in batches[:2]:
+            F.mse_loss(dp(shard(x)), shard(y)).backward()
+            F.mse_loss(local(shard(x)), shard(y)).backward()
+    assert_grads_close(model, local, "inside no_sync (no communication)")
+    x, y = batches[2]
+    F.mse_loss(dp(shard(x)), shard(y)).backward()
+    for x, y in batches:
+        F.mse_loss(full_batch(x), y).backward()
+    assert_grads_close(model, full_batch, "two no_sync steps then a synced one")
+
+
+class TwoHeads(nn.Module):
+    """A trunk and two heads, of which each forward uses one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(4)
+        self.trunk = nn.Linear(WIDTH, WIDTH)
+        self.head_a = nn.Linear(WIDTH, 1)
+        self.head_b = nn.Linear(WIDTH, 1)
+
+    def forward(self, x: torch.Tensor, use_b: bool = False) -> torch.Tensor:
+        hidden = self.trunk(x).tanh()
+        return self.head_b(hidden) if use_b else self.head_a(hidden)
+
+
+@scenario
+def unused_parameter_without_flag_raises() -> None:
+    dp = DataParallel(TwoHeads())
+    x, y = global_batch(0)
+    loss = F.mse_loss(dp(shard(x)), shard(y))
+    expect_error(RuntimeError, loss.backward, "'head_b.weight'", "find_unused_parameters=True")
+
+
+@scenario
+def unused_parameter_with_flag() -> None:
+    model = TwoHeads()
+    replicas = [copy.deepcopy(model) for _ in range(world())]
+    dp = DataParallel(model, find_unused_parameters=True, **SMALL_BUCKETS)
+    x, y = global_batch(0)
+    # Only rank 0 takes head_b: its gradient is rank 0's share of the average.
+    F.mse_loss(dp(shard(x), use_b=rank() == 0), shard(y)).backward()
+    for r, replica in enumerate(replicas):
+        F.mse_loss(replica(shard(x, r), use_b=r == 0), shard(y, r)).backward()
+    for name, param in model.named_parameters():
+        shares = [dict(rep.named_parameters())[name].grad for rep in replicas]
+        expected = sum(torch.zeros_like(param) if g is None else g for g in shares) / world()
+        assert param.grad is not None, f"{name} has no gradient"
+        torch.testing.assert_close(param.grad, expected, msg=lambda m, n=name: f"{n}: {m}")
+
+    # When no rank uses head_b, its .grad is left untouched (None after zero_grad).
+    dp.zero_grad()
+    F.mse_loss(dp(shard(x)), shard(y)).backward()
+    assert model.head_b.weight.grad is None and model.head_b.bias.grad is None
+    assert model.head_a.weight.grad is not None
+
+
+class Shifted(nn.Module):
+    """A linear layer plus a buffer that the forward adds to its output."""
+
+    def __init__(self, offset: float) -> None:
+        super().__init__()
+        torch.manual_seed(5)
+        self.linear = nn.Linear(WIDTH, 1)
+        self.register_buffer("offset", torch.full((1,), offset))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) + self.offset
+
+
+@scenario
+def buffers_broadcast() -> None:
+    x, _ = global_batch(0)
+    model = Shifted(offset=10.0 + rank())
+    dp = DataParallel(model)
+    assert model.offset.item() == 10.0, "construction must broadcast rank 0's buffers"
+
+    model.offset.fill_(float(rank()))
+    dp(shard(x))
+    assert model.offset.item() == 0.0, "forward must first broadcast rank 0's buffers"
+
+    model.offset.fill_(float(rank()))
+    with torch.no_grad():
+        dp(shard(x))
+    assert model.offset.item() == float(rank()), "an evaluation forward must not communicate"
+
+    kept = Shifted(offset=0.0)
+    dp_kept = DataParallel(kept, broadcast_buffers=False)
+    kept.offset.fill_(float(rank()))
+    dp_kept(shard(x))
+    assert kept.offset.item() == float(rank()), "broadcast_buffers=False must keep local buffers"
+
+
+@scenario
+def gradient_as_bucket_view() -> None:
+    model = mlp(seed=6)
+    full_batch = copy.deepcopy(model)
+    dp = DataParallel(model, gradient_as_bucket_view=True, **SMALL_BUCKETS)
+    opt = torch.optim.SGD(dp.parameters(), lr=0.05)
+    full_opt = torch.optim.SGD(full_batch.parameters(), lr=0.05)
+    for step in range(3):
+        x, y = global_batch(step)
+        # Step 1 keeps the views alive (zeros); the others drop them (None).
+        opt.zero_grad(set_to_none=step != 1)
+        full_opt.zero_grad()
+        F.mse_loss(dp(shard(x)), shard(y)).backward()
+        F.mse_loss(full_batch(x), y).backward()
+        assert_grads_close(model, full_batch, f"step {step}")
+        storages = {b.flat.untyped_storage().data_ptr() for b in dp.reducer.buckets}
+        for name, param in model.named_parameters():
+            assert param.grad is not None
+            assert param.grad.untyped_storage().data_ptr() in storages, f"{name} is no view"
+        opt.step()
+        full_opt.step()
+
+
+@scenario
+def mismatched_replicas_raise() -> None:
+    out_features = 4 if rank() == 0 else 5
+    model = nn.Sequential(nn.Linear(WIDTH, 8), nn.Linear(8, out_features))
+    expect_error(
+        ValueError,
+        lambda: DataParallel(model),
+        "'1.weight'",
+        "shape",
+        "rank 0",
+        "rank 1",
+    )
+
+
+# ------------------------------------------------- partitioned ("pipeline") models
+
+
+class PartitionDone(torch.autograd.Function):
+    """Identity whose backward reports that a partition finished one micro-batch."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, signal: Callable[[], None]) -> torch.Tensor:
+        ctx.signal = signal
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        ctx.signal()
+        return grad, None
+
+
+class MicroBatched(nn.Module):
+    """Runs partitions over micro-batches, each checkpointed like a pipeline does.
+
+    With reentrant checkpointing each micro-batch's backward is a backward of
+    its own, so every parameter's gradient accumulator runs `chunks` times.
+    """
+
+    def __init__(self, partitions: list[nn.Sequential], chunks: int) -> None:
+        super().__init__()
+        self.partitions = nn.ModuleList(partitions)
+        self.chunks = chunks
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        outputs = []
+        for micro_batch in x.chunk(self.chunks):
+            hidden = micro_batch
+            for j, part in enumerate(self.partitions):
+                hidden = PartitionDone.apply(hidden, partial(self.micro_batch_done, j))
+                hidden = (
+                    checkpoint(part, hidden, use_reentrant=True)
+                    if hidden.requires_grad
+                    else part(hidden)
+                )
+            outputs.append(hidden)
+        return torch.cat(outputs)
+
+    def micro_batch_done(self, partition: int) -> None:
+        """Called after each micro-batch's backward through `partition`."""
+
+
+def two_partitions(seed: int) -> list[nn.Sequential]:
+    layers = list(mlp(seed))
+    return [nn.Sequential(*layers[:4]), nn.Sequential(*layers[4:])]
+
+
+def pipe_and_plain(seed: int, checkpoint: str) -> tuple[Pipe, nn.Sequential]:
+    """A two-partition CPU Pipe and, with equal weights, the plain Sequential it wraps."""
+    torch.manual_seed(seed)
+    layers = [nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, 1)]
+    plain = nn.Sequential(*copy.deepcopy(layers))
+    pipe = Pipe(
+        nn.Sequential(*layers),
+        balance=[2, 2],
+        devices=["cpu", "cpu"],
+        chunks=4,
+        checkpoint=checkpoint,
+    )
+    return pipe, plain
+
+
+def check_pipe(checkpoint: str, as_view: bool) -> None:
+    pipe, full_batch = pipe_and_plain(seed=7, checkpoint=checkpoint)
+    dp = DataParallel(pipe, gradient_as_bucket_view=as_view, **SMALL_BUCKETS)
+    what = f"checkpoint={checkpoint} as_view={as_view}"
+
+    owner = {id(p): j for j, part in enumerate(pipe.partitions) for p in part.parameters()}
+    for bucket in dp.reducer.buckets:
+        assert len({owner[id(p)] for p in bucket.params}) == 1, f"{what}: a bucket spans partitions"
+    launched_when_signalled: dict[int, list[bool]] = {}
+    pipe.register_partition_backward_hook(
+        lambda j: launched_when_signalled.setdefault(
+            j, [b.launched for b in dp.reducer.buckets if owner[id(b.params[0])] == j]
+        )
+    )
+    accumulations = []
+    last_weight = pipe.partitions[1][-1].weight
+    last_weight.register_post_accumulate_grad_hook(lambda p: accumulations.append(1))
+
+    opt = torch.optim.SGD(dp.parameters(), lr=0.05)
+    full_opt = torch.optim.SGD(full_batch.parameters(), lr=0.05)
+    for step in range(3):
+        x, y = global_batch(step)
+        opt.zero_grad()
+        full_opt.zero_grad()
+        F.mse_loss(dp(shard(x)), shard(y)).backward()
+        F.mse_loss(full_batch(x), y).backward()
+        assert_grads_close(pipe, full_batch, f"{what} step {step}")
+        opt.step()
+        full_opt.step()
+    if checkpoint == "always":
+        # Each micro-batch's recomputation is a backward of its own: per-parameter
+        # hooks fire once per micro-batch, which is why DDP cannot wrap a Pipe.
+        assert len(accumulations) == 3 * pipe.chunks, f"{what}: {len(accumulations)} hook calls"
+    signalled = launched_when_signalled.get(1)
+    assert signalled and all(signalled), f"{what}: partition 1 not reduced when signalled"
+    assert 0 not in launched_when_signalled, f"{what}: partition 0's input needs no grad"
+    assert_equal_on_all_ranks(list(pipe.parameters()), f"{what}: parameter after 3 steps")
+
+
+@scenario
+def pipe_matches_full_batch() -> None:
+    check_pipe(checkpoint="except_last", as_view=False)
+    check_pipe(checkpoint="always", as_view=True)
+    check_pipe(checkpoint="never", as_view=False)
+
+
+@scenario
+def pipe_two_forwards_one_backward_raises() -> None:
+    pipe, _ = pipe_and_plain(seed=10, checkpoint="except_last")
+    dp = DataParallel(pipe)
+    x, y = global_batch(0)
+    loss = F.mse_loss(dp(shard(x)), shard(y)) + F.mse_loss(dp(shard(x)), shard(y))
+    expect_error(RuntimeError, loss.backward, "signalled the end of its backward twice", "no_sync")
+
+
+@scenario
+def repeated_accumulation_without_protocol_raises() -> None:
+    model = MicroBatched(two_partitions(seed=8), chunks=2)
+    dp = DataParallel(model)
+    x, y = global_batch(0)
+    loss = F.mse_loss(dp(shard(x)), shard(y))
+    expect_error(RuntimeError, loss.backward, "twice", "register_partition_backward_hook")
+
+
+# --------------------------------------------------------------------- faults
+
+
+@scenario
+@breaks_group
+def peer_dies_mid_step() -> None:
+    dp = DataParallel(mlp(seed=9))
+    x, y = global_batch(0)
+    loss = F.mse_loss(dp(shard(x)), shard(y))
+    if rank() == 1:
+        raise SimulatedCrashError
+    expect_error(RuntimeError, loss.backward, "all-reduce of gradient bucket", "rank 0")
+
+
+@scenario
+@breaks_group
+def peer_stalls_mid_step() -> None:
+    dp = DataParallel(mlp(seed=9))
+    x, y = global_batch(0)
+    loss = F.mse_loss(dp(shard(x)), shard(y))
+    if rank() == 1:
+        # Alive but silent for longer than the process group's timeout.
+        time.sleep(PG_TIMEOUT_S + 1)
+        return
+    expect_error(RuntimeError, loss.backward, "all-reduce of gradient bucket", "rank 0")
+
+
+def main() -> None:
+    global PG_TIMEOUT_S
+    out, PG_TIMEOUT_S, names = Path(sys.argv[1]), float(sys.argv[2]), sys.argv[3:]
+    init_process_group_from_env(backend="gloo", timeout=timedelta(seconds=PG_TIMEOUT_S))
+    torch.set_num_threads(1)
+    outcomes: dict[str, str] = {}
+    for name in names:
+        try:
+            SCENARIOS[name]()
+            outcomes[name] = "ok"
+        except SimulatedCrashError:
+            outcomes[name] = "ok"
+            out.write_text(json.dumps(outcomes))
+            os._exit(0)  # die without a goodbye, as a crashed rank would
+        except Exception:
+            outcomes[name] = traceback.format_exc()
+    out.write_text(json.dumps(outcomes))
+    if not BREAKS_GROUP.intersection(names):
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
