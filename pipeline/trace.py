@@ -91,23 +91,26 @@ class Trace:
         """The index of the step being recorded (-1 before the first)."""
         return self._step
 
-    def begin_step(self) -> None:
+    def _begin_step(self) -> None:
         self._step += 1
 
-    def record(
+    def _record(
         self, kind: Kind, microbatch: int, partition: int, step: int, start: float, end: float
     ) -> None:
         thread = threading.current_thread().name
         self._events.append(Event(kind, microbatch, partition, step, thread, start, end))
 
-    def backward_span(self, microbatch: int, partition: int, step: int) -> BackwardSpan:
+    def _backward_span(self, microbatch: int, partition: int, step: int) -> BackwardSpan:
         """A span that the autograd engine will fill in with the task's backward."""
         span = BackwardSpan(microbatch, partition, step)
         self._backward.append(span)
         return span
 
     def chrome_trace(self) -> dict[str, Any]:
-        """The trace as a Chrome trace event JSON object, one row per partition."""
+        """The trace as a Chrome trace event JSON object, one row per partition.
+
+        Example: ``len(t.chrome_trace()["traceEvents"])``.
+        """
         return chrome_trace(self.events, self.origin)
 
     def save_chrome_trace(self, path: str | os.PathLike[str]) -> None:
@@ -187,7 +190,7 @@ def traced(function: PartitionCall, microbatch: int, partition: int) -> Partitio
     """
     recording = _active
     if recording is not None and microbatch == partition == 0:
-        recording.begin_step()
+        recording._begin_step()
     step = _step_of(recording)
     return partial(_call_traced, function, microbatch, partition, recording, step)
 
@@ -206,7 +209,7 @@ def _call_traced(
     with _span(kind, microbatch, partition, recording, step):
         if recording is None or not torch.is_grad_enabled():
             return function(value)
-        span = recording.backward_span(microbatch, partition, step)
+        span = recording._backward_span(microbatch, partition, step)
         return run_hooked(function, value, span)
 
 
@@ -225,4 +228,4 @@ def _span(
         yield
         end = time.perf_counter()
     if recording is not None:
-        recording.record(kind, microbatch, partition, step, start, end)
+        recording._record(kind, microbatch, partition, step, start, end)

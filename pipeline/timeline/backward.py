@@ -48,13 +48,16 @@ class BackwardSpan:
         self.end: float | None = None
 
     def begin(self, grad: Tensor) -> None:
+        """Gradient hook on the task's output."""
         self.start = time.perf_counter()
         self.thread = threading.current_thread().name
 
     def finish(self, grad: Tensor) -> None:
+        """Gradient hook on the task's input."""
         self.end = time.perf_counter()
 
     def node_finished(self, grad_inputs: Sequence[Any], grad_outputs: Sequence[Any]) -> None:
+        """Post-hook on each backward node of a task whose input has no gradient."""
         self.end = time.perf_counter()
 
     def event(self) -> Event | None:
@@ -77,7 +80,11 @@ def run_hooked(
 ) -> TensorOrValues:
     """Run ``function(value)`` with ``span`` hooked to its input and output gradients.
 
-    Call it with grad enabled; ``function``'s output is returned as it is.
+    Call it with grad enabled; ``function``'s output is returned as it is::
+
+        span = BackwardSpan(microbatch=0, partition=1, step=0)
+        output = run_hooked(partition, x, span)
+        output.sum().backward()  # span.event() is now the backward's Event
     """
     first_node = torch._C._autograd._get_sequence_nr()
     input = _first_requiring_grad(value)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pipeline.schedule import bubble_fraction
 from pipeline.timeline.event import COMPUTE_KINDS, KINDS, Event, Kind, covered_time
 
-__all__ = ["PartitionSummary", "Summary", "step_windows", "summarize"]
+__all__ = ["PartitionSummary", "Summary", "summarize"]
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ def summarize(events: Sequence[Event]) -> Summary:
     """
     if not events:
         return Summary(steps=0, microbatches=0, window=0.0, partitions=[], bubble_bound=0.0)
-    windows = step_windows(events)
+    windows = _step_windows(events)
     window = sum(end - start for start, end in windows.values())
     n = 1 + max(e.partition for e in events)
     m = 1 + max(e.microbatch for e in events)
@@ -99,7 +99,7 @@ def summarize(events: Sequence[Event]) -> Summary:
     )
 
 
-def step_windows(events: Sequence[Event]) -> dict[int, tuple[float, float]]:
+def _step_windows(events: Sequence[Event]) -> dict[int, tuple[float, float]]:
     """Each step's (first start, last end)."""
     windows: dict[int, tuple[float, float]] = {}
     for e in events:
