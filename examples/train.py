@@ -8,6 +8,7 @@ pipeline from the same seed, and the two final losses must agree.
 
     python examples/train.py                       # defaults: 200 steps
     python examples/train.py --steps 50 --chunks 8 --checkpoint always
+    python examples/train.py --steps 20 --trace out.json   # timeline and bubble
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
+import pipeline
 from pipeline import Pipe
 
 
@@ -129,6 +131,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=50)
     parser.add_argument(
+        "--trace", metavar="PATH", help="write a Chrome trace of the pipe's steps, print its bubble"
+    )
+    parser.add_argument(
         "--no-compare", action="store_true", help="skip training the plain model for comparison"
     )
     return parser.parse_args(argv)
@@ -148,7 +153,13 @@ def main(argv: list[str]) -> int:
         f"{[str(d) for d in pipe.devices]}; chunks {args.chunks}; checkpoint {args.checkpoint}"
     )
 
-    pipe_loss, pipe_rate = train(pipe, args, devices[0], devices[-1], "pipe")
+    with pipeline.trace(enabled=args.trace is not None) as timeline:
+        pipe_loss, pipe_rate = train(pipe, args, devices[0], devices[-1], "pipe")
+    if args.trace is not None:
+        timeline.save_chrome_trace(args.trace)
+        print(f"trace of the pipe's steps written to {args.trace} (chrome://tracing, Perfetto)")
+        print(timeline.summary())
+        print(timeline.render())
     print(f"pipe:  final loss {pipe_loss:.4f}, {pipe_rate:.0f} samples/s")
     if args.no_compare:
         return 0

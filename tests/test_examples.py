@@ -43,3 +43,31 @@ def test_train_matches_the_plain_model(capsys: pytest.CaptureFixture[str]) -> No
     printed = capsys.readouterr().out
     assert "[pipe] step    6/6" in printed and "final losses agree" in printed
     assert "samples/s" in printed
+
+
+def test_train_writes_a_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    train = load("train")
+    path = tmp_path / "out.json"
+    argv = [
+        "--steps",
+        "2",
+        "--batch-size",
+        "32",
+        "--width",
+        "16",
+        "--depth",
+        "1",
+        "--chunks",
+        "4",
+        "--partitions",
+        "2",
+        "--trace",
+        str(path),
+        "--no-compare",
+    ]
+    assert train.main(argv) == 0
+    events = json.loads(path.read_text())
+    assert events  # Chrome trace JSON with the pipe's tasks
+    assert f"written to {path}" in capsys.readouterr().out
