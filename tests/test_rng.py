@@ -32,11 +32,9 @@ def make_pipe(model: nn.Sequential, checkpoint: str, chunks: int = 4) -> Pipe:
     )  # type: ignore[arg-type]
 
 
-def test_recompute_replays_dropout_masks_in_every_partition_many_times() -> None:
-    model = dropout_model()
-    always, never = make_pipe(model, "always"), make_pipe(model, "never")
-    x = torch.randn(32, 16)
-    for seed in range(15):
+def assert_modes_agree(always: Pipe, never: Pipe, x: Tensor, seeds: int) -> None:
+    """Same seed, same outputs and gradients, with and without recomputation."""
+    for seed in range(seeds):
         torch.manual_seed(seed)
         out_a, grads_a = step(always, x)
         torch.manual_seed(seed)
@@ -44,6 +42,12 @@ def test_recompute_replays_dropout_masks_in_every_partition_many_times() -> None
         torch.testing.assert_close(out_a, out_n, rtol=0, atol=0)
         for name in grads_n:
             torch.testing.assert_close(grads_a[name], grads_n[name], msg=name)
+
+
+def test_recompute_replays_dropout_masks_in_every_partition_many_times() -> None:
+    model = dropout_model()
+    always, never = make_pipe(model, "always"), make_pipe(model, "never")
+    assert_modes_agree(always, never, torch.randn(32, 16), seeds=15)
 
 
 def test_fixed_seed_is_reproducible_despite_thread_interleaving() -> None:
@@ -95,15 +99,7 @@ def test_declared_random_layer_draws_alike_with_and_without_checkpointing() -> N
     )
     always = Pipe(copy.deepcopy(model), [2, 2], devices=["cpu"] * 2, chunks=4, checkpoint="always")
     never = Pipe(copy.deepcopy(model), [2, 2], devices=["cpu"] * 2, chunks=4, checkpoint="never")
-    x = torch.randn(8, 4)
-    for seed in range(5):
-        torch.manual_seed(seed)
-        out_a, grads_a = step(always, x)
-        torch.manual_seed(seed)
-        out_n, grads_n = step(never, x)
-        torch.testing.assert_close(out_a, out_n)
-        for name in grads_n:
-            torch.testing.assert_close(grads_a[name], grads_n[name])
+    assert_modes_agree(always, never, torch.randn(8, 4), seeds=5)
 
 
 def test_undeclared_random_layer_recompute_matches_its_forward() -> None:
