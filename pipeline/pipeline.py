@@ -54,6 +54,8 @@ class Pipeline:
         self.workers = workers
         self.skip_layout = skip_layout
         self.random_layers = [rng.may_draw_random(p) for p in partitions]
+        for partition in partitions:
+            rng.install_seeding(partition)
         self.protect_inputs = [starts_in_place(p) for p in partitions]
         self.copy_streams: list[list[Stream]] = [[] for _ in partitions]
 

@@ -2,12 +2,19 @@
 
 Each device has one default generator (the CPU one serves the whole process).
 Two partitions on the same device draw from it concurrently, in an order that
-changes from run to run. A partition that may draw random numbers in training
-(dropout and friends, or a layer marked with ``mark_random``) therefore runs
-each task under its device's generator lock, from a seed derived from the
-micro-batch and partition indices: masks are reproducible for a fixed
-``torch.manual_seed`` however the threads interleave, and recomputation under
-checkpointing replays them exactly. Every other task runs without the lock.
+changes from run to run. So each call of a layer that may draw random numbers
+in training (dropout and friends, or a layer marked with ``mark_random``)
+runs under its device's generator lock, from a seed derived from the
+forward pass, the micro-batch, the partition and the call's rank in the
+task::
+
+    task (i, j) on its worker:  Linear  Dropout          Linear  Dropout
+                                        |lock, seed(i,j,1)|      |lock, seed(i,j,2)|
+
+Masks are reproducible for a fixed ``torch.manual_seed`` however the
+threads interleave, recomputation under checkpointing replays them exactly,
+and the lock is held only while a random layer runs: the rest of the
+partitions overlap.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ __all__ = ["mark_random", "may_draw_random"]
 
 _RANDOM_LAYERS: tuple[type[nn.Module], ...] = (nn.modules.dropout._DropoutNd, nn.RReLU)
 _MARK = "_pipeline_draws_random"
+_HOOKED = "_pipeline_seeding_hooks"
 _SEED_MASK = (1 << 63) - 1
 
 _locks: dict[torch.device, threading.Lock] = {}
@@ -47,9 +55,11 @@ def mark_random(module: ModuleT) -> ModuleT:
 
 def may_draw_random(module: nn.Module) -> list[nn.Module]:
     """The submodules of ``module`` that draw random numbers in training."""
-    return [
-        m for m in module.modules() if isinstance(m, _RANDOM_LAYERS) or getattr(m, _MARK, False)
-    ]
+    return [m for m in module.modules() if _is_random(m)]
+
+
+def _is_random(module: nn.Module) -> bool:
+    return isinstance(module, _RANDOM_LAYERS) or getattr(module, _MARK, False) is True
 
 
 def generator(device: torch.device) -> torch.Generator:
@@ -81,20 +91,77 @@ def task_seed(base: int, microbatch: int, partition: int) -> int:
     return mixed & _SEED_MASK
 
 
+class _TaskRandomness:
+    """The random context of the task running on this thread."""
+
+    __slots__ = ("calls", "device", "held", "seed")
+
+    def __init__(self, device: torch.device, seed: int) -> None:
+        self.device = device
+        self.seed = seed
+        self.calls = 0
+        self.held: list[tuple[nn.Module, torch.Generator, torch.Tensor]] = []
+
+
+_task = threading.local()
+
+
 @contextlib.contextmanager
 def seeded(device: torch.device, seed: int) -> Iterator[None]:
-    """Run with ``device``'s generator seeded by ``seed``, holding its lock.
+    """Run a task whose random layers draw from seeds derived from ``seed``.
 
-    The generator's state is restored afterwards, so tasks do not advance it.
+    Calling it again with the same arguments (recomputation) replays the same
+    draws. The generator itself is left as it was.
     """
-    gen = generator(device)
-    with _lock(device):
-        saved = gen.get_state()
-        gen.manual_seed(seed)
-        try:
-            yield
-        finally:
-            gen.set_state(saved)
+    previous = getattr(_task, "context", None)
+    _task.context = _TaskRandomness(device, seed)
+    try:
+        yield
+    finally:
+        _task.context = previous
+
+
+def install_seeding(partition: nn.Module) -> None:
+    """Make the random layers of ``partition`` draw from their task's seeds.
+
+    The hooks do nothing outside a ``seeded`` task, so the layers behave as
+    before when used without a Pipe. Installed once per layer.
+    """
+    for module in _outermost_random(partition):
+        if getattr(module, _HOOKED, False):
+            continue
+        module.register_forward_pre_hook(_seed_call)
+        module.register_forward_hook(_restore_generator, always_call=True)
+        setattr(module, _HOOKED, True)
+
+
+def _outermost_random(module: nn.Module) -> Iterator[nn.Module]:
+    # A declared layer that contains dropout is seeded once, around all of it.
+    if _is_random(module):
+        yield module
+        return
+    for child in module.children():
+        yield from _outermost_random(child)
+
+
+def _seed_call(module: nn.Module, args: object) -> None:
+    context: _TaskRandomness | None = getattr(_task, "context", None)
+    if context is None or not module.training:
+        return
+    context.calls += 1
+    gen = generator(context.device)
+    _lock(context.device).acquire()
+    context.held.append((module, gen, gen.get_state()))
+    gen.manual_seed(task_seed(context.seed, context.calls, 0))
+
+
+def _restore_generator(module: nn.Module, args: object, output: object) -> None:
+    context: _TaskRandomness | None = getattr(_task, "context", None)
+    if context is None or not context.held or context.held[-1][0] is not module:
+        return
+    _, gen, saved = context.held.pop()
+    gen.set_state(saved)
+    _lock(context.device).release()
 
 
 RngStates = list[tuple[torch.device, torch.Tensor]]

@@ -125,3 +125,30 @@ def test_undeclared_random_layer_recompute_matches_its_forward() -> None:
 def test_mark_random_returns_the_module() -> None:
     layer = Noise()
     assert mark_random(layer) is layer
+
+
+def test_partitions_with_dropout_still_run_concurrently() -> None:
+    import threading
+
+    from tests.test_worker import Rendezvous
+
+    # The generator lock is held while a dropout layer runs, not for the
+    # whole task: both partitions reach the barrier at once.
+    barrier = threading.Barrier(2, timeout=10)
+    model = nn.Sequential(
+        nn.Dropout(0.5), Rendezvous(barrier, call=2), nn.Dropout(0.5), Rendezvous(barrier, call=1)
+    )
+    pipe = Pipe(model, [2, 2], devices=["cpu"] * 2, chunks=2, checkpoint="never")
+    out = pipe(torch.ones(2, 8))
+    assert isinstance(out, Tensor) and not barrier.broken
+    assert set(out.unique().tolist()) <= {1.0, 3.0, 7.0}  # (x * 2 or 0) + 1, twice
+
+
+def test_random_layers_behave_as_usual_outside_a_pipe() -> None:
+    dropout = nn.Dropout(0.5)
+    Pipe(nn.Sequential(dropout, nn.Identity()), [1, 1], devices=["cpu"] * 2).close()
+    torch.manual_seed(3)
+    a = dropout(torch.ones(64))
+    torch.manual_seed(3)
+    b = nn.Dropout(0.5)(torch.ones(64))
+    assert torch.equal(a, b)
