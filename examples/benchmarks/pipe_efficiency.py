@@ -246,7 +246,7 @@ def main() -> None:
     print(
         f"training speedup over the micro-batches at {TRACED_CHUNKS} chunks: "
         f"{dropout['without dropout']:.2f}x without dropout, "
-        f"{dropout['with dropout']:.2f}x with Dropout in every block (RNG lock)"
+        f"{dropout['with dropout']:.2f}x with Dropout in every block"
     )
     print_json(
         {
