@@ -28,7 +28,7 @@ from functools import partial
 from types import ModuleType
 
 import torch
-from pipe_common import best_times, machine, print_json, torchgpipe_or_none
+from pipe_common import best_times, print_json, start_single_threaded
 from torch import nn
 
 import pipeline
@@ -143,11 +143,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=100, help="timed rounds; the best counts")
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    info = machine()
-    print(f"machine: {info}")
-    torchgpipe = torchgpipe_or_none()
+    info, torchgpipe = start_single_threaded()
 
     model = tiny_model()
     x = torch.randn(CHUNKS * ROWS, WIDTH)

@@ -103,6 +103,18 @@ def torchgpipe_or_none() -> ModuleType | None:
     return module
 
 
+def start_single_threaded() -> tuple[dict[str, Any], ModuleType | None]:
+    """Set one intra-op thread and seed 0; print the machine; find torchgpipe.
+
+    Example: ``info, torchgpipe = start_single_threaded()``.
+    """
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    info = machine()
+    print(f"machine: {info}")
+    return info, torchgpipe_or_none()
+
+
 def print_json(result: dict[str, Any]) -> None:
     """Print ``result`` as the benchmark's last line, one JSON object.
 

@@ -30,7 +30,7 @@ from types import ModuleType
 from typing import Any
 
 import torch
-from pipe_common import best_times, machine, print_json, thread_scaling, torchgpipe_or_none
+from pipe_common import best_times, print_json, start_single_threaded, thread_scaling
 from torch import nn
 
 import pipeline
@@ -225,11 +225,7 @@ def main() -> None:
         "--rounds", type=int, default=3, help="rounds (the first warms up); the best counts"
     )
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    info = machine()
-    print(f"machine: {info}")
-    torchgpipe = torchgpipe_or_none()
+    info, torchgpipe = start_single_threaded()
 
     rows = [speedups(measure(m, args.rows, args.rounds, torchgpipe), m) for m in args.chunks]
     print_table(rows)
