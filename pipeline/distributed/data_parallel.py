@@ -59,7 +59,17 @@ class DataParallel(nn.Module):
         super().__init__()
         named_params = _validate(module, bucket_cap_mb, first_bucket_mb)
         group = resolve_group(process_group)
-        check_replicas_match(module, group)
+        # Most options decide the bucket layout (caps, usage flags) or which
+        # collectives a forward issues (buffer broadcasts); a rank that differs
+        # in any of them was set up by mistake, so all must agree, like the model.
+        options = {
+            "bucket_cap_mb": bucket_cap_mb,
+            "first_bucket_mb": first_bucket_mb,
+            "broadcast_buffers": broadcast_buffers,
+            "find_unused_parameters": find_unused_parameters,
+            "gradient_as_bucket_view": gradient_as_bucket_view,
+        }
+        check_replicas_match(module, options, group)
         with record_function("dp.broadcast_state"):
             broadcast_from_rank0(
                 [*module.parameters(), *module.buffers()], group, "parameters and buffers"

@@ -102,8 +102,8 @@ class GradBucket:
             self._work.wait()
 
     @torch.no_grad()
-    def store(self) -> None:
-        """Hand every parameter that any rank used its averaged gradient."""
+    def store(self) -> bool:
+        """Hand every parameter that any rank used its averaged gradient; False if none was used."""
         used = self._used.tolist() if self._used is not None else [1.0] * len(self.params)
         for param, view, flag in zip(self.params, self._slots, used, strict=True):
             if flag == 0.0:
@@ -114,6 +114,7 @@ class GradBucket:
                 param.grad = view.clone()
             else:
                 param.grad.copy_(view)
+        return any(flag != 0.0 for flag in used)
 
     @torch.no_grad()
     def _adopt_existing_grads(self) -> None:

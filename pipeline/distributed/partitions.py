@@ -31,9 +31,16 @@ def partition_of_each(module: nn.Module, params: list[nn.Parameter]) -> list[int
     """The partition index of each of `params`, or None when `module` is no such pipeline.
 
     Parameters in no partition get NO_PARTITION: nothing signals them, so they
-    are reduced at the end of the backward pass.
+    are reduced at the end of the backward pass. A parameter shared by several
+    partitions gets the first of them.
     """
     if not isinstance(module, SignalsPartitionBackward):
         return None
-    owner = {id(p): j for j, part in enumerate(module.partitions) for p in part.parameters()}
+    owner: dict[int, int] = {}
+    for j, part in enumerate(module.partitions):
+        for param in part.parameters():
+            # Backward runs through partitions last to first, so a parameter
+            # shared by partitions i < j has its final gradient only when the
+            # earliest one, i, is done.
+            owner.setdefault(id(param), j)
     return [owner.get(id(p), NO_PARTITION) for p in params]

@@ -97,3 +97,16 @@ def resolve_group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     world = dist.group.WORLD
     assert world is not None  # is_initialized() guarantees the default group exists
     return world
+
+
+def collective_device(group: dist.ProcessGroup) -> torch.device:
+    """Where a tensor that belongs to no parameter must live to take part in `group`'s collectives.
+
+    NCCL only moves CUDA tensors, and the current device is the GPU that
+    init_process_group_from_env (or the user's torch.cuda.set_device) gave
+    this rank. Every other backend, a "cpu:gloo,cuda:nccl" group included,
+    takes CPU tensors, which spares a copy to the GPU and back.
+    """
+    if dist.get_backend(group) == dist.Backend.NCCL:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

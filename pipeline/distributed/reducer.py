@@ -36,6 +36,11 @@ class Reducer:
     was never signalled, waits for every all-reduce and writes the averages
     into `.grad`. After the first reduced backward the buckets are rebuilt
     once, in the order the gradients actually became ready on rank 0.
+
+    A parameter without a gradient (without `find_unused`), or a backward in
+    which no parameter got one (torch.autograd.grad), is reported by that
+    callback, at a point every rank in the same situation reaches having
+    issued the same collectives.
     """
 
     def __init__(
@@ -66,6 +71,7 @@ class Reducer:
         self._callback_queued = False
         self._ready = [False] * len(self._params)
         self._ready_order: list[int] = []
+        self._missing: list[int] = []
         self._next_launch = 0
         self._rebuilt = False
         self._build_buckets(list(reversed(range(len(self._params)))))
@@ -139,6 +145,7 @@ class Reducer:
         self._callback_queued = False
         self._ready = [False] * len(self._params)
         self._ready_order = []
+        self._missing = []
         self._next_launch = 0
         for bucket in self._buckets:
             bucket.reset()
@@ -178,10 +185,14 @@ class Reducer:
                     self._mark_ready(index)
 
     def _mark_ready(self, index: int) -> None:
-        if self._params[index].grad is None and not self._find_unused:
-            raise RuntimeError(self._unused_message([index]))
         self._ready[index] = True
         self._ready_order.append(index)
+        if self._params[index].grad is None and not self._find_unused:
+            # Reported at the end of backward, which alone can tell an unused
+            # parameter from a backward that gave none a gradient. Left out of
+            # its bucket, it keeps that bucket and all later ones from launching.
+            self._missing.append(index)
+            return
         bucket, slot = self._slot_of[index]
         self._buckets[bucket].load(slot)
 
@@ -199,21 +210,37 @@ class Reducer:
             with self._lock:
                 self._armed = False
                 self._load_unsignalled()
+                if self._missing:
+                    raise RuntimeError(self._missing_message())
                 self._launch_in_order()
             for bucket in self._buckets:
                 try:
                     bucket.wait()
                 except RuntimeError as error:
                     raise self._comm_error(bucket, error) from error
-                bucket.store()
+            # Only with find_unused can a bucket store nothing: its usage flags,
+            # summed across ranks by the all-reduces just waited for, say no
+            # rank had a gradient for it, so every rank decides this alike. A
+            # backward() accumulates into every parameter its graph reaches, so
+            # a backward that left no gradient on any rank either accumulated
+            # nothing (torch.autograd.grad, backward(inputs=...)) or has a loss
+            # that depends on no parameter anywhere: nothing to train either way.
+            # One rank without gradients while others have some is legitimate
+            # and passes.
+            stored = [bucket.store() for bucket in self._buckets]
+            if not any(stored):
+                raise RuntimeError(self._no_gradient_message("on any rank"))
             if not self._rebuilt:
                 self._rebuild_in_ready_order()
 
     def _load_unsignalled(self) -> None:
-        missing = [i for i, ready in enumerate(self._ready) if not ready]
-        if missing and self._partitions is None and not self._find_unused:
-            raise RuntimeError(self._unused_message(missing))
-        for index in missing:
+        unsignalled = [i for i, ready in enumerate(self._ready) if not ready]
+        if self._partitions is None and not self._find_unused:
+            # A plain module's parameters are signalled as their gradients are
+            # accumulated: these got none in this backward, whatever .grad holds.
+            self._missing.extend(unsignalled)
+            return
+        for index in unsignalled:
             self._mark_ready(index)
 
     def _rebuild_in_ready_order(self) -> None:
@@ -225,6 +252,24 @@ class Reducer:
             broadcast_from_rank0([order], self._group, "the bucket order")
             self._build_buckets(order.tolist())
             self._rebuilt = True
+
+    def _missing_message(self) -> str:
+        # Without find_unused every parameter must get a gradient on every
+        # rank; none getting one means torch.autograd.grad (or a loss that
+        # depends on no parameter), which a list of every parameter would hide.
+        if len(self._missing) == len(self._params):
+            return self._no_gradient_message(f"on rank {self._rank}")
+        return self._unused_message(sorted(self._missing))
+
+    def _no_gradient_message(self, where: str) -> str:
+        return (
+            f"DataParallel: no parameter received a gradient in this backward pass {where}. "
+            "torch.autograd.grad() through DataParallel is not supported: it computes "
+            "gradients without accumulating them into .grad, so there is nothing to average; "
+            "use loss.backward() (then read p.grad), or call torch.autograd.grad on the "
+            "wrapped module outside DataParallel. (A loss.backward() whose loss depends on "
+            "no parameter looks the same: then make the parameters contribute to the loss.)"
+        )
 
     def _unused_message(self, indices: list[int]) -> str:
         names = ", ".join(f"'{self._names[i]}'" for i in indices[:5])

@@ -1,11 +1,38 @@
-"""Checking that every rank holds the same model before any gradient is exchanged."""
+"""Checking that every rank holds the same model, bucketed the same way, before any exchange."""
 
 from __future__ import annotations
 
+import pickle
+from collections.abc import Mapping
 from typing import NamedTuple
 
+import torch
 import torch.distributed as dist
 from torch import nn
+
+from pipeline.distributed.buckets import NO_PARTITION
+from pipeline.distributed.partitions import partition_of_each
+from pipeline.distributed.process_group import collective_device
+
+# DataParallel's keyword arguments, by name.
+Options = Mapping[str, float | bool]
+
+# The fields in which replicas of different models differ (as opposed to
+# replicas of one model split or placed differently).
+MODEL_FIELDS = ("shape", "dtype", "requires_grad")
+
+SAME_MODEL = (
+    "every rank must build the same model (same layers, shapes, dtypes and frozen parameters)"
+)
+SAME_BALANCE = (
+    "build every replica's Pipe with the same balance (compute it once on rank 0 and "
+    "broadcast it, or pass it explicitly)"
+)
+SAME_PLACEMENT = (
+    "place the layers on every rank's devices in the same pattern (tensors that share a "
+    "device on one rank must share one on every rank)"
+)
+SAME_OPTIONS = "pass the same options to DataParallel on every rank"
 
 
 class TensorSignature(NamedTuple):
@@ -16,66 +43,159 @@ class TensorSignature(NamedTuple):
     shape: tuple[int, ...]
     dtype: str
     requires_grad: bool
+    # Buckets never span two pipeline partitions (NO_PARTITION outside a
+    # pipeline, and for buffers, which are only broadcast).
+    partition: int
+    # Nor two devices. Ranks use different GPUs, so what must agree is the
+    # device's number in the order the rank's tensors first use them; the
+    # device itself only names it in the error.
+    device_slot: int
+    device: str
 
 
-def signature(module: nn.Module) -> list[TensorSignature]:
-    """The module's parameters then buffers, as the ranks will compare them."""
-    params = [
-        TensorSignature("parameter", name, tuple(p.shape), str(p.dtype), p.requires_grad)
-        for name, p in module.named_parameters()
+class ReplicaSignature(NamedTuple):
+    """Everything that decides which collectives a rank issues and how large they are."""
+
+    tensors: list[TensorSignature]
+    options: dict[str, float | bool]
+
+
+def signature(module: nn.Module, options: Options) -> ReplicaSignature:
+    """The module's parameters then buffers, and DataParallel's options, as ranks compare them."""
+    named_params = list(module.named_parameters())
+    partitions = partition_of_each(module, [p for _, p in named_params])
+    if partitions is None:
+        partitions = [NO_PARTITION] * len(named_params)
+    entries: list[tuple[str, str, torch.Tensor, bool, int]] = [
+        ("parameter", name, p, p.requires_grad, j)
+        for (name, p), j in zip(named_params, partitions, strict=True)
     ]
-    buffers = [
-        TensorSignature("buffer", name, tuple(b.shape), str(b.dtype), False)
-        for name, b in module.named_buffers()
+    entries += [("buffer", name, b, False, NO_PARTITION) for name, b in module.named_buffers()]
+    slots: dict[torch.device, int] = {}
+    tensors = [
+        TensorSignature(
+            kind,
+            name,
+            tuple(tensor.shape),
+            str(tensor.dtype),
+            requires_grad,
+            partition,
+            slots.setdefault(tensor.device, len(slots)),
+            str(tensor.device),
+        )
+        for kind, name, tensor, requires_grad, partition in entries
     ]
-    return params + buffers
+    return ReplicaSignature(tensors, dict(options))
 
 
-def first_difference(
-    reference: list[TensorSignature], other: list[TensorSignature], rank: int
-) -> str | None:
-    """Describe the first way `other` (rank `rank`) differs from rank 0's `reference`."""
-    for mine, theirs in zip(reference, other, strict=False):
-        if (mine.kind, mine.name) != (theirs.kind, theirs.name):
-            return (
-                f"{mine.kind} '{mine.name}' on rank 0 stands where rank {rank} has "
-                f"{theirs.kind} '{theirs.name}'"
-            )
-        for field in ("shape", "dtype", "requires_grad"):
-            if getattr(mine, field) != getattr(theirs, field):
-                return (
-                    f"{mine.kind} '{mine.name}' has {field} {getattr(mine, field)} on rank 0 "
-                    f"but {getattr(theirs, field)} on rank {rank}"
-                )
-    if len(reference) != len(other):
-        longer, owner = (reference, 0) if len(reference) > len(other) else (other, rank)
-        extra = longer[min(len(reference), len(other))]
+def first_difference(reference: ReplicaSignature, other: ReplicaSignature, rank: int) -> str | None:
+    """How `other` (rank `rank`) first differs from rank 0's `reference`, and the fix; or None."""
+    for mine, theirs in zip(reference.tensors, other.tensors, strict=False):
+        difference = _tensor_difference(mine, theirs, rank)
+        if difference is not None:
+            return difference
+    return _count_difference(reference.tensors, other.tensors, rank) or _option_difference(
+        reference.options, other.options, rank
+    )
+
+
+def _tensor_difference(mine: TensorSignature, theirs: TensorSignature, rank: int) -> str | None:
+    what = f"{mine.kind} '{mine.name}'"
+    if (mine.kind, mine.name) != (theirs.kind, theirs.name):
         return (
-            f"rank 0 has {len(reference)} parameters and buffers but rank {rank} has "
-            f"{len(other)}; the first extra one is {extra.kind} '{extra.name}' on rank {owner}"
+            f"{what} on rank 0 stands where rank {rank} has {theirs.kind} '{theirs.name}'; "
+            f"{SAME_MODEL}"
+        )
+    for field in MODEL_FIELDS:
+        if getattr(mine, field) != getattr(theirs, field):
+            return (
+                f"{what} has {field} {getattr(mine, field)} on rank 0 but "
+                f"{getattr(theirs, field)} on rank {rank}; {SAME_MODEL}"
+            )
+    if mine.partition != theirs.partition:
+        return (
+            f"{what} is in {_partition_text(mine.partition)} on rank 0 but "
+            f"{_partition_text(theirs.partition)} on rank {rank}: {SAME_BALANCE}"
+        )
+    if mine.device_slot != theirs.device_slot:
+        return (
+            f"{what} is on device #{mine.device_slot} ({mine.device}) of rank 0 but on device "
+            f"#{theirs.device_slot} ({theirs.device}) of rank {rank}, numbering each rank's "
+            f"devices in the order its parameters and buffers first use them: {SAME_PLACEMENT}"
         )
     return None
 
 
-def check_replicas_match(module: nn.Module, group: dist.ProcessGroup) -> None:
-    """Raise ValueError on every rank if any rank's model differs from rank 0's.
+def _partition_text(partition: int) -> str:
+    if partition == NO_PARTITION:
+        return "no pipeline partition"
+    return f"pipeline partition {partition}"
+
+
+def _count_difference(
+    reference: list[TensorSignature], other: list[TensorSignature], rank: int
+) -> str | None:
+    if len(reference) == len(other):
+        return None
+    longer, owner = (reference, 0) if len(reference) > len(other) else (other, rank)
+    extra = longer[min(len(reference), len(other))]
+    return (
+        f"rank 0 has {len(reference)} parameters and buffers but rank {rank} has "
+        f"{len(other)}; the first extra one is {extra.kind} '{extra.name}' on rank {owner}; "
+        f"{SAME_MODEL}"
+    )
+
+
+def _option_difference(
+    reference: Mapping[str, float | bool], other: Mapping[str, float | bool], rank: int
+) -> str | None:
+    for name, value in reference.items():
+        if other.get(name) != value:
+            return (
+                f"{name} is {value!r} on rank 0 but {other.get(name)!r} on rank {rank}: "
+                f"{SAME_OPTIONS}"
+            )
+    return None
+
+
+def check_replicas_match(module: nn.Module, options: Options, group: dist.ProcessGroup) -> None:
+    """Raise ValueError on every rank if any rank's model or options differ from rank 0's.
 
     Every rank gathers every rank's signature, so all of them raise the same
-    error instead of some of them waiting in a later collective.
+    error instead of some of them waiting in a later collective, or summing
+    gradient buckets laid out differently.
     """
-    gathered: list[list[TensorSignature]] = [[] for _ in range(dist.get_world_size(group))]
+    payload = pickle.dumps(signature(module, options))
     try:
-        dist.all_gather_object(gathered, signature(module), group=group)
+        gathered = _all_gather_bytes(payload, group)
     except RuntimeError as error:
         raise RuntimeError(
-            "DataParallel: comparing parameter shapes across ranks (all_gather) failed or "
-            f"timed out on rank {dist.get_rank(group)}: {error}"
+            "DataParallel: comparing the replicas across ranks (all_gather) failed or timed out "
+            f"on rank {dist.get_rank(group)}: {error}"
         ) from error
-    reference = gathered[0]
-    for rank, other in enumerate(gathered[1:], start=1):
-        difference = first_difference(reference, other, rank)
+    signatures: list[ReplicaSignature] = [pickle.loads(data) for data in gathered]
+    for rank, other in enumerate(signatures[1:], start=1):
+        difference = first_difference(signatures[0], other, rank)
         if difference is not None:
-            raise ValueError(
-                f"DataParallel: the replicas differ: {difference}. Every rank must build "
-                "the same model (same layers, shapes, dtypes and frozen parameters)."
-            )
+            raise ValueError(f"DataParallel: the replicas differ: {difference}")
+
+
+def _all_gather_bytes(payload: bytes, group: dist.ProcessGroup) -> list[bytes]:
+    """Every rank's non-empty `payload`, in rank order.
+
+    dist.all_gather_object would do, but it needs NumPy; this sends the bytes
+    as uint8 tensors on the device the group's backend takes.
+    """
+    device = collective_device(group)
+    world_size = dist.get_world_size(group)
+    # all_gather moves equally sized tensors: agree on the lengths first, then
+    # pad every payload to the longest.
+    length = torch.tensor([len(payload)], dtype=torch.int64, device=device)
+    lengths = [torch.empty_like(length) for _ in range(world_size)]
+    dist.all_gather(lengths, length, group=group)
+    sizes = [int(n.item()) for n in lengths]
+    padded = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
+    padded[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    received = [torch.empty_like(padded) for _ in range(world_size)]
+    dist.all_gather(received, padded, group=group)
+    return [bytes(t[:size].tolist()) for t, size in zip(received, sizes, strict=True)]

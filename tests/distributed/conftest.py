@@ -29,8 +29,8 @@ def free_port() -> int:
         return port
 
 
-def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
-    """The environment torchrun would give process `rank`."""
+def rank_env(rank: int, world_size: int, port: int, backend: str = "gloo") -> dict[str, str]:
+    """The environment torchrun would give process `rank`, and the backend scenarios.py uses."""
     return {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
@@ -40,6 +40,7 @@ def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
         "OMP_NUM_THREADS": "1",
+        "SCENARIO_BACKEND": backend,
     }
 
 
@@ -48,6 +49,7 @@ def run_group(
     scenarios: list[str],
     *,
     world_size: int = 2,
+    backend: str = "gloo",
     pg_timeout_s: float = 20,
     wall_timeout_s: float = 60,
 ) -> Outcomes:
@@ -64,7 +66,10 @@ def run_group(
         cmd = [sys.executable, str(SCENARIOS), str(out), str(pg_timeout_s), *scenarios]
         with log.open("w") as log_file:
             proc = subprocess.Popen(
-                cmd, env=rank_env(rank, world_size, port), stdout=log_file, stderr=log_file
+                cmd,
+                env=rank_env(rank, world_size, port, backend),
+                stdout=log_file,
+                stderr=log_file,
             )
         procs.append((proc, out, log))
     deadline = time.monotonic() + wall_timeout_s
@@ -98,11 +103,21 @@ def group_runner(tmp_path_factory: pytest.TempPathFactory) -> GroupRunner:
     counter = itertools.count()
 
     def launch(
-        scenarios: list[str], *, pg_timeout_s: float = 20, wall_timeout_s: float = 60
+        scenarios: list[str],
+        *,
+        world_size: int = 2,
+        backend: str = "gloo",
+        pg_timeout_s: float = 20,
+        wall_timeout_s: float = 60,
     ) -> Outcomes:
         directory = tmp_path_factory.mktemp(f"group{next(counter)}")
         return run_group(
-            directory, scenarios, pg_timeout_s=pg_timeout_s, wall_timeout_s=wall_timeout_s
+            directory,
+            scenarios,
+            world_size=world_size,
+            backend=backend,
+            pg_timeout_s=pg_timeout_s,
+            wall_timeout_s=wall_timeout_s,
         )
 
     return launch

@@ -1,8 +1,9 @@
 """DataParallel scenarios, run by every rank of a small gloo process group.
 
 Started by conftest.run_group as `python scenarios.py OUT.json PG_TIMEOUT_S NAME...`
-with torchrun's environment variables set; each rank runs the named scenarios
-in order and writes {name: "ok" or the traceback} to OUT.json.
+with torchrun's environment variables and SCENARIO_BACKEND (gloo unless set)
+set; each rank runs the named scenarios in order and writes {name: "ok" or the
+traceback} to OUT.json.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from torch.utils.checkpoint import checkpoint
 
 from pipeline import DataParallel, Pipe
 from pipeline.distributed import init_process_group_from_env
+from pipeline.distributed.process_group import collective_device
 
 SCENARIOS: dict[str, Callable[[], None]] = {}
 BREAKS_GROUP: set[str] = set()
@@ -337,6 +339,88 @@ def mismatched_replicas_raise() -> None:
     )
 
 
+@scenario
+def different_find_unused_parameters_raise() -> None:
+    expect_error(
+        ValueError,
+        lambda: DataParallel(mlp(seed=12), find_unused_parameters=rank() == 0),
+        "find_unused_parameters is True on rank 0 but False on rank 1",
+        "same options",
+    )
+
+
+@scenario
+def different_bucket_caps_raise() -> None:
+    expect_error(
+        ValueError,
+        lambda: DataParallel(mlp(seed=12), bucket_cap_mb=25 if rank() == 0 else 10),
+        "bucket_cap_mb is 25 on rank 0 but 10 on rank 1",
+        "same options",
+    )
+
+
+def check_autograd_grad_raises(find_unused: bool) -> None:
+    """autograd.grad through DataParallel fails on every rank, and the next step works."""
+    pipe, plain = pipe_and_plain(seed=13, checkpoint="except_last")
+    for model in (pipe, mlp(seed=13)):
+        full_batch = copy.deepcopy(plain if model is pipe else model)
+        dp = DataParallel(model, find_unused_parameters=find_unused)
+        x, y = global_batch(0)
+        loss = F.mse_loss(dp(shard(x)), shard(y))
+        expect_error(
+            RuntimeError,
+            lambda loss=loss, dp=dp: torch.autograd.grad(loss, list(dp.parameters())),
+            "no parameter received a gradient",
+            "torch.autograd.grad() through DataParallel is not supported",
+            "loss.backward()",
+        )
+        F.mse_loss(dp(shard(x)), shard(y)).backward()
+        F.mse_loss(full_batch(x), y).backward()
+        assert_grads_close(model, full_batch, f"{type(model).__name__}: backward after the error")
+
+
+@scenario
+def autograd_grad_without_find_unused_raises() -> None:
+    check_autograd_grad_raises(find_unused=False)
+
+
+@scenario
+def autograd_grad_with_find_unused_raises() -> None:
+    check_autograd_grad_raises(find_unused=True)
+
+
+class Bypass(nn.Module):
+    """A linear layer, or on request a path from the input to the output that skips it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(14)
+        self.linear = nn.Linear(WIDTH, 1)
+
+    def forward(self, x: torch.Tensor, bypass: bool = False) -> torch.Tensor:
+        return x.mean(dim=1, keepdim=True) if bypass else self.linear(x)
+
+
+@scenario
+def rank_without_any_gradient_with_flag() -> None:
+    # Rank 1's loss depends on no parameter: legitimate with the flag, so no
+    # rank may take it for torch.autograd.grad.
+    model = Bypass()
+    replicas = [copy.deepcopy(model) for _ in range(world())]
+    dp = DataParallel(model, find_unused_parameters=True)
+    x, y = global_batch(0)
+    inputs = shard(x).requires_grad_()
+    F.mse_loss(dp(inputs, bypass=rank() == 1), shard(y)).backward()
+    assert inputs.grad is not None
+    for r, replica in enumerate(replicas):
+        F.mse_loss(replica(shard(x, r).requires_grad_(), bypass=r == 1), shard(y, r)).backward()
+    for name, param in model.named_parameters():
+        shares = [dict(rep.named_parameters())[name].grad for rep in replicas]
+        expected = sum(torch.zeros_like(param) if g is None else g for g in shares) / world()
+        assert param.grad is not None, f"{name} has no gradient"
+        torch.testing.assert_close(param.grad, expected, msg=lambda m, n=name: f"{n}: {m}")
+
+
 # ------------------------------------------------- partitioned ("pipeline") models
 
 
@@ -418,10 +502,6 @@ def check_pipe(checkpoint: str, as_view: bool) -> None:
             j, [b.launched for b in dp.reducer.buckets if owner[id(b.params[0])] == j]
         )
     )
-    accumulations = []
-    last_weight = pipe.partitions[1][-1].weight
-    last_weight.register_post_accumulate_grad_hook(lambda p: accumulations.append(1))
-
     opt = torch.optim.SGD(dp.parameters(), lr=0.05)
     full_opt = torch.optim.SGD(full_batch.parameters(), lr=0.05)
     for step in range(3):
@@ -433,10 +513,6 @@ def check_pipe(checkpoint: str, as_view: bool) -> None:
         assert_grads_close(pipe, full_batch, f"{what} step {step}")
         opt.step()
         full_opt.step()
-    if checkpoint == "always":
-        # Each micro-batch's recomputation is a backward of its own: per-parameter
-        # hooks fire once per micro-batch, which is why DDP cannot wrap a Pipe.
-        assert len(accumulations) == 3 * pipe.chunks, f"{what}: {len(accumulations)} hook calls"
     signalled = launched_when_signalled.get(1)
     assert signalled and all(signalled), f"{what}: partition 1 not reduced when signalled"
     assert 0 not in launched_when_signalled, f"{what}: partition 0's input needs no grad"
@@ -466,6 +542,62 @@ def repeated_accumulation_without_protocol_raises() -> None:
     x, y = global_batch(0)
     loss = F.mse_loss(dp(shard(x)), shard(y))
     expect_error(RuntimeError, loss.backward, "twice", "register_partition_backward_hook")
+
+
+@scenario
+def different_balance_raises() -> None:
+    torch.manual_seed(15)
+    model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(4)])
+    balance = [2, 2] if rank() == 0 else [1, 3]
+    expect_error(
+        ValueError,
+        lambda: DataParallel(Pipe(model, balance, devices=["cpu", "cpu"], chunks=2)),
+        "parameter '1.weight' is in pipeline partition 0 on rank 0 but pipeline partition 1 "
+        "on rank 1",
+        "same balance",
+    )
+
+
+class HalfUsed(nn.Module):
+    """A layer with a spare linear layer that its forward never uses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = nn.Linear(WIDTH, WIDTH)
+        self.spare = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)
+
+
+@scenario
+def pipe_unused_parameter_without_flag_raises() -> None:
+    torch.manual_seed(16)
+    layers = [nn.Linear(WIDTH, WIDTH), nn.Tanh(), HalfUsed(), nn.Linear(WIDTH, 1)]
+    pipe = Pipe(nn.Sequential(*layers), balance=[2, 2], devices=["cpu", "cpu"], chunks=2)
+    dp = DataParallel(pipe)
+    x, y = global_batch(0)
+    loss = F.mse_loss(dp(shard(x)), shard(y))
+    expect_error(RuntimeError, loss.backward, "'2.spare.weight'", "find_unused_parameters=True")
+
+
+# ---------------------------------------------------------------------- NCCL
+
+
+@scenario
+def nccl_step_on_the_current_gpu() -> None:
+    # NCCL moves CUDA tensors only: the replica check must gather on this
+    # rank's GPU, the one init_process_group_from_env selected.
+    group = dist.group.WORLD
+    assert group is not None
+    assert collective_device(group) == torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    model = mlp(seed=17).cuda()
+    full_batch = copy.deepcopy(model)
+    dp = DataParallel(model, **SMALL_BUCKETS)
+    x, y = (t.cuda() for t in global_batch(0))
+    F.mse_loss(dp(shard(x)), shard(y)).backward()
+    F.mse_loss(full_batch(x), y).backward()
+    assert_grads_close(model, full_batch, "NCCL DataParallel vs full batch")
 
 
 # --------------------------------------------------------------------- faults
@@ -498,7 +630,8 @@ def peer_stalls_mid_step() -> None:
 def main() -> None:
     global PG_TIMEOUT_S
     out, PG_TIMEOUT_S, names = Path(sys.argv[1]), float(sys.argv[2]), sys.argv[3:]
-    init_process_group_from_env(backend="gloo", timeout=timedelta(seconds=PG_TIMEOUT_S))
+    backend = os.environ.get("SCENARIO_BACKEND", "gloo")
+    init_process_group_from_env(backend=backend, timeout=timedelta(seconds=PG_TIMEOUT_S))
     torch.set_num_threads(1)
     outcomes: dict[str, str] = {}
     for name in names:

@@ -1,10 +1,11 @@
-"""DataParallel in a real two-process gloo group: gradients, options, errors and faults."""
+"""DataParallel in a real process group (gloo; NCCL where a GPU is): gradients, options, errors."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 import pytest
+import torch
 
 if TYPE_CHECKING:
     from conftest import GroupRunner, Outcomes
@@ -21,6 +22,13 @@ SHARED = [
     "buffers_broadcast",
     "gradient_as_bucket_view",
     "mismatched_replicas_raise",
+    "different_find_unused_parameters_raise",
+    "different_bucket_caps_raise",
+    "different_balance_raises",
+    "autograd_grad_without_find_unused_raises",
+    "autograd_grad_with_find_unused_raises",
+    "rank_without_any_gradient_with_flag",
+    "pipe_unused_parameter_without_flag_raises",
     "pipe_matches_full_batch",
     "unused_parameter_without_flag_raises",
     "repeated_accumulation_without_protocol_raises",
@@ -46,3 +54,12 @@ def test_fault_mid_step_is_an_error_naming_the_all_reduce(
     outcomes = group_runner([fault], pg_timeout_s=2, wall_timeout_s=30)
     for rank, outcome in enumerate(outcomes):
         assert outcome.get(fault) == "ok", f"rank {rank}:\n{outcome}"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="NCCL needs a CUDA device")
+def test_nccl_exchanges_on_the_current_gpu(group_runner: GroupRunner) -> None:
+    # One rank per GPU, as NCCL requires; one GPU still runs the whole path.
+    world_size = min(2, torch.cuda.device_count())
+    outcomes = group_runner(["nccl_step_on_the_current_gpu"], world_size=world_size, backend="nccl")
+    for rank, outcome in enumerate(outcomes):
+        assert outcome.get("nccl_step_on_the_current_gpu") == "ok", f"rank {rank}:\n{outcome}"

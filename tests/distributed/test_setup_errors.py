@@ -18,6 +18,21 @@ TORCHRUN_ENV = {
     "MASTER_PORT": "29500",
 }
 
+OPTIONS = {
+    "bucket_cap_mb": 25,
+    "first_bucket_mb": 1,
+    "broadcast_buffers": True,
+    "find_unused_parameters": False,
+    "gradient_as_bucket_view": False,
+}
+OTHER_OPTIONS = {
+    "bucket_cap_mb": 10,
+    "first_bucket_mb": 0.5,
+    "broadcast_buffers": False,
+    "find_unused_parameters": True,
+    "gradient_as_bucket_view": True,
+}
+
 
 def test_uninitialised_process_group_is_a_clear_error() -> None:
     with pytest.raises(RuntimeError, match="init_process_group"):
@@ -92,10 +107,34 @@ def test_malformed_torchrun_variable_is_an_error() -> None:
 )
 def test_first_difference_names_the_tensor_and_ranks(other: nn.Module, fragment: str) -> None:
     reference = nn.Sequential(nn.Linear(2, 4), nn.Linear(4, 1))
-    message = first_difference(signature(reference), signature(other), rank=3)
+    message = first_difference(signature(reference, OPTIONS), signature(other, OPTIONS), rank=3)
     assert message is not None and fragment in message
+    assert "every rank must build the same model" in message
 
 
 def test_identical_models_have_no_difference() -> None:
     torch.manual_seed(0)
-    assert first_difference(signature(nn.Linear(2, 2)), signature(nn.Linear(2, 2)), rank=1) is None
+    one, other = signature(nn.Linear(2, 2), OPTIONS), signature(nn.Linear(2, 2), OPTIONS)
+    assert first_difference(one, other, rank=1) is None
+
+
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_first_difference_names_a_differing_option(option: str) -> None:
+    model = nn.Linear(2, 2)
+    other = signature(model, {**OPTIONS, option: OTHER_OPTIONS[option]})
+    message = first_difference(signature(model, OPTIONS), other, rank=1)
+    assert message == (
+        f"{option} is {OPTIONS[option]!r} on rank 0 but {OTHER_OPTIONS[option]!r} on rank 1: "
+        "pass the same options to DataParallel on every rank"
+    )
+
+
+def test_first_difference_names_a_different_device_pattern() -> None:
+    # Rank 0 keeps both layers on one device, rank 1 puts the second on
+    # another: same model, but buckets (one per device) would differ.
+    reference = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    other = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).to("meta"))
+    message = first_difference(signature(reference, OPTIONS), signature(other, OPTIONS), rank=1)
+    assert message is not None
+    assert "parameter '1.weight' is on device #0 (cpu) of rank 0 but on device #1 (meta)" in message
+    assert "same pattern" in message
