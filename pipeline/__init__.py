@@ -2,11 +2,10 @@
 
 from pipeline import skip
 from pipeline.batchnorm import DeferredBatchNorm
-from pipeline.checkpoint import is_checkpointing, is_recomputing
 from pipeline.distributed import DataParallel
 from pipeline.microbatch import NoChunk
-from pipeline.pipe import BalanceError, Pipe
-from pipeline.rng import mark_random
+from pipeline.phase import is_checkpointing, is_recomputing
+from pipeline.pipe import BalanceError, Pipe, PositionalSequential
 from pipeline.trace import Trace, trace
 
 __all__ = [
@@ -15,10 +14,10 @@ __all__ = [
     "DeferredBatchNorm",
     "NoChunk",
     "Pipe",
+    "PositionalSequential",
     "Trace",
     "is_checkpointing",
     "is_recomputing",
-    "mark_random",
     "skip",
     "trace",
 ]

@@ -7,11 +7,20 @@ micro-batch, with noisier estimates and ``m`` momentum steps per mini-batch.
 ``DeferredBatchNorm`` accumulates the sums over every micro-batch of a
 forward pass and updates the running statistics once, when the Pipe commits
 them after its last micro-batch, exactly as BatchNorm would on the whole
-mini-batch.
+mini-batch. A forward pass starts from empty sums, so one that failed or was
+interrupted leaves nothing behind.
+
+The Pipe converts the BatchNorm layers of the module it is given, in place.
+Run outside a Pipe's tasks (the user's own module, called directly), a
+``DeferredBatchNorm`` is an ordinary BatchNorm: it updates its running
+statistics at every call.
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import cast
 
 import torch
@@ -19,9 +28,22 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from pipeline.checkpoint import is_recomputing
+from pipeline.phase import is_recomputing
 
-__all__ = ["DeferredBatchNorm"]
+__all__ = ["DeferredBatchNorm", "deferring_batch_norm"]
+
+_local = threading.local()
+
+
+@contextmanager
+def deferring_batch_norm(on: bool) -> Iterator[None]:
+    """Within the block (a Pipe task), DeferredBatchNorm layers defer their updates."""
+    previous = getattr(_local, "deferring", False)
+    _local.deferring = on
+    try:
+        yield
+    finally:
+        _local.deferring = previous
 
 
 class DeferredBatchNorm(_BatchNorm):
@@ -67,6 +89,8 @@ class DeferredBatchNorm(_BatchNorm):
                 momentum=0.0,
                 eps=self.eps,
             )
+        if not getattr(_local, "deferring", False):
+            return super().forward(input)
         if not is_recomputing():
             self._accumulate(input)
         return F.batch_norm(
@@ -95,6 +119,11 @@ class DeferredBatchNorm(_BatchNorm):
             factor = 1.0 / float(tracked) if self.momentum is None else self.momentum
             cast(Tensor, self.running_mean).mul_(1 - factor).add_(mean, alpha=factor)
             cast(Tensor, self.running_var).mul_(1 - factor).add_(unbiased, alpha=factor)
+        self.reset_accumulators()
+
+    def reset_accumulators(self) -> None:
+        """Forget the sums of micro-batches not committed (a failed or interrupted pass)."""
+        with torch.no_grad():
             self.sum.zero_()
             self.sum_squares.zero_()
             self.count.zero_()

@@ -1,22 +1,33 @@
 """Micro-batches: scatter a mini-batch into micro-batches and gather them back.
 
-A partition takes and returns either one tensor or a tuple of values. Tensors
-in the input are split along dim 0; everything else (non-tensors, and tensors
-wrapped in ``NoChunk``) reaches every micro-batch unchanged.
+A partition takes and returns any value a layer can: a tensor, or tuples,
+namedtuples, lists and dicts of values nested at will. Every tensor in it,
+at any depth, is split along dim 0; other values (and tensors wrapped in
+``NoChunk``) reach every micro-batch unchanged. Between partitions a
+micro-batch is kept flat (``Batch``: its leaves and the structure that
+rebuilds the value), so that copies, dependency edges and checkpointing see
+every tensor, and the next partition gets the value back with its types.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from typing import Any, TypeAlias, cast
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeAlias
 
 import torch
 from torch import Tensor
+from torch.utils._pytree import (
+    TreeSpec,
+    keystr,
+    tree_flatten,
+    tree_flatten_with_path,
+    tree_unflatten,
+)
 
-__all__ = ["Batch", "NoChunk", "check_input", "gather", "scatter"]
+__all__ = ["Batch", "NoChunk", "Value", "check_input", "gather", "scatter"]
 
-Values: TypeAlias = tuple[Any, ...]
-TensorOrValues: TypeAlias = Tensor | Values
+# What a partition takes and returns: a tensor or a structure holding tensors.
+Value: TypeAlias = Any
 
 
 class NoChunk:
@@ -40,84 +51,93 @@ class NoChunk:
 
 
 class Batch:
-    """One micro-batch as it travels between partitions.
+    """One micro-batch as it travels between partitions: the leaves of its value.
 
-    ``atomic`` batches hold a single tensor; others hold a tuple of values.
+    ``leaves`` holds the value's tensors and other leaves in a fixed order;
+    ``value`` rebuilds the value a partition receives (same types, same
+    nesting). Code that moves or links tensors edits ``leaves`` in place.
     """
 
-    __slots__ = ("atomic", "values")
+    __slots__ = ("leaves", "spec")
 
-    def __init__(self, value: TensorOrValues) -> None:
-        self.atomic = isinstance(value, Tensor)
-        self.values: list[Any] = [value] if self.atomic else list(value)
+    def __init__(self, value: Value) -> None:
+        self.leaves, self.spec = tree_flatten(value)
+
+    @classmethod
+    def of(cls, leaves: list[Any], spec: TreeSpec) -> Batch:
+        batch = cls.__new__(cls)
+        batch.leaves, batch.spec = leaves, spec
+        return batch
 
     @property
-    def value(self) -> TensorOrValues:
-        """What a partition receives: the tensor, or the tuple of values."""
-        return cast(Tensor, self.values[0]) if self.atomic else tuple(self.values)
+    def value(self) -> Value:
+        """What a partition receives: the tensor, or the structure of values."""
+        if self.spec.is_leaf():
+            return self.leaves[0]
+        return tree_unflatten(self.leaves, self.spec)
 
-    def call(self, function: Callable[[TensorOrValues], TensorOrValues]) -> Batch:
+    def call(self, function: Callable[[Value], Value]) -> Batch:
         return Batch(function(self.value))
 
     def tensor_indices(self) -> Iterator[int]:
-        return (i for i, v in enumerate(self.values) if isinstance(v, Tensor))
+        return (i for i, v in enumerate(self.leaves) if isinstance(v, Tensor))
 
     def first_differentiable(self) -> int | None:
         """Index of the first floating tensor: the carrier of phony edges."""
         for i in self.tensor_indices():
-            if self.values[i].is_floating_point() or self.values[i].is_complex():
+            if self.leaves[i].is_floating_point() or self.leaves[i].is_complex():
                 return i
         return None
 
     def __len__(self) -> int:
-        return len(self.values)
+        return len(self.leaves)
 
     def __getitem__(self, index: int) -> Any:
-        return self.values[index]
+        return self.leaves[index]
 
     def __setitem__(self, index: int, value: Any) -> None:
-        self.values[index] = value
+        self.leaves[index] = value
 
     def __repr__(self) -> str:
-        return f"Batch(atomic={self.atomic}, values={self.values!r})"
+        return f"Batch({self.value!r})"
 
 
-def check_input(input: Any) -> None:
+def _is_leaf(value: Any) -> bool:
+    return isinstance(value, NoChunk)
+
+
+def check_input(input: Value) -> None:
     """Raise a clear error unless ``input`` can be split into micro-batches."""
-    if isinstance(input, Tensor):
-        values: Values = (input,)
-    elif isinstance(input, tuple):
-        values = input
-    else:
-        raise TypeError(
-            f"Pipe input must be a Tensor or a tuple of values, got {type(input).__name__}; "
-            "pass several inputs as a tuple"
-        )
-    sizes = {}
-    for index, value in enumerate(values):
-        if isinstance(value, Tensor):
-            if value.dim() == 0:
-                raise ValueError(
-                    f"input tensor at position {index} is a scalar and cannot be split into "
-                    "micro-batches; wrap it in NoChunk to pass it to every micro-batch"
-                )
-            sizes[index] = value.size(0)
+    sizes: dict[str, int] = {}
+    for path, leaf in tree_flatten_with_path(input, is_leaf=_is_leaf)[0]:
+        if not isinstance(leaf, Tensor):
+            continue
+        where = "input" + keystr(path)
+        if leaf.dim() == 0:
+            raise ValueError(
+                f"{where} is a 0-dim tensor and cannot be split into micro-batches; wrap it "
+                "in NoChunk to pass it to every micro-batch"
+            )
+        sizes[where] = leaf.size(0)
     if not sizes:
         raise TypeError(
-            "Pipe input holds no tensor to split into micro-batches (NoChunk tensors are "
-            "not split); pass at least one tensor with a batch dimension"
+            f"Pipe input ({type(input).__name__}) holds no tensor to split into micro-batches "
+            "(NoChunk tensors are not split); pass at least one tensor with a batch dimension"
         )
     if len(set(sizes.values())) > 1:
-        listed = ", ".join(f"position {i}: {n}" for i, n in sizes.items())
+        listed = ", ".join(f"{where}: {n}" for where, n in sizes.items())
         raise ValueError(
             f"input tensors disagree on the batch size (dim 0): {listed}; every split tensor "
             "must have the same dim 0, wrap the others in NoChunk"
         )
     if 0 in sizes.values():
-        raise ValueError("input batch is empty (dim 0 has size 0)")
+        raise ValueError(
+            "input batch is empty (dim 0 has size 0): a Pipe needs at least one row to split "
+            "into micro-batches; skip empty batches before calling it"
+        )
 
 
-def scatter(input: TensorOrValues, chunks: int) -> list[Batch]:
+def scatter(input: Value, chunks: int) -> list[Batch]:
     """Split ``input`` into at most ``chunks`` micro-batches along dim 0.
 
     Follows ``Tensor.chunk``: 10 rows in 4 chunks gives 3, 3, 3 and 1 rows,
@@ -125,54 +145,68 @@ def scatter(input: TensorOrValues, chunks: int) -> list[Batch]:
     """
     if isinstance(input, Tensor):
         return [Batch(piece) for piece in input.chunk(chunks)]
-
-    columns: list[tuple[Any, ...] | None] = []
-    count = None
-    for value in input:
-        if isinstance(value, Tensor):
-            pieces = value.chunk(chunks)
-            count = len(pieces)
-            columns.append(pieces)
-        else:
-            columns.append(None)
-    assert count is not None, "check_input guarantees a tensor"
+    leaves, spec = tree_flatten(input, is_leaf=_is_leaf)
+    columns = [leaf.chunk(chunks) if isinstance(leaf, Tensor) else None for leaf in leaves]
+    count = min(len(column) for column in columns if column is not None)
     return [
-        Batch(tuple(_piece(value, column, i) for value, column in zip(input, columns, strict=True)))
+        Batch.of(
+            [_piece(leaf, column, i) for leaf, column in zip(leaves, columns, strict=True)], spec
+        )
         for i in range(count)
     ]
 
 
-def _piece(value: Any, column: tuple[Any, ...] | None, index: int) -> Any:
+def _piece(leaf: Any, column: Sequence[Tensor] | None, index: int) -> Any:
     if column is not None:
         return column[index]
-    if isinstance(value, NoChunk):
-        return value.tensor
-    return value
+    if isinstance(leaf, NoChunk):
+        return leaf.tensor
+    return leaf
 
 
-def gather(batches: list[Batch]) -> TensorOrValues:
+def gather(batches: list[Batch]) -> Value:
     """Concatenate the micro-batches' outputs back into one mini-batch.
 
-    Tensors are concatenated along dim 0. A non-tensor output must be equal in
-    every micro-batch and is returned once.
+    Tensors are concatenated along dim 0, wherever they sit in the output.
+    A non-tensor output must be equal in every micro-batch and is returned once.
     """
-    if batches[0].atomic:
-        return torch.cat([b.values[0] for b in batches])
-    width = len(batches[0])
-    if any(len(b) != width or b.atomic for b in batches):
-        raise TypeError(
-            "the last partition returned outputs of different structure per micro-batch"
-        )
-    return tuple(_gather_column([b.values[k] for b in batches], k) for k in range(width))
+    spec = batches[0].spec
+    for i, batch in enumerate(batches[1:], start=1):
+        if batch.spec != spec:
+            raise TypeError(
+                "the last partition returned outputs of different structure per micro-batch: "
+                f"micro-batch 0 gave {spec}, micro-batch {i} gave {batch.spec}"
+            )
+    columns = zip(*(batch.leaves for batch in batches), strict=True)
+    leaves = [_gather_column(list(column), k) for k, column in enumerate(columns)]
+    return Batch.of(leaves, spec).value
 
 
 def _gather_column(column: list[Any], position: int) -> Any:
     first = column[0]
     if isinstance(first, Tensor):
+        _check_concatenable(column, position)
         return torch.cat(column)
     if any(value != first for value in column[1:]):
         raise ValueError(
-            f"output at position {position} is a non-tensor that differs between micro-batches "
+            f"output leaf {position} is a non-tensor that differs between micro-batches "
             f"({column!r}); return it as a tensor with a batch dimension to gather it"
         )
     return first
+
+
+def _check_concatenable(column: list[Tensor], position: int) -> None:
+    if column[0].dim() == 0:
+        raise ValueError(
+            f"the last partition returned a 0-dim tensor (output leaf {position}); the outputs "
+            "of the micro-batches are concatenated along dim 0, so return one value per row "
+            "(e.g. a per-sample loss, reduced after the Pipe) instead of a reduced scalar"
+        )
+    shapes = [tuple(t.shape[1:]) for t in column]
+    if any(shape != shapes[0] for shape in shapes) or any(t.dim() == 0 for t in column):
+        listed = ", ".join(f"micro-batch {i}: {tuple(t.shape)}" for i, t in enumerate(column))
+        raise ValueError(
+            f"the last partition's output leaf {position} has shapes that cannot be "
+            f"concatenated along dim 0 ({listed}); every micro-batch must return the same "
+            "shape beyond dim 0 (a squeeze() on a 1-row micro-batch is a common cause)"
+        )

@@ -3,28 +3,33 @@
 from __future__ import annotations
 
 import itertools
+import operator
 import weakref
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, Literal, TypeAlias
+from functools import partial
+from typing import Any, Literal, TypeAlias, cast, overload
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 from torch.utils.hooks import RemovableHandle
 
 from pipeline.batchnorm import DeferredBatchNorm
 from pipeline.completion import Hook
-from pipeline.microbatch import NoChunk, TensorOrValues, check_input, gather, scatter
+from pipeline.microbatch import Batch, NoChunk, Value, check_input, gather, scatter
 from pipeline.pipeline import Pipeline
 from pipeline.skip.layout import inspect_skip_layout
 from pipeline.skip.verify import verify_skippables
 from pipeline.worker import Worker, stop_workers
 
-__all__ = ["BalanceError", "Pipe"]
+__all__ = ["BalanceError", "Pipe", "PositionalSequential"]
 
 Device: TypeAlias = torch.device | str | int
 CheckpointMode: TypeAlias = Literal["always", "except_last", "never"]
 CHECKPOINT_MODES = ("always", "except_last", "never")
+CallStyle: TypeAlias = Literal["tuple", "positional"]
+CALL_STYLES = ("tuple", "positional")
 
 
 class BalanceError(ValueError):
@@ -61,6 +66,13 @@ class Pipe(nn.Module):
             activations in backward instead of keeping them.
         deferred_batch_norm: update BatchNorm running statistics once per
             mini-batch instead of once per micro-batch.
+        call_style: how a tuple passes between layers. ``'tuple'`` (torchgpipe
+            and fairscale): a layer receives the tuple as one argument and
+            ``pipe(x)`` takes one input. ``'positional'``
+            (``torch.distributed.pipeline.sync.Pipe``): a layer receives a
+            tuple's items as positional arguments, and ``pipe(x, y)`` passes
+            ``x, y`` to the first layer; the plain model it equals is
+            ``pipeline.PositionalSequential``.
     """
 
     partitions: list[nn.Sequential]
@@ -75,16 +87,16 @@ class Pipe(nn.Module):
         chunks: int = 1,
         checkpoint: CheckpointMode = "except_last",
         deferred_batch_norm: bool = False,
+        call_style: CallStyle = "tuple",
     ) -> None:
         super().__init__()
         _check_module(module)
         verify_skippables(module)
         balance = _check_balance(balance, len(module))
-        _check_chunks(chunks)
-        _check_checkpoint(checkpoint)
         self.balance = balance
-        self.chunks = chunks
+        self.chunks = _check_chunks(chunks)
         self.checkpoint = checkpoint
+        self.call_style = _check_call_style(call_style)
         self.devices = _resolve_devices(devices, len(balance))
         if deferred_batch_norm:
             DeferredBatchNorm.convert(module)
@@ -93,13 +105,24 @@ class Pipe(nn.Module):
             (name, layer) for name, layer in module._modules.items() if layer is not None
         )
         self._register_layers(layers)
-        self.partitions = _split(layers, balance, self.devices)
+        sequential = PositionalSequential if call_style == "positional" else nn.Sequential
+        self.partitions = _split(layers, balance, self.devices, sequential)
         self.skip_layout = inspect_skip_layout(self.partitions, self.devices)
+        self._start()
 
-        self._workers = [Worker(f"pipe-partition-{j}") for j in range(len(balance))]
+    def _start(self) -> None:
+        """Start the worker threads and what runs on them (at construction and after a copy)."""
+        self._workers = [Worker(f"pipe-partition-{j}") for j in range(len(self.balance))]
         self._finalizer = weakref.finalize(self, stop_workers, self._workers)
-        self._pipeline = Pipeline(self.partitions, self.devices, self._workers, self.skip_layout)
         self._deferred_batch_norms = [m for m in self.modules() if isinstance(m, DeferredBatchNorm)]
+        self._pipeline = Pipeline(
+            self.partitions,
+            self.devices,
+            self._workers,
+            self.skip_layout,
+            positional=self.call_style == "positional",
+            deferred_batch_norm=bool(self._deferred_batch_norms),
+        )
         self._completion_hooks: OrderedDict[int, Hook] = OrderedDict()
 
     def _register_layers(self, layers: OrderedDict[str, nn.Module]) -> None:
@@ -113,14 +136,53 @@ class Pipe(nn.Module):
                 )
             self.add_module(name, layer)
 
-    def forward(self, input: TensorOrValues) -> TensorOrValues:
-        """Run ``input`` through the pipeline; the output is on the last device."""
+    @property
+    def checkpoint(self) -> CheckpointMode:
+        """Which micro-batches are checkpointed: ``'always'``, ``'except_last'`` or ``'never'``."""
+        return self._checkpoint
+
+    @checkpoint.setter
+    def checkpoint(self, mode: Any) -> None:
+        self._checkpoint = _check_checkpoint(mode)
+
+    def forward(self, *inputs: Value) -> Value:
+        """Run the input through the pipeline; the output is on the last device.
+
+        One input (a tensor, or a structure holding tensors) with the
+        ``'tuple'`` call style; any number with ``'positional'``.
+        """
+        if torch.compiler.is_compiling():
+            raise RuntimeError(_COMPILE_MESSAGE)
+        input = self._input(inputs)
         if not self._finalizer.alive:
             raise RuntimeError("this Pipe is closed; create a new Pipe to run it again")
+        if not self.partitions:
+            _check_holds_tensor(input)
+            return input
         check_input(input)
-        batches = scatter(_to_device(input, self.devices[0]), self.chunks)
+        # One call at a time: two threads calling one Pipe run one after the other.
+        with self._pipeline.lock:
+            return self._run(input)
+
+    def _input(self, inputs: tuple[Value, ...]) -> Value:
+        if self.call_style == "positional":
+            return inputs[0] if len(inputs) == 1 else inputs
+        if len(inputs) != 1:
+            raise TypeError(
+                f"Pipe.forward takes one input, got {len(inputs)}; pass several as a tuple, "
+                "pipe((x, y)), or build the Pipe with call_style='positional' to call pipe(x, y)"
+            )
+        return inputs[0]
+
+    def _run(self, input: Value) -> Value:
+        if self.training:
+            for bn in self._deferred_batch_norms:
+                bn.reset_accumulators()
+        input = _to_device(input, self.devices[0])
+        batches = scatter(input, self.chunks)
         hooks = list(self._completion_hooks.values())
-        self._pipeline.run(batches, self._checkpoint_stop(len(batches)), hooks)
+        rows = sum(b.leaves[k].size(0) for b in batches for k in list(b.tensor_indices())[:1])
+        self._pipeline.run(batches, self._checkpoint_stop(len(batches)), hooks, rows)
         if self.training:
             for bn in self._deferred_batch_norms:
                 bn.commit()
@@ -152,6 +214,20 @@ class Pipe(nn.Module):
         """Stop the worker threads now (garbage collection does it otherwise)."""
         self._finalizer()
 
+    def __getstate__(self) -> dict[str, Any]:
+        # Threads, queues and locks are not copied: a copy, an unpickled Pipe
+        # and a loaded torch.save start workers of their own. Partition
+        # backward hooks belong to whoever registered them (DataParallel's
+        # reducer) and stay with the original.
+        state = self.__dict__.copy()
+        for name in _RUNTIME_STATE:
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._start()
+
     def __len__(self) -> int:
         return sum(self.balance)
 
@@ -159,17 +235,40 @@ class Pipe(nn.Module):
         for partition in self.partitions:
             yield from partition
 
-    def __getitem__(self, index: int) -> nn.Module:
+    @overload
+    def __getitem__(self, index: int) -> nn.Module: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> nn.Sequential: ...
+
+    def __getitem__(self, index: int | slice) -> nn.Module:
+        """Layer ``index``; a slice gives an ``nn.Sequential`` of those layers (no pipeline)."""
+        names = [name for partition in self.partitions for name in partition._modules]
         layers = list(self)
-        if not -len(layers) <= index < len(layers):
-            raise IndexError(f"layer index {index} out of range for a Pipe of {len(layers)} layers")
-        return layers[index]
+        if isinstance(index, slice):
+            return nn.Sequential(OrderedDict(zip(names[index], layers[index], strict=True)))
+        try:
+            position = operator.index(index)
+        except TypeError:
+            raise TypeError(
+                f"Pipe indices must be ints or slices, got {type(index).__name__}"
+            ) from None
+        if not -len(layers) <= position < len(layers):
+            raise IndexError(
+                f"layer index {position} out of range for a Pipe of {len(layers)} layers"
+            )
+        return layers[position]
 
     def to(self, *args: Any, **kwargs: Any) -> Pipe:
         device = torch._C._nn._parse_to(*args, **kwargs)[0]
         if device is not None:
             self._refuse_move(torch.device(device), "to")
         return super().to(*args, **kwargs)
+
+    def to_empty(self, *, device: Device | None, recurse: bool = True) -> Pipe:
+        if device is not None:
+            self._refuse_move(_normalize_device(device), "to_empty")
+        return super().to_empty(device=device, recurse=recurse)
 
     def cuda(self, device: Device | None = None) -> Pipe:
         self._refuse_move(_normalize_device("cuda" if device is None else device), "cuda")
@@ -190,14 +289,44 @@ class Pipe(nn.Module):
             )
 
 
+class PositionalSequential(nn.Sequential):
+    """An ``nn.Sequential`` that passes a tuple to the next layer as positional arguments.
+
+    The plain model that a Pipe with ``call_style='positional'`` equals
+    (``torch.distributed.pipeline.sync.Pipe``'s convention)::
+
+        model = PositionalSequential(Split(), Add())   # Split returns (a, b); Add(a, b)
+        model(x)
+    """
+
+    def forward(self, *inputs: Any) -> Any:
+        value: Any = inputs[0] if len(inputs) == 1 else inputs
+        for layer in self:
+            value = layer(*value) if type(value) is tuple else layer(value)
+        return value
+
+
+_RUNTIME_STATE = (
+    "_workers",
+    "_finalizer",
+    "_pipeline",
+    "_completion_hooks",
+    "_deferred_batch_norms",
+)
+
+_COMPILE_MESSAGE = (
+    "torch.compile(pipe) is not supported: the Pipe runs its partitions on worker threads, "
+    "which a compiled graph cannot contain. Compile the layers instead and pipeline them: "
+    "Pipe(nn.Sequential(*(torch.compile(layer) for layer in layers)), balance, ...)"
+)
+
+
 def _check_module(module: Any) -> None:
     if not isinstance(module, nn.Sequential):
         raise TypeError(
             f"Pipe splits an nn.Sequential, got {type(module).__name__}; wrap your layers in "
             "nn.Sequential(...)"
         )
-    if len(module) == 0:
-        raise ValueError("Pipe got an empty nn.Sequential; it needs at least one layer")
 
 
 def _check_balance(balance: Sequence[int] | None, layers: int) -> list[int]:
@@ -210,7 +339,7 @@ def _check_balance(balance: Sequence[int] | None, layers: int) -> list[int]:
     if isinstance(balance, int | str) or not isinstance(balance, Iterable):
         raise BalanceError(f"balance must be a list of ints, got {balance!r}; {hint}")
     balance = list(balance)
-    if not balance:
+    if not balance and layers > 0:
         raise BalanceError(f"balance is empty; {hint}")
     bad = [b for b in balance if isinstance(b, bool) or not isinstance(b, int) or b <= 0]
     if bad:
@@ -225,17 +354,32 @@ def _check_balance(balance: Sequence[int] | None, layers: int) -> list[int]:
     return balance
 
 
-def _check_chunks(chunks: Any) -> None:
+def _check_chunks(chunks: Any) -> int:
+    """``chunks`` as an int; a float that is a whole number is accepted, as predecessors do."""
+    if isinstance(chunks, float) and chunks.is_integer():
+        chunks = int(chunks)
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks <= 0:
         raise ValueError(f"chunks must be a positive int (micro-batches per batch), got {chunks!r}")
+    return chunks
 
 
-def _check_checkpoint(checkpoint: Any) -> None:
-    if checkpoint not in CHECKPOINT_MODES:
+def _check_checkpoint(checkpoint: Any) -> CheckpointMode:
+    """The mode named by ``checkpoint`` (any object whose ``str()`` names one, like an enum)."""
+    mode = checkpoint if isinstance(checkpoint, str) else str(checkpoint)
+    if mode not in CHECKPOINT_MODES or checkpoint is None:
         raise ValueError(
             f"checkpoint must be one of {', '.join(map(repr, CHECKPOINT_MODES))}, got "
             f"{checkpoint!r}"
         )
+    return cast(CheckpointMode, str(mode))
+
+
+def _check_call_style(call_style: Any) -> CallStyle:
+    if call_style not in CALL_STYLES:
+        raise ValueError(
+            f"call_style must be one of {', '.join(map(repr, CALL_STYLES))}, got {call_style!r}"
+        )
+    return cast(CallStyle, call_style)
 
 
 def _normalize_device(device: Device) -> torch.device:
@@ -276,20 +420,24 @@ def _resolve_devices(devices: Sequence[Device] | None, partitions: int) -> list[
 
 
 def _split(
-    layers: OrderedDict[str, nn.Module], balance: list[int], devices: list[torch.device]
+    layers: OrderedDict[str, nn.Module],
+    balance: list[int],
+    devices: list[torch.device],
+    sequential: type[nn.Sequential],
 ) -> list[nn.Sequential]:
     items = list(layers.items())
     bounds = [sum(balance[:j]) for j in range(len(balance) + 1)]
     partitions = [
-        nn.Sequential(OrderedDict(items[start:stop])) for start, stop in itertools.pairwise(bounds)
+        sequential(OrderedDict(items[start:stop])) for start, stop in itertools.pairwise(bounds)
     ]
-    _check_not_shared(partitions)
+    _check_sharing(partitions, devices)
     for partition, device in zip(partitions, devices, strict=True):
         partition.to(device)
     return partitions
 
 
-def _check_not_shared(partitions: list[nn.Sequential]) -> None:
+def _check_sharing(partitions: list[nn.Sequential], devices: list[torch.device]) -> None:
+    """Refuse a layer or tensor used by two partitions unless they share a device (tied weights)."""
     owner: dict[int, tuple[int, str]] = {}
     for j, partition in enumerate(partitions):
         named = [*partition.named_modules(remove_duplicate=False)]
@@ -297,22 +445,30 @@ def _check_not_shared(partitions: list[nn.Sequential]) -> None:
         named += [*partition.named_buffers(remove_duplicate=False)]
         for name, thing in named:
             first = owner.setdefault(id(thing), (j, name))
-            if first[0] != j:
+            if devices[first[0]] != devices[j]:
                 raise ValueError(
-                    f"{type(thing).__name__} {first[1]!r} of partition {first[0]} is also "
-                    f"{name!r} of partition {j}; a layer or parameter cannot be shared between "
-                    "partitions (they run on different threads and devices): put the sharing "
-                    "layers in one partition, or tie the weights by copying after each step"
+                    f"{type(thing).__name__} {first[1]!r} of partition {first[0]} (on "
+                    f"{devices[first[0]]}) is also {name!r} of partition {j} (on {devices[j]}); "
+                    "a layer or parameter can be shared between partitions on the same device "
+                    "only: put those partitions on one device, or keep the tied layers in one "
+                    "partition"
                 )
 
 
-def _to_device(input: TensorOrValues, device: torch.device) -> TensorOrValues:
+def _check_holds_tensor(input: Value) -> None:
+    if not any(isinstance(leaf, torch.Tensor) for leaf in Batch(input).leaves):
+        raise TypeError(f"Pipe input must be a tensor or hold tensors, got {type(input).__name__}")
+
+
+def _to_device(input: Value, device: torch.device) -> Value:
     if isinstance(input, torch.Tensor):
         return input.to(device)
-    return tuple(_value_to_device(v, device) for v in input)
+    return tree_map(
+        partial(_value_to_device, device), input, is_leaf=lambda v: isinstance(v, NoChunk)
+    )
 
 
-def _value_to_device(value: Any, device: torch.device) -> Any:
+def _value_to_device(device: torch.device, value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return value.to(device)
     if isinstance(value, NoChunk):

@@ -8,14 +8,20 @@ Each clock cycle has two phases, both issued from the caller's thread:
 - compute: hand every task of the cycle to its partition's worker thread and
   collect the results. A task that raises does not stop the others of its
   cycle; once all have answered, the first exception is re-raised here with
-  its original traceback.
+  its original traceback and a note naming the task.
+
+A task runs its partition under the caller's thread state, on the
+partition's compute stream, with its random draws seeded (``rng.py``), and
+checkpointed (``checkpoint.py``) when its micro-batch is below the
+checkpoint stop.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable
-from contextlib import AbstractContextManager
+import queue
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
@@ -23,11 +29,13 @@ import torch
 from torch import nn
 
 from pipeline import rng
-from pipeline.checkpoint import Checkpointing, Function, starts_in_place
+from pipeline.batchnorm import deferring_batch_norm
+from pipeline.buffers import PartitionBuffers
+from pipeline.checkpoint import Checkpointing, Function, protected, starts_in_place
 from pipeline.completion import Arrival, Hook, PartitionCompletion
 from pipeline.copy import Copy, Wait
 from pipeline.dependency import depend
-from pipeline.microbatch import Batch, TensorOrValues
+from pipeline.microbatch import Batch, Value
 from pipeline.schedule import clock_cycles
 from pipeline.skip.layout import SkipLayout
 from pipeline.skip.step import start_step
@@ -40,7 +48,11 @@ __all__ = ["Pipeline"]
 
 
 class Pipeline:
-    """Runs a GPipe schedule over partitions, each with its own worker thread."""
+    """Runs a GPipe schedule over partitions, each with its own worker thread.
+
+    ``positional``: a tuple reaches a partition as positional arguments
+    (``partition(*value)``) instead of as one argument.
+    """
 
     def __init__(
         self,
@@ -48,24 +60,37 @@ class Pipeline:
         devices: list[torch.device],
         workers: list[Worker],
         skip_layout: SkipLayout | None = None,
+        *,
+        positional: bool = False,
+        deferred_batch_norm: bool = False,
     ) -> None:
         self.partitions = partitions
         self.devices = devices
         self.workers = workers
         self.skip_layout = skip_layout
-        self.random_layers = [rng.may_draw_random(p) for p in partitions]
-        for partition in partitions:
-            rng.install_seeding(partition)
+        self.positional = positional
+        self.deferred_batch_norm = deferred_batch_norm
+        self.buffers = [PartitionBuffers(p, j) for j, p in enumerate(partitions)]
         self.protect_inputs = [starts_in_place(p) for p in partitions]
         self.copy_streams: list[list[Stream]] = [[] for _ in partitions]
+        # Held by each forward and each recomputation: one thread at a time
+        # runs the partitions and touches their buffers.
+        self.lock = threading.RLock()
 
-    def run(self, batches: list[Batch], checkpoint_stop: int, completion_hooks: list[Hook]) -> None:
+    def run(
+        self,
+        batches: list[Batch],
+        checkpoint_stop: int,
+        completion_hooks: list[Hook],
+        rows: int,
+    ) -> None:
         """Run every micro-batch through every partition, in place in ``batches``.
 
         ``completion_hooks`` are called with ``j`` during backward once
-        partition ``j``'s gradients are final (see ``completion.py``).
+        partition ``j``'s gradients are final (see ``completion.py``);
+        ``rows`` is the mini-batch size, for error notes.
         """
-        step = _Step(self, batches, checkpoint_stop, completion_hooks)
+        step = _Step(self, batches, checkpoint_stop, completion_hooks, rows)
         for schedule in clock_cycles(len(batches), len(self.partitions)):
             step.fence(schedule)
             step.compute(schedule)
@@ -77,14 +102,6 @@ class Pipeline:
                 streams.append(new_stream(device))
         return self.copy_streams
 
-    def seeds_for_random_partitions(self) -> list[int | None]:
-        """Per partition, a base seed if it may draw random numbers now, else None."""
-        active = [any(m.training for m in layers) for layers in self.random_layers]
-        if not any(active):
-            return [None] * len(active)
-        base = rng.draw_base_seed()
-        return [base if a else None for a in active]
-
 
 class _Step:
     """The state of one forward pass through the pipeline."""
@@ -95,16 +112,22 @@ class _Step:
         batches: list[Batch],
         checkpoint_stop: int,
         completion_hooks: list[Hook],
+        rows: int,
     ) -> None:
         self.pipeline = pipeline
         self.batches = batches
         self.checkpoint_stop = checkpoint_stop
+        self.rows = rows
+        self.sizes = [_rows(b) for b in batches]
         self.state = ThreadState.capture()
         self.compute_streams = [current_stream(d) for d in pipeline.devices]
         self.copy_streams = pipeline.copy_streams_for(len(batches))
-        self.seeds = pipeline.seeds_for_random_partitions()
+        self.seeds = rng.StepSeeds()
         self.completions = self._completions(completion_hooks)
-        self.skips = start_step(pipeline.skip_layout, len(batches), checkpoint_stop)
+        self.skips = start_step(pipeline.skip_layout, len(batches))
+        # This call's own answers: if it is interrupted, answers still to
+        # come go to a queue nobody holds, and are freed with it.
+        self.replies: queue.SimpleQueue[Any] = queue.SimpleQueue()
 
     def _completions(self, hooks: list[Hook]) -> list[PartitionCompletion | None]:
         """A completion counter per partition whose inputs all carry gradients."""
@@ -129,7 +152,7 @@ class _Step:
                 self.skips.fence(i, j, batches[i], partial(self._move, i))
 
     def _copy(self, batch: Batch, i: int, j: int) -> None:
-        batch.values[:] = self._move(i, batch.values, j - 1, j)
+        batch.leaves[:] = self._move(i, batch.leaves, j - 1, j)
 
     def _move(self, i: int, values: list[Any], source: int, target: int) -> list[Any]:
         """Copy micro-batch ``i``'s values from partition ``source``'s device to ``target``'s."""
@@ -142,43 +165,72 @@ class _Step:
     def compute(self, schedule: list[tuple[int, int]]) -> None:
         workers = self.pipeline.workers
         for i, j in schedule:
-            workers[j].submit(self, partial(self._task, i, j))
+            workers[j].submit(partial(self._task, i, j), self.replies)
         failure: Failure | None = None
-        for i, j in schedule:
-            result = workers[j].result(self)
+        for _ in schedule:
+            result = self.replies.get()
             if isinstance(result, Failure):
                 failure = failure or result
             else:
-                self.batches[i] = result
+                i, batch = result
+                self.batches[i] = batch
         if failure is not None:
             raise failure.exception
 
-    def _task(self, i: int, j: int) -> Batch:
+    def _task(self, i: int, j: int) -> tuple[int, Batch]:
         """Run partition ``j`` on micro-batch ``i`` (on partition ``j``'s worker)."""
-        device = self.pipeline.devices[j]
-        function: Function = partial(_call_partition, self.pipeline.partitions[j], j)
+        try:
+            return i, self._run(i, j)
+        except BaseException as exception:
+            _add_note(exception, self._where(i, j))
+            raise
+
+    def _run(self, i: int, j: int) -> Batch:
+        pipeline = self.pipeline
+        function: Function = partial(_call_partition, pipeline, j)
         if self.skips is not None:
             function = self.skips.bind(i, function)
         function = traced(function, i, j)
-        base = self.seeds[j]
-        seed = None if base is None else rng.task_seed(base, i, j)
+        randomness = rng.TaskRandomness(self.seeds, i, j)
         self._mark_arrival(i, j)
+        batch = self.batches[i]
         with (
-            self.state.applied(device),
+            self.state.applied(pipeline.devices[j]),
             use_stream(self.compute_streams[j]),
-            contextlib.nullcontext() if seed is None else rng.seeded(device, seed),
+            randomness.drawing(),
         ):
             if i < self.checkpoint_stop:
                 chk = Checkpointing(
                     function,
-                    device,
-                    self.state,
-                    _rng_replay(device, seed),
-                    partition=j,
-                    protect_inputs=self.pipeline.protect_inputs[j],
+                    partial(self._recompute_context, j, randomness),
+                    pipeline.buffers[j],
+                    protect_inputs=pipeline.protect_inputs[j],
                 )
-                return chk.checkpoint(self.batches[i])
-            return self.batches[i].call(function)
+                output = chk.checkpoint(batch)
+            else:
+                if j == 0 and pipeline.protect_inputs[0]:
+                    batch = protected(batch)  # never write into the caller's input
+                output = batch.call(function)
+        _check_output(output, j)
+        return output
+
+    @contextmanager
+    def _recompute_context(self, j: int, randomness: rng.TaskRandomness) -> Iterator[None]:
+        """What task (i, j)'s recomputation runs under, on the thread running backward."""
+        with (
+            self.pipeline.lock,
+            self.state.autocast_applied(self.pipeline.devices[j]),
+            use_stream(self.compute_streams[j]),
+            randomness.replaying(),
+        ):
+            yield
+
+    def _where(self, i: int, j: int) -> str:
+        return (
+            f"(raised in partition {j} on {self.pipeline.devices[j]}, micro-batch {i} of "
+            f"{len(self.batches)}: the Pipe split {self.rows} rows into micro-batches of "
+            f"{self.sizes} rows)"
+        )
 
     def _mark_arrival(self, i: int, j: int) -> None:
         completion = self.completions[j]
@@ -194,6 +246,19 @@ class _Step:
         batch[carrier] = Arrival.apply(batch[carrier], completion)
 
 
+def _add_note(exception: BaseException, note: str) -> None:
+    add_note = getattr(exception, "add_note", None)  # Python 3.11+
+    if add_note is not None and note not in getattr(exception, "__notes__", ()):
+        add_note(note)
+
+
+def _rows(batch: Batch) -> int | None:
+    for x in batch.leaves:
+        if isinstance(x, torch.Tensor) and x.dim() > 0:
+            return x.size(0)
+    return None
+
+
 def _carrier(batch: Batch) -> int | None:
     """The index of a tensor of ``batch`` that will receive a gradient, if any."""
     index = batch.first_differentiable()
@@ -202,23 +267,22 @@ def _carrier(batch: Batch) -> int | None:
     return index
 
 
-def _rng_replay(
-    device: torch.device, seed: int | None
-) -> Callable[[], AbstractContextManager[None]]:
-    """How recomputation gets back the random state the forward pass saw."""
-    if seed is not None:
-        return partial(rng.seeded, device, seed)
-    return partial(rng.replaying, rng.capture_states(device))
+def _call_partition(pipeline: Pipeline, j: int, value: Value) -> Value:
+    partition = pipeline.partitions[j]
+    with deferring_batch_norm(pipeline.deferred_batch_norm):
+        if pipeline.positional and type(value) is tuple:
+            return partition(*value)
+        return partition(value)
 
 
-def _call_partition(partition: nn.Sequential, j: int, value: TensorOrValues) -> TensorOrValues:
-    output = partition(value)
-    if not isinstance(output, torch.Tensor | tuple):
+def _check_output(output: Batch, j: int) -> None:
+    if not any(True for _ in output.tensor_indices()):
+        kind = type(output.value).__name__
         raise TypeError(
-            f"partition {j} returned {type(output).__name__}; a partition must return a "
-            "Tensor or a tuple of values, since that is what the next partition receives"
+            f"partition {j} returned {kind}, which holds no tensor; a partition must return "
+            "a tensor, or tuples, lists or dicts holding tensors, since that is what the "
+            "next partition (or the Pipe's output) receives"
         )
-    return output
 
 
 def _depend(before: Batch, after: Batch) -> None:

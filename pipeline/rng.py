@@ -1,190 +1,245 @@
-"""Random generators shared by partitions that run at once on worker threads.
+"""Random draws replayed exactly, whatever op makes them, on worker threads sharing a generator.
 
-Each device has one default generator (the CPU one serves the whole process).
-Two partitions on the same device draw from it concurrently, in an order that
-changes from run to run. So each call of a layer that may draw random numbers
-in training (dropout and friends, or a layer marked with ``mark_random``)
-runs under its device's generator lock, from a seed derived from the
-forward pass, the micro-batch, the partition and the call's rank in the
-task::
+Each device has one default generator (the CPU one serves the whole
+process), and partitions on one device run at once on their own threads, so
+their draws would interleave in an order that changes from run to run. A
+checkpointed task must also draw again, in recomputation, exactly what its
+forward drew, although other micro-batches have advanced the generator in
+between. A list of random layers cannot promise that: ``F.dropout``,
+``torch.rand``, ``bernoulli_``, attention dropout all draw. What is random is
+the op, and aten tags every such op ``nondeterministic_seeded``.
 
-    task (i, j) on its worker:  Linear  Dropout          Linear  Dropout
-                                        |lock, seed(i,j,1)|      |lock, seed(i,j,2)|
+So every task runs under ``TaskRandomness.drawing()``, a dispatch mode that
+lets ordinary ops through untouched and runs each random op from a seed of
+its own, derived from the forward pass, the micro-batch, the partition and
+the rank of the draw in the task::
 
-Masks are reproducible for a fixed ``torch.manual_seed`` however the
-threads interleave, recomputation under checkpointing replays them exactly,
-and the lock is held only while a random layer runs: the rest of the
-partitions overlap.
+    task (i, j):  linear  dropout              matmul  rand_like
+                          |lock, seed(i,j,1)|          |lock, seed(i,j,2)|
+
+The generator is locked, seeded, used and restored around that one op only,
+so everything else overlaps. Recomputation replays the task under
+``replaying()`` and gets the same seeds, so the same masks. A generator the
+user passes to an op (``torch.rand(..., generator=g)``) keeps its own
+stream: its state before each draw is recorded and restored for the replay.
 """
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections.abc import Iterator
-from typing import TypeVar
+from contextlib import contextmanager
+from typing import Any
 
 import torch
-from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-__all__ = ["mark_random", "may_draw_random"]
+__all__ = ["StepSeeds", "TaskRandomness"]
 
-_RANDOM_LAYERS: tuple[type[nn.Module], ...] = (nn.modules.dropout._DropoutNd, nn.RReLU)
-_MARK = "_pipeline_draws_random"
-_HOOKED = "_pipeline_seeding_hooks"
 _SEED_MASK = (1 << 63) - 1
+_MIX_MASK = (1 << 64) - 1
 
-_locks: dict[torch.device, threading.Lock] = {}
+_locks: dict[int, threading.Lock] = {}
 _locks_guard = threading.Lock()
-
-ModuleT = TypeVar("ModuleT", bound=nn.Module)
-
-
-def mark_random(module: ModuleT) -> ModuleT:
-    """Declare that ``module`` draws random numbers in training mode.
-
-    Dropout, alpha dropout and RReLU are detected; declare any other layer
-    that samples (``torch.rand``, ``bernoulli_``...) so that its draws are
-    reproducible and replayed exactly under checkpointing::
-
-        noise = mark_random(GaussianNoise(0.1))
-    """
-    setattr(module, _MARK, True)
-    return module
+_current = threading.local()
 
 
-def may_draw_random(module: nn.Module) -> list[nn.Module]:
-    """The submodules of ``module`` that draw random numbers in training."""
-    return [m for m in module.modules() if _is_random(m)]
+def _mix(*values: int) -> int:
+    """A well-spread 63-bit seed from a few ints (SplitMix64 finaliser per value)."""
+    state = 0x9E3779B97F4A7C15
+    for value in values:
+        state = (state ^ (value & _MIX_MASK)) * 0xBF58476D1CE4E5B9 & _MIX_MASK
+        state = (state ^ (state >> 31)) * 0x94D049BB133111EB & _MIX_MASK
+        state ^= state >> 29
+    return state & _SEED_MASK
 
 
-def _is_random(module: nn.Module) -> bool:
-    return isinstance(module, _RANDOM_LAYERS) or getattr(module, _MARK, False) is True
-
-
-def generator(device: torch.device) -> torch.Generator:
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        torch.cuda.init()
-        return torch.cuda.default_generators[index]
-    return torch.default_generator
-
-
-def _lock(device: torch.device) -> threading.Lock:
-    key = torch.device("cpu") if device.type != "cuda" else device
-    lock = _locks.get(key)
+def _lock(generator: torch.Generator) -> threading.Lock:
+    lock = _locks.get(id(generator))
     if lock is None:
         with _locks_guard:
-            lock = _locks.setdefault(key, threading.Lock())
+            lock = _locks.setdefault(id(generator), threading.Lock())
     return lock
 
 
-def draw_base_seed() -> int:
-    """One seed per forward pass, drawn from (and advancing) the CPU generator."""
-    with _lock(torch.device("cpu")):
-        return int(torch.randint(0, _SEED_MASK, (), generator=torch.default_generator))
+def _default_generator(device: torch.device) -> torch.Generator | None:
+    """The generator an op on ``device`` draws from when given none (None if there is none)."""
+    if device.type == "cpu":
+        return torch.default_generator
+    module = getattr(torch, device.type, None)
+    generators = getattr(module, "default_generators", None)
+    if not generators:
+        return None
+    index = device.index if device.index is not None else module.current_device()
+    return generators[index]  # type: ignore[no-any-return]
 
 
-def task_seed(base: int, microbatch: int, partition: int) -> int:
-    """A seed for task (microbatch, partition), distinct per task."""
-    mixed = base ^ (microbatch * 0x9E3779B97F4A7C15) ^ (partition * 0xBF58476D1CE4E5B9)
-    return mixed & _SEED_MASK
+def _draw_device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.device:
+    """The device a random op draws on: its ``device`` argument or its first tensor's."""
+    device = kwargs.get("device")
+    if device is not None:
+        return torch.device(device)
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            return arg.device
+        if isinstance(arg, list | tuple):
+            for item in arg:
+                if isinstance(item, torch.Tensor):
+                    return item.device
+    return torch.get_default_device()
 
 
-class _TaskRandomness:
-    """The random context of the task running on this thread."""
-
-    __slots__ = ("calls", "device", "held", "seed")
-
-    def __init__(self, device: torch.device, seed: int) -> None:
-        self.device = device
-        self.seed = seed
-        self.calls = 0
-        self.held: list[tuple[nn.Module, torch.Generator, torch.Tensor]] = []
+_is_random_op: dict[Any, bool] = {}
 
 
-_task = threading.local()
+def _random(func: Any) -> bool:
+    random = _is_random_op.get(func)
+    if random is None:
+        random = _is_random_op[func] = torch.Tag.nondeterministic_seeded in func.tags
+    return random
 
 
-@contextlib.contextmanager
-def seeded(device: torch.device, seed: int) -> Iterator[None]:
-    """Run a task whose random layers draw from seeds derived from ``seed``.
+class StepSeeds:
+    """The base seed of one forward pass, drawn once, when a task first needs it.
 
-    Calling it again with the same arguments (recomputation) replays the same
-    draws. The generator itself is left as it was.
+    Drawn from the CPU generator, so ``torch.manual_seed`` makes a run
+    reproducible, and only if some op draws: a model without randomness
+    leaves the generator as the plain model does. A Pipe called from inside
+    another Pipe's task takes its seed from that task instead, so the outer
+    task's recomputation replays the inner Pipe's draws too.
     """
-    previous = getattr(_task, "context", None)
-    _task.context = _TaskRandomness(device, seed)
-    try:
-        yield
-    finally:
-        _task.context = previous
+
+    def __init__(self) -> None:
+        outer: TaskRandomness | None = getattr(_current, "task", None)
+        self._base = None if outer is None else outer.derive_seed()
+        self._lock = threading.Lock()
+
+    def base(self) -> int:
+        if self._base is None:
+            with self._lock:
+                if self._base is None:
+                    generator = torch.default_generator
+                    with _lock(generator), _disable_current_modes():
+                        self._base = int(torch.randint(0, _SEED_MASK, (), generator=generator))
+        return self._base
 
 
-def install_seeding(partition: nn.Module) -> None:
-    """Make the random layers of ``partition`` draw from their task's seeds.
+class TaskRandomness:
+    """The random draws of task (micro-batch ``i``, partition ``j``): made once, replayable."""
 
-    The hooks do nothing outside a ``seeded`` task, so the layers behave as
-    before when used without a Pipe. Installed once per layer.
-    """
-    for module in _outermost_random(partition):
-        if getattr(module, _HOOKED, False):
-            continue
-        module.register_forward_pre_hook(_seed_call)
-        module.register_forward_hook(_restore_generator, always_call=True)
-        setattr(module, _HOOKED, True)
+    __slots__ = ("_draws", "_recorded", "_seed", "_step", "_task")
 
+    def __init__(self, step: StepSeeds, microbatch: int, partition: int) -> None:
+        self._step = step
+        self._task = (microbatch, partition)
+        self._seed: int | None = None
+        self._draws = 0
+        self._recorded: dict[int, torch.Tensor] = {}
 
-def _outermost_random(module: nn.Module) -> Iterator[nn.Module]:
-    # A declared layer that contains dropout is seeded once, around all of it.
-    if _is_random(module):
-        yield module
-        return
-    for child in module.children():
-        yield from _outermost_random(child)
+    def seed(self) -> int:
+        if self._seed is None:
+            self._seed = _mix(self._step.base(), *self._task)
+        return self._seed
 
+    def derive_seed(self) -> int:
+        """A seed for a nested Pipe, taken like a draw so that replay derives it again."""
+        self._draws += 1
+        return _mix(self.seed(), self._draws, 1)
 
-def _seed_call(module: nn.Module, args: object) -> None:
-    context: _TaskRandomness | None = getattr(_task, "context", None)
-    if context is None or not module.training:
-        return
-    context.calls += 1
-    gen = generator(context.device)
-    _lock(context.device).acquire()
-    context.held.append((module, gen, gen.get_state()))
-    gen.manual_seed(task_seed(context.seed, context.calls, 0))
-
-
-def _restore_generator(module: nn.Module, args: object, output: object) -> None:
-    context: _TaskRandomness | None = getattr(_task, "context", None)
-    if context is None or not context.held or context.held[-1][0] is not module:
-        return
-    _, gen, saved = context.held.pop()
-    gen.set_state(saved)
-    _lock(context.device).release()
-
-
-RngStates = list[tuple[torch.device, torch.Tensor]]
-
-
-def capture_states(device: torch.device) -> RngStates:
-    """The states of the generators a task on ``device`` may draw from."""
-    devices = [torch.device("cpu")] + ([device] if device.type == "cuda" else [])
-    return [(d, generator(d).get_state()) for d in devices]
-
-
-@contextlib.contextmanager
-def replaying(states: RngStates) -> Iterator[None]:
-    """Run with the generators set to ``states``; restore them afterwards."""
-    with contextlib.ExitStack() as stack:
-        saved = []
-        for device, state in states:
-            stack.enter_context(_lock(device))
-            gen = generator(device)
-            saved.append((gen, gen.get_state()))
-            gen.set_state(state)
-        try:
+    @contextmanager
+    def drawing(self) -> Iterator[None]:
+        """Run the task's forward: every random op draws from its own seed."""
+        with self._mode(replay=False):
             yield
+
+    @contextmanager
+    def replaying(self) -> Iterator[None]:
+        """Run the task again (recomputation): the same ops draw the same numbers."""
+        with self._mode(replay=True):
+            yield
+
+    @contextmanager
+    def _mode(self, replay: bool) -> Iterator[None]:
+        previous = getattr(_current, "task", None)
+        self._draws = 0
+        _current.task = self
+        try:
+            with _SeedEachDraw(self, replay):
+                yield
         finally:
-            for gen, state in saved:
-                gen.set_state(state)
+            _current.task = previous
+
+    def draw(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], replay: bool) -> Any:
+        """Run random op ``func`` as this task's next draw."""
+        self._draws += 1
+        generator = kwargs.get("generator")
+        default = _default_generator(_draw_device(args, kwargs))
+        if generator is None or generator is default:
+            if default is None:
+                return func(*args, **kwargs)
+            # The seed first: drawing the base seed takes the CPU generator's lock.
+            return self._seeded(default, _mix(self.seed(), self._draws), func, args, kwargs)
+        return self._replayable(generator, func, args, kwargs, replay)
+
+    @staticmethod
+    def _seeded(
+        generator: torch.Generator,
+        seed: int,
+        func: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        with _lock(generator):
+            saved = generator.get_state()
+            generator.manual_seed(seed)
+            try:
+                return func(*args, **kwargs)
+            finally:
+                generator.set_state(saved)
+
+    def _replayable(
+        self,
+        generator: torch.Generator,
+        func: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        replay: bool,
+    ) -> Any:
+        with _lock(generator):
+            if not replay:
+                self._recorded[self._draws] = generator.get_state()
+                return func(*args, **kwargs)
+            recorded = self._recorded.get(self._draws)
+            if recorded is None:
+                raise RuntimeError(
+                    f"recomputation drew from a user generator at draw {self._draws} of task "
+                    f"{self._task}, which its forward did not: the partition's random ops "
+                    "differ between forward and recomputation"
+                )
+            saved = generator.get_state()
+            generator.set_state(recorded)
+            try:
+                return func(*args, **kwargs)
+            finally:
+                generator.set_state(saved)
+
+
+class _SeedEachDraw(TorchDispatchMode):
+    """Ordinary ops pass straight through; random ones go to the task's ``draw``."""
+
+    def __init__(self, task: TaskRandomness, replay: bool) -> None:
+        super().__init__()
+        self.task = task
+        self.replay = replay
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if not _random(func):
+            return func(*args, **kwargs)
+        return self.task.draw(func, args, kwargs, self.replay)

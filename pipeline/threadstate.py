@@ -1,8 +1,10 @@
 """Thread-local state that must follow a task from the caller to a worker.
 
 Grad mode, inference mode, autocast and the current CUDA device are
-thread-local in PyTorch. A worker thread starts with the defaults, so the
-caller's state is captured once per forward and applied around every task.
+thread-local in PyTorch, and so are the checkpointing phase flags (a Pipe
+nested in a checkpointed task recomputes when the outer task does). A
+worker thread starts with the defaults, so the caller's state is captured
+once per forward and applied around every task.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
+
+from pipeline.phase import is_checkpointing, is_recomputing, phase
 
 __all__ = ["ThreadState"]
 
@@ -44,6 +48,8 @@ class ThreadState:
     inference_mode: bool
     autocasts: tuple[Autocast, ...]
     cuda_device: int | None
+    checkpointing: bool = False
+    recomputing: bool = False
 
     @classmethod
     def capture(cls) -> ThreadState:
@@ -59,6 +65,8 @@ class ThreadState:
             inference_mode=torch.is_inference_mode_enabled(),
             autocasts=autocasts,
             cuda_device=cuda_device,
+            checkpointing=is_checkpointing(),
+            recomputing=is_recomputing(),
         )
 
     def applied(self, device: torch.device) -> AbstractContextManager[object]:
@@ -75,6 +83,8 @@ class ThreadState:
             or self.autocasts
             or device.type == "cuda"
             or self.cuda_device is not None
+            or self.checkpointing
+            or self.recomputing
         )
 
     @contextlib.contextmanager
@@ -84,6 +94,10 @@ class ThreadState:
                 stack.enter_context(torch.inference_mode())
             else:
                 stack.enter_context(torch.set_grad_enabled(self.grad_enabled))
+            if self.checkpointing:
+                stack.enter_context(phase("checkpointing"))
+            if self.recomputing:
+                stack.enter_context(phase("recomputing"))
             self._enter_device_and_autocast(stack, device)
             yield
 

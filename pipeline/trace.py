@@ -39,8 +39,8 @@ from typing import Any
 import torch
 from torch.autograd import profiler as _profiler
 
-from pipeline.checkpoint import is_recomputing
-from pipeline.microbatch import TensorOrValues
+from pipeline.microbatch import Value
+from pipeline.phase import is_recomputing
 from pipeline.timeline.backward import BackwardSpan, run_hooked
 from pipeline.timeline.chrome import chrome_trace
 from pipeline.timeline.event import Event, Kind, task_name
@@ -49,7 +49,7 @@ from pipeline.timeline.summary import Summary, summarize
 
 __all__ = ["Trace", "span", "trace", "traced"]
 
-PartitionCall = Callable[[TensorOrValues], TensorOrValues]
+PartitionCall = Callable[[Value], Value]
 
 # The trace recording now. A process-wide global, not a thread-local: the
 # tasks it records run on worker and autograd threads.
@@ -201,13 +201,15 @@ def _call_traced(
     partition: int,
     recording: Trace | None,
     step: int,
-    value: TensorOrValues,
-) -> TensorOrValues:
+    value: Value,
+) -> Value:
     if recording is None and not _profiler._is_profiler_enabled:
         return function(value)
     kind: Kind = "recompute" if is_recomputing() else "forward"
     with _span(kind, microbatch, partition, recording, step):
-        if recording is None or not torch.is_grad_enabled():
+        # A recomputation only refills saved tensors of the forward's graph,
+        # whose backward the forward's hooks already time.
+        if recording is None or kind == "recompute" or not torch.is_grad_enabled():
             return function(value)
         span = recording._backward_span(microbatch, partition, step)
         return run_hooked(function, value, span)
@@ -225,7 +227,10 @@ def _span(
     name = task_name(kind, microbatch, partition)
     with _profiler.record_function(name) if profiling else _UNTRACED:
         start = time.perf_counter()
-        yield
-        end = time.perf_counter()
-    if recording is not None:
-        recording._record(kind, microbatch, partition, step, start, end)
+        try:
+            yield
+        finally:
+            # Recorded even when the work ends early: checkpointing stops a
+            # recomputation by raising once it has what backward needs.
+            if recording is not None:
+                recording._record(kind, microbatch, partition, step, start, time.perf_counter())

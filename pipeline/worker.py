@@ -5,9 +5,10 @@ lifetime, so that partitions run at once even when they share a device (two
 CPU partitions overlap; a Python thread releases the GIL inside torch ops).
 A worker takes tasks from its inbox and answers each with exactly one
 result, a value or the exception it raised, so the driver never waits for
-an answer that will not come. Each answer carries the tag its task was
-submitted with: a caller interrupted while waiting (Ctrl-C in a notebook)
-leaves answers behind, and the next caller recognises and drops them.
+an answer that will not come. Each task comes with the queue to answer on,
+which belongs to the call that submitted it: a caller interrupted while
+waiting (Ctrl-C in a notebook) drops its queue, and the answers still to
+come are garbage as soon as they are put there; no other call ever sees them.
 """
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Failure", "Worker", "stop_workers"]
+__all__ = ["Failure", "Replies", "Worker", "stop_workers"]
 
 Task = Callable[[], Any]
-Tagged = tuple[object, Task]
+Replies = queue.SimpleQueue[Any]
 
 
 class Failure:
@@ -36,49 +37,34 @@ class Worker:
     """A thread that runs tasks in the order they are submitted."""
 
     def __init__(self, name: str) -> None:
-        self._inbox: queue.SimpleQueue[Tagged | None] = queue.SimpleQueue()
-        self._outbox: queue.SimpleQueue[tuple[object, Any]] = queue.SimpleQueue()
-        self.thread = threading.Thread(
-            target=_work, args=(self._inbox, self._outbox), name=name, daemon=True
-        )
+        self._inbox: queue.SimpleQueue[tuple[Task, Replies] | None] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=_work, args=(self._inbox,), name=name, daemon=True)
         self.thread.start()
 
-    def submit(self, tag: object, task: Task) -> None:
-        self._inbox.put((tag, task))
-
-    def result(self, tag: object) -> Any:
-        """The return value (or ``Failure``) of the next task submitted with ``tag``.
-
-        Answers to tasks submitted with other tags are dropped: their caller
-        stopped waiting for them.
-        """
-        while True:
-            answered, result = self._outbox.get()
-            if answered is tag:
-                return result
+    def submit(self, task: Task, replies: Replies) -> None:
+        """Run ``task``; put its return value (or its ``Failure``) on ``replies``."""
+        self._inbox.put((task, replies))
 
     def stop(self) -> None:
         self._inbox.put(None)
 
 
-def _work(
-    inbox: queue.SimpleQueue[Tagged | None], outbox: queue.SimpleQueue[tuple[object, Any]]
-) -> None:
+def _work(inbox: queue.SimpleQueue[tuple[Task, Replies] | None]) -> None:
     # The loop holds no reference to the Pipe, so the Pipe can be collected
     # (which stops this thread) while the thread waits here.
     while True:
         item = inbox.get()
         if item is None:
             return
-        tag, task = item
+        task, replies = item
         del item
         try:
             result = task()
         except BaseException as exception:
             result = Failure(exception)
         del task
-        outbox.put((tag, result))
-        del tag, result
+        replies.put(result)
+        del replies, result
 
 
 def stop_workers(workers: list[Worker], timeout: float = 10.0) -> None:

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
 
@@ -35,20 +37,26 @@ def test_gather_tuple_concatenates_tensors_and_keeps_equal_values() -> None:
 
 
 def test_gather_refuses_differing_non_tensors() -> None:
-    with pytest.raises(ValueError, match="position 1 is a non-tensor that differs"):
+    with pytest.raises(ValueError, match="output leaf 1 is a non-tensor that differs"):
         gather([Batch((torch.ones(1), 1)), Batch((torch.ones(1), 2))])
 
 
 @pytest.mark.parametrize(
     ("value", "error", "message"),
     [
-        ([torch.ones(2)], TypeError, "must be a Tensor or a tuple of values, got list"),
-        ("text", TypeError, "got str"),
+        ("text", TypeError, r"Pipe input \(str\) holds no tensor"),
+        (None, TypeError, r"Pipe input \(NoneType\) holds no tensor"),
         ((1, "a"), TypeError, "holds no tensor to split"),
         ((NoChunk(torch.ones(2)),), TypeError, "holds no tensor to split"),
-        (torch.tensor(1.0), ValueError, "is a scalar"),
-        ((torch.ones(3), torch.ones(4)), ValueError, r"disagree on the batch size.*0: 3.*1: 4"),
-        (torch.ones(0, 3), ValueError, "batch is empty"),
+        (torch.tensor(1.0), ValueError, "input is a 0-dim tensor"),
+        ((torch.ones(2), {"k": torch.tensor(1.0)}), ValueError, r"input\[1\]\['k'\] is a 0-dim"),
+        (
+            (torch.ones(3), torch.ones(4)),
+            ValueError,
+            r"disagree on the batch size.*input\[0\]: 3, input\[1\]: 4",
+        ),
+        ((torch.ones(3), [torch.ones(4)]), ValueError, r"input\[1\]\[0\]: 4"),
+        (torch.ones(0, 3), ValueError, "batch is empty.*skip empty batches"),
     ],
 )
 def test_bad_inputs(value: object, error: type[Exception], message: str) -> None:
@@ -59,3 +67,47 @@ def test_bad_inputs(value: object, error: type[Exception], message: str) -> None
 def test_no_chunk_wraps_only_tensors() -> None:
     with pytest.raises(TypeError, match="NoChunk wraps a tensor, got int"):
         NoChunk(3)  # type: ignore[arg-type]
+
+
+def test_tensors_nested_in_containers_are_split_too() -> None:
+    x, bias, extra = torch.randn(4, 2), torch.randn(4, 2), torch.randn(4)
+    value = (x, (bias,), {"extra": [extra, "tag"], "mask": NoChunk(torch.ones(3))})
+    batches = scatter(value, 2)
+    assert len(batches) == 2
+    for k, batch in enumerate(batches):
+        a, (b,), rest = batch.value
+        rows = slice(2 * k, 2 * k + 2)
+        assert torch.equal(a, x[rows]) and torch.equal(b, bias[rows])
+        assert torch.equal(rest["extra"][0], extra[rows]) and rest["extra"][1] == "tag"
+        assert torch.equal(rest["mask"], torch.ones(3))
+    gathered = gather([Batch(b.value[:3]) for b in batches])
+    assert torch.equal(gathered[0], x) and torch.equal(gathered[1][0], bias)
+    assert torch.equal(gathered[2]["extra"][0], extra)
+
+
+def test_namedtuples_and_return_types_keep_their_type() -> None:
+    Pair = collections.namedtuple("Pair", "values indices")
+    for value in (Pair(torch.randn(4, 2), torch.arange(4)), torch.randn(4, 3).max(dim=1)):
+        batches = scatter(value, 2)
+        assert all(type(b.value) is type(value) for b in batches)
+        gathered = gather(batches)
+        assert type(gathered) is type(value)
+        assert torch.equal(gathered.values, value.values)
+        assert torch.equal(gathered.indices, value.indices)
+
+
+def test_gather_names_a_scalar_output() -> None:
+    with pytest.raises(ValueError, match=r"returned a 0-dim tensor.*concatenated along dim 0"):
+        gather([Batch(torch.tensor(1.0)), Batch(torch.tensor(2.0))])
+
+
+def test_gather_names_the_micro_batches_whose_shapes_differ() -> None:
+    with pytest.raises(
+        ValueError, match=r"micro-batch 0: \(2, 3\), micro-batch 1: \(1,\).*squeeze"
+    ):
+        gather([Batch(torch.ones(2, 3)), Batch(torch.ones(1))])
+
+
+def test_gather_names_structures_that_differ() -> None:
+    with pytest.raises(TypeError, match="different structure per micro-batch"):
+        gather([Batch((torch.ones(1), torch.ones(1))), Batch((torch.ones(1),))])

@@ -97,8 +97,39 @@ def test_bad_balance(balance: object, message: str) -> None:
 def test_not_a_sequential() -> None:
     with pytest.raises(TypeError, match=r"Pipe splits an nn\.Sequential, got Linear"):
         Pipe(nn.Linear(2, 2), [1])  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"empty nn\.Sequential"):
+
+
+def test_empty_sequential_needs_an_empty_balance_and_is_the_identity() -> None:
+    with pytest.raises(BalanceError, match=r"Pipe needs balance.*balance_by_time"):
+        Pipe(nn.Sequential())
+    with pytest.raises(BalanceError, match="sums to 1 but the module has 0 layers"):
         Pipe(nn.Sequential(), [1])
+    pipe = Pipe(nn.Sequential(), [])
+    x = torch.tensor(42)
+    assert pipe(x) is x
+    pair = (torch.ones(2), "tag")
+    assert pipe(pair) is pair
+    with pytest.raises(TypeError, match="must be a tensor or hold tensors, got int"):
+        pipe(42)
+
+
+def test_chunks_that_are_whole_floats_are_ints() -> None:
+    pipe = Pipe(mlp(), [6], devices=["cpu"], chunks=4.0)  # type: ignore[arg-type]
+    assert pipe.chunks == 4 and type(pipe.chunks) is int
+
+
+def test_checkpoint_is_any_value_whose_str_names_a_mode_and_is_checked_on_assignment() -> None:
+    class Mode:
+        def __str__(self) -> str:
+            return "never"
+
+    pipe = Pipe(mlp(), [6], devices=["cpu"], checkpoint=Mode())  # type: ignore[arg-type]
+    assert pipe.checkpoint == "never" and type(pipe.checkpoint) is str
+    pipe.checkpoint = "always"
+    assert pipe.checkpoint == "always"
+    with pytest.raises(ValueError, match=r"checkpoint must be one of .* got 'sometimes'"):
+        pipe.checkpoint = "sometimes"  # type: ignore[assignment]
+    assert pipe.checkpoint == "always"
 
 
 @pytest.mark.parametrize("chunks", [0, -2, 1.5, "4", True, None])
@@ -138,19 +169,42 @@ def test_extra_devices_are_ignored_like_torchgpipe() -> None:
     assert len(pipe.devices) == 2
 
 
-def test_layer_shared_between_partitions() -> None:
-    shared = nn.Linear(2, 2)
-    with pytest.raises(ValueError, match="cannot be shared between partitions"):
-        Pipe(nn.Sequential(shared, nn.ReLU(), shared), [2, 1], devices=["cpu"] * 2)
+def test_layer_shared_between_partitions_on_one_device_trains_like_the_plain_model() -> None:
+    torch.manual_seed(0)
+    shared = nn.Linear(4, 4)
+    model = nn.Sequential(shared, nn.Tanh(), nn.Linear(4, 4), shared, nn.Tanh()).double()
+    plain = copy.deepcopy(model)
+    x = torch.randn(6, 4, dtype=torch.double)
+    plain(x).square().sum().backward()
+    for checkpoint in ("always", "except_last", "never"):
+        pipe = Pipe(
+            copy.deepcopy(model), [2, 2, 1], devices=["cpu"] * 3, chunks=3, checkpoint=checkpoint
+        )  # type: ignore[arg-type]
+        pipe(x).square().sum().backward()  # type: ignore[union-attr]
+        assert pipe[0] is pipe[3]
+        torch.testing.assert_close(pipe[0].weight.grad, plain[0].weight.grad)
+        torch.testing.assert_close(pipe[2].weight.grad, plain[2].weight.grad)
 
 
-def test_parameter_shared_between_partitions() -> None:
+def test_parameter_shared_between_partitions_on_one_device_is_fine() -> None:
     a, b = nn.Linear(2, 2), nn.Linear(2, 2)
     b.weight = a.weight
+    plain = copy.deepcopy(nn.Sequential(a, b))
+    pipe = Pipe(nn.Sequential(a, b), [1, 1], devices=["cpu"] * 2, chunks=2)
+    x = torch.randn(4, 2)
+    pipe(x).sum().backward()  # type: ignore[union-attr]
+    plain(x).sum().backward()
+    torch.testing.assert_close(a.weight.grad, plain[0].weight.grad)
+
+
+def test_sharing_across_devices_is_refused() -> None:
+    shared = nn.Linear(2, 2)
     with pytest.raises(
-        ValueError, match=r"Parameter '0.weight' of partition 0 is also '1.weight' of partition 1"
+        ValueError,
+        match=r"Linear '0' of partition 0 \(on cpu\) is also '1' of partition 1 \(on meta\).*"
+        "same device only",
     ):
-        Pipe(nn.Sequential(a, b), [1, 1], devices=["cpu"] * 2)
+        Pipe(nn.Sequential(shared, shared), [1, 1], devices=["cpu", "meta"])
 
 
 def test_sharing_within_one_partition_is_fine() -> None:
@@ -174,8 +228,8 @@ def test_bad_input_is_refused_before_any_work() -> None:
             return x
 
     pipe = Pipe(nn.Sequential(Count()), [1], devices=["cpu"])
-    with pytest.raises(TypeError, match="must be a Tensor or a tuple"):
-        pipe([torch.zeros(1)])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="holds no tensor"):
+        pipe(None)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="disagree on the batch size"):
         pipe((torch.zeros(2), torch.zeros(3)))
     assert calls == []

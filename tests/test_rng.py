@@ -1,64 +1,261 @@
-"""Random layers in partitions that share a device: replayed exactly, reproducible."""
+"""Random draws of partitions sharing a device: replayed exactly, reproducible, whatever draws.
+
+The strongest check: with the same seed, every checkpoint mode gives the same
+outputs and gradients, bit for bit. Recomputation that drew different numbers
+than its forward would give gradients of another function, and differ.
+"""
 
 from __future__ import annotations
 
 import copy
+import threading
+from collections.abc import Callable
 
+import pytest
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pipeline import Pipe, mark_random
+from pipeline import Pipe, is_checkpointing, is_recomputing
 from tests.helpers import grads
+from tests.test_worker import Rendezvous
+
+MODES = ("always", "except_last", "never")
 
 
-def dropout_model() -> nn.Sequential:
+class FunctionalDropout(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return F.dropout(x, 0.5, self.training)
+
+
+class RandLike(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return x * (torch.rand_like(x) > 0.3)
+
+
+class BernoulliInPlace(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return x * torch.empty_like(x).bernoulli_(0.6) / 0.6
+
+
+class GaussianNoise(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return x + 0.1 * torch.randn(x.shape, dtype=x.dtype)
+
+
+class StochasticDepth(nn.Module):
+    """Drops whole rows of a residual branch, as torchvision's stochastic depth does."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.branch = nn.Linear(width, width)
+
+    def forward(self, x: Tensor) -> Tensor:
+        keep = torch.empty(x.size(0), 1, dtype=x.dtype).bernoulli_(0.7) / 0.7
+        return x + self.branch(x) * keep
+
+
+class AttentionDropout(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        q = x.view(x.size(0), 2, 4, x.size(1) // 8)
+        out = F.scaled_dot_product_attention(q, q, q, dropout_p=0.3 if self.training else 0.0)
+        return out.reshape_as(x)
+
+
+class MultiheadSelfAttention(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.attention = nn.MultiheadAttention(width // 4, 2, dropout=0.3, batch_first=True)
+
+    def forward(self, x: Tensor) -> Tensor:
+        tokens = x.view(x.size(0), 4, -1)
+        return self.attention(tokens, tokens, tokens)[0].reshape_as(x)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.block = nn.TransformerEncoderLayer(width // 4, 2, width, dropout=0.2, batch_first=True)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.block(x.view(x.size(0), 4, -1)).reshape_as(x)
+
+
+class OwnGenerator(nn.Module):
+    """Draws from a generator of its own, passed to the op."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.generator = torch.Generator().manual_seed(5)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * torch.rand(x.shape, generator=self.generator, dtype=x.dtype)
+
+
+WIDTH = 32
+RANDOM_LAYERS: dict[str, Callable[[], nn.Module]] = {
+    "nn.Dropout": lambda: nn.Dropout(0.5),
+    "F.dropout": FunctionalDropout,
+    "rand_like": RandLike,
+    "bernoulli_": BernoulliInPlace,
+    "randn": GaussianNoise,
+    "stochastic depth": lambda: StochasticDepth(WIDTH),
+    "SDPA dropout_p": AttentionDropout,
+    "nn.MultiheadAttention": lambda: MultiheadSelfAttention(WIDTH),
+    "nn.TransformerEncoderLayer": lambda: TransformerBlock(WIDTH),
+}
+
+
+def random_model(make: Callable[[], nn.Module], partitions: int) -> nn.Sequential:
     layers: list[nn.Module] = []
-    for _ in range(3):
-        layers += [nn.Linear(16, 16), nn.Dropout(0.5)]
-    return nn.Sequential(*layers)
+    for _ in range(partitions):
+        layers += [nn.Linear(WIDTH, WIDTH), make(), nn.Tanh()]
+    return nn.Sequential(*layers).double()
 
 
-def step(pipe: Pipe, x: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+def step(pipe: Pipe, x: Tensor) -> tuple[Tensor, dict[str, Tensor], Tensor]:
     pipe.zero_grad()
+    x = x.clone().requires_grad_()
     out = pipe(x)
     assert isinstance(out, Tensor)
     out.square().sum().backward()
-    return out.detach(), grads(pipe)
+    assert x.grad is not None
+    return out.detach(), grads(pipe), x.grad
 
 
-def make_pipe(model: nn.Sequential, checkpoint: str, chunks: int = 4) -> Pipe:
-    return Pipe(
-        copy.deepcopy(model), [2, 2, 2], devices=["cpu"] * 3, chunks=chunks, checkpoint=checkpoint
-    )  # type: ignore[arg-type]
-
-
-def assert_modes_agree(always: Pipe, never: Pipe, x: Tensor, seeds: int) -> None:
-    """Same seed, same outputs and gradients, with and without recomputation."""
+def assert_modes_agree(model: nn.Sequential, partitions: int, chunks: int, seeds: int) -> None:
+    """Same seed: the same outputs and gradients, bit for bit, in every checkpoint mode."""
+    pipes = {
+        mode: Pipe(
+            copy.deepcopy(model),
+            [3] * partitions,
+            devices=["cpu"] * partitions,
+            chunks=chunks,
+            checkpoint=mode,  # type: ignore[arg-type]
+        )
+        for mode in MODES
+    }
+    x = torch.randn(4 * chunks, WIDTH, dtype=torch.double)
     for seed in range(seeds):
-        torch.manual_seed(seed)
-        out_a, grads_a = step(always, x)
-        torch.manual_seed(seed)
-        out_n, grads_n = step(never, x)
-        torch.testing.assert_close(out_a, out_n, rtol=0, atol=0)
-        for name in grads_n:
-            torch.testing.assert_close(grads_a[name], grads_n[name], msg=name)
+        results = {}
+        for mode, pipe in pipes.items():
+            torch.manual_seed(seed)
+            results[mode] = step(pipe, x)
+        out, grads_never, x_grad = results["never"]
+        for mode in ("always", "except_last"):
+            torch.testing.assert_close(results[mode][0], out, rtol=0, atol=0)
+            torch.testing.assert_close(results[mode][2], x_grad, rtol=0, atol=0)
+            for name, grad in grads_never.items():
+                torch.testing.assert_close(results[mode][1][name], grad, rtol=0, atol=0)
 
 
-def test_recompute_replays_dropout_masks_in_every_partition_many_times() -> None:
-    model = dropout_model()
-    always, never = make_pipe(model, "always"), make_pipe(model, "never")
-    assert_modes_agree(always, never, torch.randn(32, 16), seeds=15)
+@pytest.mark.parametrize("layer", list(RANDOM_LAYERS))
+def test_recompute_replays_every_random_op_exactly(layer: str) -> None:
+    assert_modes_agree(random_model(RANDOM_LAYERS[layer], 2), partitions=2, chunks=4, seeds=6)
+
+
+@pytest.mark.parametrize(("partitions", "chunks"), [(3, 6), (4, 8)])
+def test_recompute_replays_mixed_random_ops_in_many_partitions(
+    partitions: int, chunks: int
+) -> None:
+    makers = list(RANDOM_LAYERS.values())
+    layers: list[nn.Module] = []
+    for j in range(partitions):
+        layers += [nn.Linear(WIDTH, WIDTH), makers[j % len(makers)](), makers[-1 - j]()]
+    assert_modes_agree(nn.Sequential(*layers).double(), partitions, chunks, seeds=4)
+
+
+def test_gradients_match_the_masks_the_forward_drew() -> None:
+    # y = M * x for dropout chains, so dL/dx for L = sum(w * y) must be (y / x) * w.
+    makers = [nn.Dropout, FunctionalDropout, lambda: nn.Dropout(0.5), FunctionalDropout]
+    for _ in range(10):
+        layers = [make() for make in makers]  # type: ignore[operator]
+        pipe = Pipe(
+            nn.Sequential(*layers), [2, 2], devices=["cpu"] * 2, chunks=6, checkpoint="always"
+        )
+        x = (torch.rand(24, 64) + 0.5).requires_grad_()
+        w = torch.randn(24, 64)
+        y = pipe(x)
+        assert isinstance(y, Tensor)
+        (y * w).sum().backward()
+        assert x.grad is not None
+        torch.testing.assert_close(x.grad, (y / x).detach() * w, rtol=0, atol=1e-6)
+
+
+def test_recomputed_outputs_equal_the_forward_outputs_of_a_transformer_layer() -> None:
+    forward: list[Tensor] = []
+    recompute: list[Tensor] = []
+
+    def record(module: nn.Module, args: object, output: Tensor) -> None:
+        if is_recomputing():
+            recompute.append(output.detach())
+        elif is_checkpointing():
+            forward.append(output.detach())
+
+    layers = [
+        nn.TransformerEncoderLayer(16, 2, 32, dropout=0.1, batch_first=True) for _ in range(4)
+    ]
+    layers[1].register_forward_hook(record)
+    pipe = Pipe(nn.Sequential(*layers), [2, 2], devices=["cpu"] * 2, chunks=4)
+    for _ in range(5):
+        forward.clear()
+        recompute.clear()
+        pipe(torch.randn(8, 5, 16)).sum().backward()  # type: ignore[union-attr]
+        # Backward runs the checkpointed micro-batches in reverse.
+        assert len(forward) == len(recompute) == 3
+        for a, b in zip(forward, recompute[::-1], strict=True):
+            assert torch.equal(a, b)
+
+
+def test_a_generator_passed_to_an_op_keeps_its_own_stream_and_is_replayed() -> None:
+    assert_modes_agree(random_model(OwnGenerator, 2), partitions=2, chunks=4, seeds=3)
+    layer = OwnGenerator()
+    plain_generator = torch.Generator().manual_seed(5)
+    pipe = Pipe(nn.Sequential(nn.Linear(4, 4), layer), [1, 1], devices=["cpu"] * 2, chunks=2)
+    x = torch.randn(4, 4)
+    out = pipe(x)
+    assert isinstance(out, Tensor)
+    out.sum().backward()
+    # Forward drew twice (one per micro-batch); recomputation left the stream as it was.
+    expected = [torch.rand(2, 4, generator=plain_generator) for _ in range(2)]
+    assert torch.equal(layer.generator.get_state(), plain_generator.get_state())
+    torch.testing.assert_close(out, pipe[0](x) * torch.cat(expected))
+
+
+def test_nested_pipe_with_dropout_in_a_checkpointed_partition_is_replayed() -> None:
+    for _ in range(10):
+        inner = Pipe(
+            nn.Sequential(nn.Dropout(0.5), nn.Dropout(0.5)), [1, 1], devices=["cpu"] * 2, chunks=2
+        )
+        outer = Pipe(
+            nn.Sequential(nn.Linear(16, 16), inner),
+            [1, 1],
+            devices=["cpu"] * 2,
+            chunks=2,
+            checkpoint="always",
+        )
+        with torch.no_grad():
+            outer[0].weight.copy_(torch.eye(16))
+            outer[0].bias.zero_()
+        x = (torch.rand(8, 16) + 0.5).requires_grad_()
+        w = torch.randn(8, 16)
+        y = outer(x)
+        assert isinstance(y, Tensor)
+        (y * w).sum().backward()
+        assert x.grad is not None
+        torch.testing.assert_close(x.grad, (y / x).detach() * w, rtol=0, atol=1e-6)
 
 
 def test_fixed_seed_is_reproducible_despite_thread_interleaving() -> None:
-    pipe = make_pipe(dropout_model(), "except_last", chunks=8)
-    x = torch.randn(64, 16)
+    model = random_model(RANDOM_LAYERS["nn.TransformerEncoderLayer"], 3)
+    pipe = Pipe(model, [3, 3, 3], devices=["cpu"] * 3, chunks=8, checkpoint="except_last")
+    x = torch.randn(32, WIDTH, dtype=torch.double)
     torch.manual_seed(1234)
     first = step(pipe, x)
-    for _ in range(10):
+    for _ in range(8):
         torch.manual_seed(1234)
         again = step(pipe, x)
-        assert torch.equal(again[0], first[0])
+        assert torch.equal(again[0], first[0]) and torch.equal(again[2], first[2])
         assert all(torch.equal(again[1][k], first[1][k]) for k in first[1])
 
 
@@ -76,8 +273,10 @@ def test_masks_differ_between_micro_batches_and_between_steps() -> None:
 
 
 def test_generator_after_a_step_is_deterministic() -> None:
-    pipe = make_pipe(dropout_model(), "always")
-    x = torch.randn(8, 16)
+    pipe = Pipe(
+        random_model(nn.Dropout, 2), [3, 3], devices=["cpu"] * 2, chunks=4, checkpoint="always"
+    )
+    x = torch.randn(8, WIDTH, dtype=torch.double)
     draws = []
     for _ in range(3):
         torch.manual_seed(7)
@@ -86,54 +285,18 @@ def test_generator_after_a_step_is_deterministic() -> None:
     assert torch.equal(draws[0], draws[1]) and torch.equal(draws[1], draws[2])
 
 
-class Noise(nn.Module):
-    """Adds uniform noise in training: random, but not a known dropout layer."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        return x + torch.rand_like(x) if self.training else x
-
-
-def test_declared_random_layer_draws_alike_with_and_without_checkpointing() -> None:
-    model = nn.Sequential(
-        nn.Linear(4, 4), mark_random(Noise()), nn.Linear(4, 4), mark_random(Noise())
-    )
-    always = Pipe(copy.deepcopy(model), [2, 2], devices=["cpu"] * 2, chunks=4, checkpoint="always")
-    never = Pipe(copy.deepcopy(model), [2, 2], devices=["cpu"] * 2, chunks=4, checkpoint="never")
-    assert_modes_agree(always, never, torch.randn(8, 4), seeds=5)
-
-
-def test_undeclared_random_layer_recompute_matches_its_forward() -> None:
-    seen: list[Tensor] = []
-
-    class Recorder(Noise):
-        def forward(self, x: Tensor) -> Tensor:
-            out = super().forward(x)
-            seen.append((out - x).detach())
-            return out
-
-    pipe = Pipe(
-        nn.Sequential(nn.Linear(4, 4), Recorder()),
-        [1, 1],
-        devices=["cpu"] * 2,
-        chunks=1,
-        checkpoint="always",
-    )
-    pipe(torch.randn(2, 4)).sum().backward()  # type: ignore[union-attr]
-    assert len(seen) == 2 and torch.equal(seen[0], seen[1])
-
-
-def test_mark_random_returns_the_module() -> None:
-    layer = Noise()
-    assert mark_random(layer) is layer
+def test_a_model_without_random_ops_leaves_the_generator_alone() -> None:
+    pipe = Pipe(nn.Sequential(nn.Linear(4, 4), nn.Tanh()), [1, 1], devices=["cpu"] * 2, chunks=2)
+    torch.manual_seed(3)
+    pipe(torch.ones(4, 4)).sum().backward()  # type: ignore[union-attr]
+    after_pipe = torch.rand(3)
+    torch.manual_seed(3)
+    assert torch.equal(torch.rand(3), after_pipe)
 
 
 def test_partitions_with_dropout_still_run_concurrently() -> None:
-    import threading
-
-    from tests.test_worker import Rendezvous
-
-    # The generator lock is held while a dropout layer runs, not for the
-    # whole task: both partitions reach the barrier at once.
+    # The generator is locked while one random op runs, not for the whole
+    # task: both partitions reach the barrier at once.
     barrier = threading.Barrier(2, timeout=10)
     model = nn.Sequential(
         nn.Dropout(0.5), Rendezvous(barrier, call=2), nn.Dropout(0.5), Rendezvous(barrier, call=1)

@@ -51,7 +51,8 @@ def test_autocast_reaches_every_partition_in_forward_and_recompute() -> None:
         recompute = [s for s in probe.seen if s["recomputing"]]
         assert len(forward) == 2 and len(recompute) == 2
         assert all(s["autocast"] and s["dtype"] == torch.bfloat16 for s in probe.seen)
-        assert all(s["grad"] for s in recompute) and not any(s["grad"] for s in forward)
+        # Non-reentrant checkpointing records the forward's graph (without its activations).
+        assert all(s["grad"] for s in probe.seen)
 
 
 def test_no_autocast_leaks_into_the_next_call() -> None:

@@ -15,7 +15,7 @@ from torch._C._profiler import _ExperimentalConfig
 from torch.profiler import profile
 
 import pipeline
-from pipeline.microbatch import TensorOrValues
+from pipeline.microbatch import Value
 from pipeline.pipe import CheckpointMode
 from pipeline.schedule import clock_cycles
 from pipeline.timeline import chrome, event, gantt, summary
@@ -76,13 +76,14 @@ def test_backward_runs_micro_batches_in_reverse_on_each_partition() -> None:
     assert all(e.start >= forward_end for e in t.events if e.kind == "backward")
 
 
-def test_recompute_precedes_the_backward_of_its_task() -> None:
+def test_recompute_runs_inside_the_backward_of_its_task() -> None:
     t = traced_step(small_pipe("except_last"))
     recomputed = tasks(t, "recompute")
     assert sorted(recomputed) == sorted((i, j) for i in range(M - 1) for j in range(N))
     events = {(e.kind, e.microbatch, e.partition): e for e in t.events}
     for i, j in recomputed:
-        assert events["recompute", i, j].end <= events["backward", i, j].start
+        backward, recompute = events["backward", i, j], events["recompute", i, j]
+        assert backward.start <= recompute.start and recompute.end <= backward.end
 
 
 def test_chrome_trace_has_one_row_per_partition(tmp_path: Path) -> None:
@@ -176,7 +177,7 @@ def test_profiler_shows_named_ranges() -> None:
 def test_tracing_off_records_and_hooks_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     hooked: list[int] = []
 
-    def spy(function: PartitionCall, value: TensorOrValues, span: BackwardSpan) -> TensorOrValues:
+    def spy(function: PartitionCall, value: Value, span: BackwardSpan) -> Value:
         hooked.append(span.microbatch)
         return run_hooked(function, value, span)
 

@@ -100,7 +100,7 @@ def test_exception_in_backward_recompute_reaches_the_caller() -> None:
 
             if is_recomputing():
                 raise RuntimeError("recompute failed")
-            return x * 2
+            return x.tanh()  # saves its output, so backward recomputes it
 
     pipe = Pipe(
         nn.Sequential(nn.Linear(2, 2), FailOnRecompute()),
@@ -114,14 +114,29 @@ def test_exception_in_backward_recompute_reaches_the_caller() -> None:
         out.sum().backward()  # type: ignore[union-attr]
 
 
-def test_partition_returning_a_non_tensor_is_a_type_error() -> None:
+def test_partition_returning_no_tensor_is_a_type_error() -> None:
+    class ReturnsCount(nn.Module):
+        def forward(self, x: Tensor) -> int:
+            return x.numel()
+
+    pipe = Pipe(nn.Sequential(nn.Identity(), ReturnsCount()), [1, 1], devices=["cpu"] * 2)
+    with pytest.raises(TypeError, match="partition 1 returned int, which holds no tensor"):
+        pipe(torch.zeros(2, 2))
+
+
+def test_partition_returning_a_list_passes_it_on() -> None:
     class ReturnsList(nn.Module):
         def forward(self, x: Tensor) -> list[Tensor]:
-            return [x]
+            return [x, x * 2]
 
-    pipe = Pipe(nn.Sequential(nn.Identity(), ReturnsList()), [1, 1], devices=["cpu"] * 2)
-    with pytest.raises(TypeError, match="partition 1 returned list"):
-        pipe(torch.zeros(2, 2))
+    class Add(nn.Module):
+        def forward(self, pair: list[Tensor]) -> Tensor:
+            assert isinstance(pair, list)
+            return pair[0] + pair[1]
+
+    pipe = Pipe(nn.Sequential(ReturnsList(), Add()), [1, 1], devices=["cpu"] * 2, chunks=2)
+    x = torch.randn(4, 2)
+    assert torch.equal(pipe(x), x * 3)  # type: ignore[arg-type]
 
 
 def test_close_stops_threads_and_refuses_more_work() -> None:

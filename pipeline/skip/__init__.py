@@ -8,12 +8,14 @@ and ``docs/skip.md`` for the guide.
 from pipeline.skip.layout import Route, SkipLayout
 from pipeline.skip.namespace import Namespace
 from pipeline.skip.skippable import pop, skippable, stash
+from pipeline.skip.tracker import discard_stashed
 from pipeline.skip.verify import verify_skippables
 
 __all__ = [
     "Namespace",
     "Route",
     "SkipLayout",
+    "discard_stashed",
     "pop",
     "skippable",
     "stash",

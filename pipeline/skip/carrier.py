@@ -69,7 +69,7 @@ class Carrier:
             self._batch = Batch(self._value)
         index = self._batch.first_differentiable()
         if index is None:
-            kinds = ", ".join(type(v).__name__ for v in self._batch.values)
+            kinds = ", ".join(type(v).__name__ for v in self._batch.leaves)
             raise TypeError(self._no_carrier(f"({kinds}) without a floating-point tensor"))
         return self._batch, index
 

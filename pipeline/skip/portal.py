@@ -23,9 +23,9 @@ micro-batch's path downstream of the ``Join`` that holds the matching
 ``Enter``, so the engine cannot reach that ``Enter`` before the ``Exit`` has
 put the gradient in the portal, even with a thread per device.
 
-Lifetime: the tensor is dropped at its last ``Exit``. ``enter`` is told how
-many reads to expect (one, or two for a checkpointed micro-batch whose
-recomputation pops again), so nothing outlives its use.
+Lifetime: the portal lets go of the tensor at the ``Exit`` that reads it, so
+nothing outlives its use. Recomputation never reads a portal: the popping
+task keeps what its forward popped (``step.py``).
 """
 
 from __future__ import annotations
@@ -43,21 +43,15 @@ __all__ = ["Portal"]
 class Portal:
     """Holds one skip tensor of one micro-batch, and its gradient on the way back."""
 
-    __slots__ = ("grad", "reads_left", "tensor")
+    __slots__ = ("grad", "tensor")
 
     def __init__(self) -> None:
         self.tensor: Tensor | None = None
-        self.reads_left = 0
         self.grad: Tensor | None = None
 
-    def enter(self, tensor: Tensor, reads: int) -> Tensor:
-        """Keep ``tensor`` for ``reads`` exits; the phony returned carries its gradient edge.
-
-        With ``reads == 0`` the tensor is not kept: the call only rebuilds
-        the gradient edge (recomputation of the stashing partition).
-        """
-        self.tensor = tensor if reads > 0 else None
-        self.reads_left = reads
+    def enter(self, tensor: Tensor) -> Tensor:
+        """Keep ``tensor`` for one exit; the phony returned carries its gradient edge."""
+        self.tensor = tensor
         phony: Tensor = Enter.apply(self, tensor)
         return phony
 
@@ -67,15 +61,9 @@ class Portal:
         return tensor
 
     def read(self) -> Tensor:
-        tensor = self.tensor
+        tensor, self.tensor = self.tensor, None
         if tensor is None:
-            raise RuntimeError(
-                "a skip tensor was popped more often than it was stashed for (the portal is "
-                "empty); was backward run twice through a checkpointed Pipe?"
-            )
-        self.reads_left -= 1
-        if self.reads_left == 0:
-            self.tensor = None
+            raise RuntimeError("a skip tensor was popped twice from its portal in one forward pass")
         return tensor
 
     def take_grad(self) -> Tensor | None:

@@ -1,15 +1,17 @@
-"""Skips in one forward pass of a Pipe: a tracker per micro-batch, and the driver's hooks.
+"""Skips in one forward pass of a Pipe: a tracker per task, portals per micro-batch.
 
-Each micro-batch gets a ``PortalTracker``. A skip that stays in its
-partition waits in the tracker's dict as in a plain run (no copy, no
-portal); a skip that leaves its partition goes through a ``Portal``. The
-driver calls two hooks, and only for a model with skippable layers:
+A skip that stays in its partition waits in the task's tracker as in a plain
+run (no copy, no portal); a skip that leaves its partition goes through a
+``Portal`` of its micro-batch. The driver calls two hooks, and only for a
+model with skippable layers:
 
 - ``bind(i, function)`` on every task of micro-batch ``i``: the partition
-  runs with the micro-batch's tracker installed. The tracker rides with the
-  function, which the task's ``Checkpointing`` keeps, so the recomputation
-  (run by the autograd engine on another thread) finds the same tracker
-  and pops the same tensors again.
+  runs with a tracker of its own installed, sharing the micro-batch's
+  portals. The tracker rides with the function, which a checkpointed task
+  keeps for its recomputation: there the skips are not sent again (the
+  forward's graph already carries them and their gradients), and the pops
+  get back exactly what the forward popped, kept by the tracker for as long
+  as the task's graph lives.
 - ``fence(i, j, batch, move)`` in the fence phase of task ``(i, j)``: the
   skips that partition ``j`` pops from a partition on another device go
   straight there, copied by the driver's own ``move``.
@@ -22,8 +24,8 @@ from functools import partial
 
 from torch import Tensor
 
-from pipeline.checkpoint import Function, is_recomputing
-from pipeline.microbatch import Batch, TensorOrValues
+from pipeline.checkpoint import Function, is_checkpointing, is_recomputing
+from pipeline.microbatch import Batch, Value
 from pipeline.skip.carrier import Carrier
 from pipeline.skip.layout import Route, SkipLayout
 from pipeline.skip.portal import Portal
@@ -35,77 +37,51 @@ __all__ = ["Move", "PortalTracker", "SkipStep", "start_step"]
 # tensors from partition source's device to partition target's.
 Move = Callable[[list[Tensor], int, int], list[Tensor]]
 
+Portals = dict[SkipKey, Portal]
+
 
 class PortalTracker(SkipTracker):
-    """The tracker of one micro-batch: skips between partitions go through portals."""
+    """The tracker of one task: skips between partitions go through its micro-batch's portals."""
 
-    def __init__(self, layout: SkipLayout, checkpointed: bool) -> None:
+    def __init__(self, layout: SkipLayout, portals: Portals) -> None:
         super().__init__()
         self.layout = layout
-        self.checkpointed = checkpointed
-        self.portals: dict[SkipKey, Portal] = {}
+        self.portals = portals
+        self.popped: dict[SkipKey, Tensor] = {}
 
     def save(self, output: Carrier, key: SkipKey, tensor: Tensor) -> None:
         route = self.layout.route(key)
         if not route.crosses_partitions:
             super().save(output, key, tensor)
             return
-        portal = self.portals.get(key)
-        if portal is None:
-            portal = self.portals[key] = Portal()
-        output.join(portal.enter(tensor, self._reads_after_stash(route)))
+        if is_recomputing():
+            return  # the forward's portal already links this skip to its pop
+        portal = self.portals.setdefault(key, Portal())
+        output.join(portal.enter(tensor))
 
     def load(self, input: Carrier, key: SkipKey) -> Tensor:
         route = self.layout.route(key)
         if not route.crosses_partitions:
             return super().load(input, key)
-        return self._portal(route).exit(input.fork())
-
-    def move(
-        self, input: Carrier, source: int, target: int, routes: list[Route], move: Move
-    ) -> None:
-        """Copy the skips of ``routes`` from ``source``'s device into ``target``'s portals."""
-        phony = input.fork()
-        portals = [self._portal(route) for route in routes]
-        moved = move([portal.exit(phony) for portal in portals], source, target)
-        for portal, tensor in zip(portals, moved, strict=True):
-            input.join(portal.enter(tensor, self._reads_by_pops()))
-
-    def _reads_after_stash(self, route: Route) -> int:
         if is_recomputing():
-            # Backward reaches the stashing partition after the popping one:
-            # the pops are done, this stash only links the recomputed tensor
-            # to the gradient waiting in the portal.
-            return 0
-        if self.layout.is_copied(route):
-            return 1  # by the fence's move; the pops read the copy
-        return self._reads_by_pops()
-
-    def _reads_by_pops(self) -> int:
-        # A checkpointed partition pops once in forward, once in recomputation.
-        return 2 if self.checkpointed else 1
-
-    def _portal(self, route: Route) -> Portal:
-        portal = self.portals.get(route.key)
-        if portal is None:
-            raise RuntimeError(
-                f"partition {route.target} pops {route.name!r} ({route.namespace.label}), but "
-                f"the layer of partition {route.source} that stashes it did not run for this "
-                "micro-batch"
-            )
-        return portal
+            return self.popped[key]
+        tensor = _portal(self.portals, route).exit(input.fork())
+        if is_checkpointing():
+            # Requiring grad as in the forward, so recomputation saves the same tensors.
+            self.popped[key] = tensor.detach().requires_grad_(tensor.requires_grad)
+        return tensor
 
 
 class SkipStep:
-    """The skip state of one forward pass: a ``PortalTracker`` per micro-batch."""
+    """The skip state of one forward pass: the portals of each micro-batch."""
 
-    def __init__(self, layout: SkipLayout, m: int, checkpoint_stop: int) -> None:
+    def __init__(self, layout: SkipLayout, m: int) -> None:
         self.layout = layout
-        self.trackers = [PortalTracker(layout, i < checkpoint_stop) for i in range(m)]
+        self.portals: list[Portals] = [{} for _ in range(m)]
 
     def bind(self, i: int, function: Function) -> Function:
-        """``function`` run with micro-batch ``i``'s tracker installed."""
-        return partial(_tracked, self.trackers[i], function)
+        """``function`` run with a fresh tracker for micro-batch ``i`` installed."""
+        return partial(_tracked, PortalTracker(self.layout, self.portals[i]), function)
 
     def fence(self, i: int, j: int, batch: Batch, move: Move) -> None:
         """Move the skips partition ``j`` pops from other devices, for micro-batch ``i``."""
@@ -113,17 +89,33 @@ class SkipStep:
         if not moves:
             return
         input = Carrier.around(batch, f"partition {j}", "input")
+        portals = self.portals[i]
         for source, routes in moves:
-            self.trackers[i].move(input, source, j, routes, move)
+            phony = input.fork()
+            taken = [_portal(portals, route) for route in routes]
+            moved = move([portal.exit(phony) for portal in taken], source, j)
+            for portal, tensor in zip(taken, moved, strict=True):
+                input.join(portal.enter(tensor))
 
 
-def start_step(layout: SkipLayout | None, m: int, checkpoint_stop: int) -> SkipStep | None:
+def start_step(layout: SkipLayout | None, m: int) -> SkipStep | None:
     """The skip state for a forward pass, or None for a model without skips (no cost then)."""
     if not layout:
         return None
-    return SkipStep(layout, m, checkpoint_stop)
+    return SkipStep(layout, m)
 
 
-def _tracked(tracker: SkipTracker, function: Function, value: TensorOrValues) -> TensorOrValues:
+def _portal(portals: Portals, route: Route) -> Portal:
+    portal = portals.get(route.key)
+    if portal is None:
+        raise RuntimeError(
+            f"partition {route.target} pops {route.name!r} ({route.namespace.label}), but "
+            f"the layer of partition {route.source} that stashes it did not run for this "
+            "micro-batch"
+        )
+    return portal
+
+
+def _tracked(tracker: SkipTracker, function: Function, value: Value) -> Value:
     with use_tracker(tracker):
         return function(value)

@@ -22,7 +22,7 @@ from torch import Tensor
 from pipeline.skip.carrier import Carrier
 from pipeline.skip.namespace import Namespace
 
-__all__ = ["SkipKey", "SkipTracker", "current_tracker", "use_tracker"]
+__all__ = ["SkipKey", "SkipTracker", "current_tracker", "discard_stashed", "use_tracker"]
 
 SkipKey: TypeAlias = tuple[Namespace, str]
 
@@ -58,6 +58,22 @@ def current_tracker() -> SkipTracker:
     if tracker is None:
         tracker = _local.tracker = SkipTracker()
     return tracker
+
+
+def discard_stashed() -> None:
+    """Drop the tensors stashed on this thread by a plain run and never popped.
+
+    A plain run (no Pipe) that fails between a stash and its pop leaves the
+    stashed tensor, and its graph, in the thread's tracker; the next run
+    stashing the same name replaces it, so at most one per skip stays. Call
+    this after such a failure to free it at once::
+
+        try:
+            model(x)
+        except RuntimeError:
+            discard_stashed()
+    """
+    current_tracker().tensors.clear()
 
 
 @contextmanager

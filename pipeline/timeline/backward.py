@@ -27,8 +27,9 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.autograd.graph import Node
+from torch.utils._pytree import tree_leaves
 
-from pipeline.microbatch import TensorOrValues
+from pipeline.microbatch import Value
 from pipeline.timeline.event import Event
 
 __all__ = ["BackwardSpan", "run_hooked"]
@@ -75,9 +76,7 @@ class BackwardSpan:
         )
 
 
-def run_hooked(
-    function: Callable[[TensorOrValues], TensorOrValues], value: TensorOrValues, span: BackwardSpan
-) -> TensorOrValues:
+def run_hooked(function: Callable[[Value], Value], value: Value, span: BackwardSpan) -> Value:
     """Run ``function(value)`` with ``span`` hooked to its input and output gradients.
 
     Call it with grad enabled; ``function``'s output is returned as it is::
@@ -115,9 +114,8 @@ def _report_nodes_created(root: Node, created: range, span: BackwardSpan) -> Non
         pending.extend(successor for successor, _ in node.next_functions)
 
 
-def _first_requiring_grad(value: TensorOrValues) -> Tensor | None:
-    values = (value,) if isinstance(value, Tensor) else value
-    for item in values:
+def _first_requiring_grad(value: Value) -> Tensor | None:
+    for item in tree_leaves(value):
         if isinstance(item, Tensor) and item.requires_grad:
             return item
     return None

@@ -1,0 +1,108 @@
+"""Buffers that a partition's forward changes, put back for recomputation.
+
+A checkpointed task runs its partition twice: in forward, and again in
+backward. Some layers change buffers in every training forward: BatchNorm
+and InstanceNorm update their running statistics, spectral norm advances its
+power-iteration vectors. Run again, such a layer would update them a second
+time, and would compute from values that later micro-batches have changed
+since. So a checkpointed forward notes which buffers it changed and keeps
+what they held before; recomputation runs with those values put back and
+then restores what the buffers hold now::
+
+    forward (i):   snapshot B  ->  run: B changes to B'       (B kept)
+    forward (i+1): ...             B' changes to B''
+    recompute (i): B'' saved, B put back -> run -> B'' restored
+
+The recomputation sees what the forward saw and leaves no trace. Which
+buffers change is learned on a partition's first checkpointed forward, by
+comparing values (kernels such as batch norm's update running statistics
+without bumping their version counters), so that constant buffers (masks,
+tables) are never copied afterwards. Later forwards only check version
+counters for a buffer that starts changing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["BufferSnapshot", "PartitionBuffers"]
+
+
+class BufferSnapshot:
+    """The buffers a task's forward may change, as they were before it ran."""
+
+    __slots__ = ("values", "versions")
+
+    def __init__(self, versions: dict[str, int], values: dict[str, Tensor]) -> None:
+        self.versions = versions
+        self.values = values
+
+
+class PartitionBuffers:
+    """The buffers of one partition, and the names of those its forward changes."""
+
+    def __init__(self, partition: nn.Module, index: int) -> None:
+        self.partition = partition
+        self.index = index
+        self.changing: set[str] | None = None
+
+    def _buffers(self) -> dict[str, Tensor]:
+        # Looked up every time: .to(dtype) and friends replace buffer tensors.
+        return dict(self.partition.named_buffers())
+
+    def before_forward(self) -> BufferSnapshot:
+        buffers = self._buffers()
+        keep = buffers.keys() if self.changing is None else self.changing
+        with torch.no_grad():
+            values = {name: buffers[name].clone() for name in keep}
+        return BufferSnapshot({name: b._version for name, b in buffers.items()}, values)
+
+    def after_forward(self, snapshot: BufferSnapshot) -> None:
+        """Keep only the buffers the forward changed; learn them on the first call."""
+        buffers = self._buffers()
+        changed = {
+            name
+            for name, b in buffers.items()
+            if b._version != snapshot.versions.get(name, b._version)
+        }
+        if self.changing is None:
+            changed |= {
+                name
+                for name, value in snapshot.values.items()
+                if name in buffers and not torch.equal(buffers[name], value)
+            }
+            self.changing = changed
+        else:
+            changed |= self.changing
+        unknown = changed - snapshot.values.keys()
+        if unknown:
+            raise RuntimeError(
+                f"partition {self.index} changed buffers {sorted(unknown)} in a checkpointed "
+                "forward although its first checkpointed forward left them alone, so their "
+                "values before this forward were not kept and recomputation cannot replay "
+                "it; use checkpoint='never', or change such buffers in every training forward"
+            )
+        snapshot.values = {name: snapshot.values[name] for name in changed}
+
+    @contextmanager
+    def replayed(self, snapshot: BufferSnapshot) -> Iterator[None]:
+        """Run with the buffers as the forward saw them; restore their values afterwards."""
+        if not snapshot.values:
+            yield
+            return
+        buffers = self._buffers()
+        targets = [(buffers[name], value) for name, value in snapshot.values.items()]
+        with torch.no_grad():
+            now = [b.clone() for b, _ in targets]
+            for buffer, value in targets:
+                buffer.copy_(value)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for (buffer, _), value in zip(targets, now, strict=True):
+                    buffer.copy_(value)
