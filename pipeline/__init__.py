@@ -4,6 +4,7 @@ from pipeline import skip
 from pipeline.batchnorm import DeferredBatchNorm
 from pipeline.distributed import DataParallel
 from pipeline.microbatch import NoChunk
+from pipeline.migration import from_partitioned_state_dict
 from pipeline.phase import is_checkpointing, is_recomputing
 from pipeline.pipe import BalanceError, Pipe, PositionalSequential
 from pipeline.trace import Trace, trace
@@ -16,6 +17,7 @@ __all__ = [
     "Pipe",
     "PositionalSequential",
     "Trace",
+    "from_partitioned_state_dict",
     "is_checkpointing",
     "is_recomputing",
     "skip",

@@ -29,8 +29,10 @@ def free_port() -> int:
         return port
 
 
-def rank_env(rank: int, world_size: int, port: int, backend: str = "gloo") -> dict[str, str]:
-    """The environment torchrun would give process `rank`, and the backend scenarios.py uses."""
+def rank_env(
+    rank: int, world_size: int, port: int, backend: str = "gloo", numpy: bool = True
+) -> dict[str, str]:
+    """The environment torchrun would give process `rank`, and how scenarios.py should run."""
     return {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
@@ -41,6 +43,7 @@ def rank_env(rank: int, world_size: int, port: int, backend: str = "gloo") -> di
         "MASTER_PORT": str(port),
         "OMP_NUM_THREADS": "1",
         "SCENARIO_BACKEND": backend,
+        "SCENARIO_WITHOUT_NUMPY": "0" if numpy else "1",
     }
 
 
@@ -50,6 +53,7 @@ def run_group(
     *,
     world_size: int = 2,
     backend: str = "gloo",
+    numpy: bool = True,
     pg_timeout_s: float = 20,
     wall_timeout_s: float = 60,
 ) -> Outcomes:
@@ -67,7 +71,7 @@ def run_group(
         with log.open("w") as log_file:
             proc = subprocess.Popen(
                 cmd,
-                env=rank_env(rank, world_size, port, backend),
+                env=rank_env(rank, world_size, port, backend, numpy),
                 stdout=log_file,
                 stderr=log_file,
             )
@@ -107,6 +111,7 @@ def group_runner(tmp_path_factory: pytest.TempPathFactory) -> GroupRunner:
         *,
         world_size: int = 2,
         backend: str = "gloo",
+        numpy: bool = True,
         pg_timeout_s: float = 20,
         wall_timeout_s: float = 60,
     ) -> Outcomes:
@@ -116,6 +121,7 @@ def group_runner(tmp_path_factory: pytest.TempPathFactory) -> GroupRunner:
             scenarios,
             world_size=world_size,
             backend=backend,
+            numpy=numpy,
             pg_timeout_s=pg_timeout_s,
             wall_timeout_s=wall_timeout_s,
         )

@@ -3,7 +3,8 @@
 Started by conftest.run_group as `python scenarios.py OUT.json PG_TIMEOUT_S NAME...`
 with torchrun's environment variables and SCENARIO_BACKEND (gloo unless set)
 set; each rank runs the named scenarios in order and writes {name: "ok" or the
-traceback} to OUT.json.
+traceback} to OUT.json. With SCENARIO_WITHOUT_NUMPY=1 NumPy cannot be
+imported, as on a machine that does not have it.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ from datetime import timedelta
 from functools import partial
 from pathlib import Path
 from typing import Any
+
+if os.environ.get("SCENARIO_WITHOUT_NUMPY") == "1":
+    sys.modules["numpy"] = None  # type: ignore[assignment]
 
 import torch
 import torch.distributed as dist

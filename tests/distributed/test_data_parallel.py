@@ -47,6 +47,14 @@ def test_scenario(shared_outcomes: Outcomes, name: str) -> None:
         assert outcomes.get(name) == "ok", f"rank {rank}:\n{outcomes.get(name)}"
 
 
+def test_data_parallel_needs_no_numpy(group_runner: GroupRunner) -> None:
+    # torch prints a warning without NumPy but works; so must DataParallel.
+    names = ["matches_ddp_and_full_batch", "mismatched_replicas_raise", "different_balance_raises"]
+    for rank, outcomes in enumerate(group_runner(names, numpy=False)):
+        for name in names:
+            assert outcomes.get(name) == "ok", f"rank {rank}, {name}:\n{outcomes.get(name)}"
+
+
 @pytest.mark.parametrize("fault", ["peer_dies_mid_step", "peer_stalls_mid_step"])
 def test_fault_mid_step_is_an_error_naming_the_all_reduce(
     group_runner: GroupRunner, fault: str
