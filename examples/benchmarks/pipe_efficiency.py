@@ -177,8 +177,8 @@ def tracing_cost(rows: int, rounds: int) -> dict[str, float]:
 def dropout_cost(rows: int, rounds: int) -> dict[str, float]:
     """Speedup over the micro-batches in training with and without Dropout in every block.
 
-    A partition that draws random numbers holds the CPU generator's lock for
-    its task (see pipeline/rng.py), so two such partitions do not overlap.
+    Each random op runs under the CPU generator's lock while it draws (see
+    pipeline/rng.py); the rest of the two partitions overlaps.
     """
     result = {}
     for label, dropout in (("without dropout", 0.0), ("with dropout", 0.1)):

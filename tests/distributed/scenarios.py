@@ -492,6 +492,19 @@ def pipe_and_plain(seed: int, checkpoint: str) -> tuple[Pipe, nn.Sequential]:
     return pipe, plain
 
 
+@scenario
+def torch_ddp_wraps_a_checkpointed_pipe() -> None:
+    # Each parameter's gradient is accumulated once per backward inside a Pipe.
+    for mode in ("always", "except_last", "never"):
+        pipe, full_batch = pipe_and_plain(seed=17, checkpoint=mode)
+        ddp = DistributedDataParallel(pipe)
+        for step in range(2):
+            x, y = global_batch(step)
+            F.mse_loss(ddp(shard(x)), shard(y)).backward()
+            F.mse_loss(full_batch(x), y).backward()
+        assert_grads_close(pipe, full_batch, f"torch DDP around a Pipe, {mode}")
+
+
 def check_pipe(checkpoint: str, as_view: bool) -> None:
     pipe, full_batch = pipe_and_plain(seed=7, checkpoint=checkpoint)
     dp = DataParallel(pipe, gradient_as_bucket_view=as_view, **SMALL_BUCKETS)
