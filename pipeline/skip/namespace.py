@@ -41,5 +41,14 @@ class Namespace:
     def __deepcopy__(self, memo: dict[int, Any]) -> Namespace:
         return self
 
+    def __reduce__(self) -> str | tuple[type[Namespace], tuple[str]]:
+        # Layers that never called isolate() look up the module's default
+        # namespace itself: an unpickled one must be that very object. Any
+        # other namespace comes back as one new object per pickle, shared by
+        # every layer and layout pickled with it.
+        if self is DEFAULT_NAMESPACE:
+            return "DEFAULT_NAMESPACE"
+        return Namespace, (self.label,)
+
 
 DEFAULT_NAMESPACE = Namespace("default")
