@@ -57,8 +57,9 @@ def balance_by_time(
 ) -> list[int]:
     """The balance whose slowest partition is as fast as possible, timed on ``device``.
 
-    Each layer's forward and backward pass on ``sample`` (one micro-batch,
-    a Tensor or a tuple as the first layer takes it) is timed, each layer fed
+    Each layer's forward and backward pass on ``sample`` (one non-empty
+    micro-batch as the first layer takes it: a Tensor, or tuples, lists and
+    dicts holding tensors, as a Pipe takes its input) is timed, each layer fed
     the previous layer's real output, over repeated passes for about
     ``timeout`` seconds. Layers run one at a time as copies in training mode
     on ``device`` (default: the accelerator if there is one, else the CPU),

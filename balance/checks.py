@@ -5,9 +5,11 @@ import numbers
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import keystr, tree_flatten_with_path, tree_map
 
 from balance.errors import BalanceError
 from balance.layerwise import Value
+from pipeline.microbatch import NoChunk
 
 
 def check_partitions(partitions: object, items: int, noun: str) -> int:
@@ -32,13 +34,49 @@ def check_count(name: str, value: object) -> int:
 
 
 def check_sample(sample: object) -> Value:
-    """Return ``sample`` once it is what a first layer is called with: a Tensor or a tuple."""
-    if not isinstance(sample, Tensor | tuple):
+    """Return ``sample`` as the first layer takes it, once it holds at least one row.
+
+    ``sample`` is one micro-batch: a Tensor, or tuples, namedtuples, lists and
+    dicts holding tensors (and other values), nested at will, as a Pipe takes
+    its input. A tensor wrapped in ``pipeline.NoChunk`` is unwrapped, as each
+    micro-batch of a Pipe gets it, and does not count as a row.
+    """
+    paths, spec = tree_flatten_with_path(sample, is_leaf=_is_no_chunk)
+    if spec.is_leaf() and not isinstance(sample, Tensor | NoChunk):
         raise TypeError(
-            f"sample must be a Tensor or a tuple, got {type(sample).__name__}; "
-            "pass one micro-batch as the first layer takes it"
+            f"sample must be a Tensor or hold tensors (in tuples, lists, dicts or "
+            f"namedtuples), got {type(sample).__name__}; pass one micro-batch as the first "
+            "layer takes it"
         )
-    return sample
+    rows = {
+        "sample" + keystr(path): leaf.size(0)
+        for path, leaf in paths
+        if isinstance(leaf, Tensor) and leaf.dim() > 0
+    }
+    if not rows:
+        raise BalanceError(
+            f"sample ({type(sample).__name__}) holds no tensor with a batch dimension "
+            "(0-dim and NoChunk tensors do not count): balance needs at least one row to "
+            "profile the layers on; pass one non-empty micro-batch as the first layer takes it"
+        )
+    for where, size in rows.items():
+        if size == 0:
+            raise BalanceError(
+                f"{where} is empty (dim 0 has size 0): balance needs at least one row to "
+                "profile the layers on, as a Pipe needs one to split into micro-batches; "
+                "pass one non-empty micro-batch as the first layer takes it"
+            )
+    if isinstance(sample, Tensor):
+        return sample
+    return tree_map(_unwrap, sample, is_leaf=_is_no_chunk)
+
+
+def _is_no_chunk(value: object) -> bool:
+    return isinstance(value, NoChunk)
+
+
+def _unwrap(value: object) -> object:
+    return value.tensor if isinstance(value, NoChunk) else value
 
 
 def check_device(device: object) -> torch.device:

@@ -1,18 +1,22 @@
 """Runs an nn.Sequential one layer at a time on throwaway copies, for profiling."""
 
 import copy
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, TypeAlias
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_map
 
 from balance.errors import BalanceError
 from pipeline.skip.carrier import Carrier
 from pipeline.skip.tracker import SkipKey, SkipTracker, use_tracker
 
-# What flows between layers: a Tensor, or a tuple of tensors and other values.
-Value = Tensor | tuple[Any, ...]
+# What flows between layers, as in pipeline.Pipe: a Tensor, or tuples,
+# namedtuples, lists and dicts of tensors and other values, nested at will.
+# Tensors are found wherever torch.utils._pytree finds them; any other object
+# is passed on as it is.
+Value: TypeAlias = Any
 
 # Runs one layer copy on its inputs, measures what the caller wants, and
 # returns the layer's outputs (see ``run_layer``).
@@ -34,7 +38,8 @@ def walk_layers(
         for index, layer in enumerate(module):
             # Only a detached copy of the outputs outlives this line, so the
             # layer's copy and its graph are freed before the next layer runs.
-            inputs = fresh_inputs(measure(index, sandbox(layer, device), inputs), device)
+            copied = sandbox(index, layer, device)
+            inputs = fresh_inputs(measure(index, copied, inputs), device)
 
 
 class _SkipSandbox(SkipTracker):
@@ -71,11 +76,6 @@ def run_layer(index: int, layer: nn.Module, inputs: Value) -> Value:
             f"layer {index} ({type(layer).__name__}) failed on input {describe(inputs)} "
             f"with {type(error).__name__}: {error}; {fix}"
         ) from error
-    if not isinstance(outputs, Tensor | tuple):
-        raise BalanceError(
-            f"layer {index} ({type(layer).__name__}) returned {type(outputs).__name__}; "
-            "layers must return a Tensor or a tuple"
-        )
     return outputs
 
 
@@ -95,20 +95,51 @@ def backward_layer(index: int, layer: nn.Module, outputs: Value) -> None:
         ) from error
 
 
-def sandbox(layer: nn.Module, device: torch.device) -> nn.Module:
-    """A copy of ``layer`` on ``device``, in training mode.
+def sandbox(index: int, layer: nn.Module, device: torch.device) -> nn.Module:
+    """A copy of layer ``index`` on ``device``, in training mode.
 
     Deep copies of parameters carry no gradients, so the copy starts clean.
+    A layer that cannot be copied or moved raises ``BalanceError`` naming it.
     """
-    return copy.deepcopy(layer).to(device).train()
+    name = f"layer {index} ({type(layer).__name__})"
+    try:
+        copied = copy.deepcopy(layer)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as error:
+        raise BalanceError(
+            f"{name} cannot be copied: copy.deepcopy raised {type(error).__name__}: {error}; "
+            "profiling runs a deep copy of each layer so that the model is left untouched. "
+            f"Give {type(layer).__name__} a __deepcopy__ that copies it (leaving out or "
+            "recreating what cannot be copied, such as a lock, a file or a Pipe), profile a "
+            "copyable stand-in with the same layers, or pass the balance yourself "
+            "(balance_by_params copies nothing)"
+        ) from error
+    try:
+        return copied.to(device).train()
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as error:
+        meta = any(tensor.is_meta for tensor in [*layer.parameters(), *layer.buffers()])
+        fix = (
+            "a layer on the meta device has no data to run; use balance_by_params"
+            if meta
+            else f"check that the layer can run on {device}"
+        )
+        raise BalanceError(
+            f"{name} cannot be moved to {device}: {type(error).__name__}: {error}; {fix}"
+        ) from error
 
 
 def fresh_inputs(value: Value, device: torch.device) -> Value:
-    """A copy of ``value`` on ``device`` that a layer may change in place."""
+    """A copy of ``value`` on ``device`` that a layer may change in place.
+
+    Every tensor in it, at any depth, is copied; containers keep their types.
+    """
     if isinstance(value, Tensor):
         return _fresh_tensor(value, device)
-    return tuple(
-        _fresh_tensor(item, device) if isinstance(item, Tensor) else item for item in value
+    return tree_map(
+        lambda item: _fresh_tensor(item, device) if isinstance(item, Tensor) else item, value
     )
 
 
@@ -125,24 +156,30 @@ def _fresh_tensor(tensor: Tensor, device: torch.device) -> Tensor:
 
 
 def tensors_in(value: Value) -> Iterator[Tensor]:
-    """The tensors in ``value``: itself, or the tensor items of a tuple."""
+    """The tensors in ``value``, at any depth."""
     if isinstance(value, Tensor):
         yield value
         return
-    for item in value:
-        if isinstance(item, Tensor):
-            yield item
+    for leaf in tree_flatten(value)[0]:
+        if isinstance(leaf, Tensor):
+            yield leaf
 
 
 def describe(value: Value) -> str:
-    """The dtypes and shapes of ``value``, like ``float32[8, 3]`` or ``(int64[8], int)``."""
+    """The dtypes and shapes of ``value``, like ``float32[8, 3]``, ``(int64[8], int)``
+    or ``{'x': [float32[8, 3]]}``; other objects by their type's name.
+    """
     if isinstance(value, Tensor):
         return _describe_tensor(value)
-    items = (
-        _describe_tensor(item) if isinstance(item, Tensor) else type(item).__name__
-        for item in value
-    )
-    return "(" + ", ".join(items) + ")"
+    if isinstance(value, tuple):
+        items = ", ".join(describe(item) for item in value)
+        prefix = "" if type(value) is tuple else type(value).__name__
+        return f"{prefix}({items})"
+    if isinstance(value, list):
+        return "[" + ", ".join(describe(item) for item in value) + "]"
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{key!r}: {describe(item)}" for key, item in value.items()) + "}"
+    return type(value).__name__
 
 
 def _describe_tensor(tensor: Tensor) -> str:

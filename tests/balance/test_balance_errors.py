@@ -1,5 +1,7 @@
 """Bad input to balance: the error type, a message naming the value and the fix, and no work."""
 
+import copy
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -16,6 +18,7 @@ from balance import (
     balance_cost,
 )
 from balance.blockpartition import solve
+from pipeline import NoChunk
 
 CPU = torch.device("cpu")
 
@@ -39,13 +42,16 @@ def model() -> nn.Sequential:
     return nn.Sequential(Counted(), Counted(), Counted())
 
 
-def by_time(partitions: Any, module: Any, sample: Any = None, **options: Any) -> list[int]:
-    sample = torch.randn(2, 4) if sample is None else sample
+UNSET: Any = object()
+
+
+def by_time(partitions: Any, module: Any, sample: Any = UNSET, **options: Any) -> list[int]:
+    sample = torch.randn(2, 4) if sample is UNSET else sample
     return balance_by_time(partitions, module, sample, timeout=0.01, **options)
 
 
-def by_size(partitions: Any, module: Any, sample: Any = None, **options: Any) -> list[int]:
-    sample = torch.randn(2, 4) if sample is None else sample
+def by_size(partitions: Any, module: Any, sample: Any = UNSET, **options: Any) -> list[int]:
+    sample = torch.randn(2, 4) if sample is UNSET else sample
     return balance_by_size(partitions, module, sample, **options)
 
 
@@ -136,17 +142,6 @@ def test_tuple_inputs_are_described(profiler: Callable[..., list[int]]) -> None:
         profiler(1, nn.Sequential(Pair()), sample, device=CPU)
 
 
-@pytest.mark.parametrize("profiler", [by_time, by_size])
-def test_a_layer_returning_neither_tensor_nor_tuple(profiler: Callable[..., list[int]]) -> None:
-    class AsDict(nn.Module):
-        def forward(self, x: Tensor) -> dict[str, Tensor]:
-            return {"x": x}
-
-    model = nn.Sequential(nn.Linear(4, 4), AsDict())
-    with pytest.raises(BalanceError, match=r"layer 1 \(AsDict\) returned dict; layers must return"):
-        profiler(1, model, device=CPU)
-
-
 def test_a_layer_whose_backward_fails() -> None:
     class NoBackward(torch.autograd.Function):
         @staticmethod
@@ -168,13 +163,137 @@ def test_a_layer_whose_backward_fails() -> None:
 
 
 @pytest.mark.parametrize("profiler", [by_time, by_size])
-@pytest.mark.parametrize("sample", [[torch.randn(2, 4)], {"x": torch.randn(2, 4)}, 3.0])
-def test_sample_not_a_tensor_or_tuple(
+def test_nested_inputs_are_described(profiler: Callable[..., list[int]]) -> None:
+    class Fails(nn.Module):
+        def forward(self, value: Any) -> Tensor:
+            raise RuntimeError("no")
+
+    sample = {"x": [torch.randn(2, 3), NoChunk(torch.ones(3))], "n": 2}
+    message = (
+        r"layer 0 \(Fails\) failed on input "
+        r"\{'x': \[float32\[2, 3\], float32\[3\]\], 'n': int\}"
+    )
+    with pytest.raises(BalanceError, match=message):
+        profiler(1, nn.Sequential(Fails()), sample, device=CPU)
+
+
+@pytest.mark.parametrize("profiler", [by_time, by_size])
+@pytest.mark.parametrize("sample", [3.0, None, "text", nn.Linear(4, 4)])
+def test_sample_neither_a_tensor_nor_holding_tensors(
     profiler: Callable[..., list[int]], model: nn.Sequential, sample: object
 ) -> None:
-    with pytest.raises(TypeError, match=r"sample must be a Tensor or a tuple, got \w+"):
+    with pytest.raises(TypeError, match=r"sample must be a Tensor or hold tensors .*, got \w+"):
         profiler(2, model, sample, device=CPU)
     assert Counted.calls == 0
+
+
+# F16: an empty sample is refused before profiling, worded like the Pipe's empty batch.
+
+
+@pytest.mark.parametrize("profiler", [by_time, by_size])
+@pytest.mark.parametrize(
+    ("sample", "where"),
+    [
+        (torch.randn(0, 4), "sample"),
+        (torch.randn(0), "sample"),
+        ((torch.randn(0, 4), 3), r"sample\[0\]"),
+        ([torch.randn(2, 4), torch.zeros(0, dtype=torch.long)], r"sample\[1\]"),
+        ({"x": torch.randn(0, 4), "mask": NoChunk(torch.ones(4, 4))}, r"sample\['x'\]"),
+        ({"x": (torch.randn(0, 4),)}, r"sample\['x'\]\[0\]"),
+    ],
+)
+def test_empty_sample(
+    profiler: Callable[..., list[int]], model: nn.Sequential, sample: object, where: str
+) -> None:
+    message = (
+        rf"^{where} is empty \(dim 0 has size 0\): balance needs at least one row to profile "
+        r"the layers on, .*; pass one non-empty micro-batch"
+    )
+    with pytest.raises(BalanceError, match=message):
+        profiler(2, model, sample, device=CPU)
+    assert Counted.calls == 0
+
+
+@pytest.mark.parametrize("profiler", [by_time, by_size])
+@pytest.mark.parametrize(
+    "sample",
+    [(), [], {}, (1, "a"), {"n": 2}, torch.tensor(1.0), NoChunk(torch.ones(2, 4))],
+    ids=["tuple", "list", "dict", "values", "dict-of-int", "0-dim", "no-chunk"],
+)
+def test_sample_without_rows(
+    profiler: Callable[..., list[int]], model: nn.Sequential, sample: object
+) -> None:
+    message = (
+        r"^sample \(\w+\) holds no tensor with a batch dimension .*: balance needs at least "
+        r"one row"
+    )
+    with pytest.raises(BalanceError, match=message):
+        profiler(2, model, sample, device=CPU)
+    assert Counted.calls == 0
+
+
+def test_by_params_takes_no_sample(model: nn.Sequential) -> None:
+    # Nothing runs, so there is no sample to refuse: an empty batch cannot reach it.
+    assert balance_by_params(3, model) == [1, 1, 1]
+    with pytest.raises(TypeError):
+        balance_by_params(3, model, torch.randn(0, 4))  # type: ignore[call-arg]
+
+
+# F12: a layer that cannot be deep-copied is named, with the fix.
+
+
+class Holder(nn.Module):
+    """A layer holding a lock, which copy.deepcopy cannot copy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.lock = threading.Lock()
+
+    def forward(self, x: Tensor) -> Tensor:
+        with self.lock:
+            return self.linear(x)
+
+
+class CopyableHolder(Holder):
+    """A Holder whose copies get a lock of their own."""
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "CopyableHolder":
+        copied = CopyableHolder()
+        copied.linear = copy.deepcopy(self.linear, memo)
+        return copied
+
+
+@pytest.mark.parametrize("profiler", [by_time, by_size])
+def test_a_layer_that_cannot_be_copied(profiler: Callable[..., list[int]]) -> None:
+    model = nn.Sequential(nn.Linear(4, 4), Holder(), nn.ReLU())
+    message = (
+        r"^layer 1 \(Holder\) cannot be copied: copy.deepcopy raised TypeError: cannot pickle "
+        r"'_thread.lock' object; profiling runs a deep copy of each layer .* Give Holder a "
+        r"__deepcopy__ .*, profile a copyable stand-in .*, or pass the balance yourself "
+        r"\(balance_by_params copies nothing\)$"
+    )
+    with pytest.raises(BalanceError, match=message) as caught:
+        profiler(2, model, device=CPU)
+    assert isinstance(caught.value.__cause__, TypeError)
+    assert "_thread.lock" in str(caught.value.__cause__)
+    assert balance_by_params(2, model) == [1, 2]
+
+
+@pytest.mark.parametrize("profiler", [by_time, by_size])
+def test_a_layer_with_its_own_deepcopy_profiles(profiler: Callable[..., list[int]]) -> None:
+    model = nn.Sequential(nn.Linear(4, 4), CopyableHolder(), nn.ReLU())
+    assert sum(profiler(2, model, device=CPU)) == 3
+
+
+@pytest.mark.parametrize("profiler", [by_time, by_size])
+def test_a_layer_on_the_meta_device(profiler: Callable[..., list[int]]) -> None:
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    message = r"^layer 0 \(Linear\) cannot be moved to cpu: NotImplementedError: .*; a layer on "
+    with pytest.raises(BalanceError, match=message + r"the meta device .*use balance_by_params$"):
+        profiler(2, model, device=CPU)
+    assert balance_by_params(2, model) == [1, 1]
 
 
 @pytest.mark.parametrize("timeout", [0, -1.0, float("nan"), float("inf")])

@@ -2,14 +2,16 @@
 
 import time
 import weakref
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
 from torch import Tensor, nn
 
 from balance import balance_by_params, balance_by_size, balance_by_time
+from balance.checks import check_sample
 from balance.profile import profile_activations
+from pipeline import NoChunk
 
 CPU = torch.device("cpu")
 
@@ -278,6 +280,101 @@ def test_a_tuple_sample_reaches_the_first_layer_as_a_tuple() -> None:
     sample = (torch.randn(8, 16), torch.ones(8, 16, dtype=torch.long))
     assert sum(balance_by_size(2, model, sample, device=CPU)) == 3
     assert sum(balance_by_time(2, model, sample, timeout=0.05, device=CPU)) == 3
+
+
+# Nested values, as pipeline.Pipe takes them: tuples, namedtuples, lists, dicts.
+
+
+class Pair(NamedTuple):
+    x: Tensor
+    mask: Tensor
+
+
+class FromNested(nn.Module):
+    """Takes ``{"pair": Pair(x, mask), "extra": [bias, scale]}``; returns a dict with a list."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+
+    def forward(self, value: dict[str, Any]) -> dict[str, Any]:
+        assert type(value) is dict and type(value["pair"]) is Pair, type(value)
+        assert type(value["extra"]) is list, type(value["extra"])
+        bias, scale = value["extra"]
+        h = torch.sigmoid(self.linear(value["pair"].x + value["pair"].mask) + bias) * scale
+        return {"h": h, "aux": [h * 2, "tag"]}
+
+
+class FromDict(nn.Module):
+    """Takes the dict of FromNested; checks its floating tensors join autograd."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+
+    def forward(self, value: dict[str, Any]) -> Tensor:
+        assert type(value) is dict and type(value["aux"]) is list, type(value)
+        doubled, tag = value["aux"]
+        assert tag == "tag"
+        assert value["h"].requires_grad and doubled.requires_grad
+        return torch.tanh(self.linear(value["h"] + doubled))
+
+
+def nested_sample() -> dict[str, Any]:
+    pair = Pair(torch.randn(8, 16), torch.ones(8, 16, dtype=torch.long))
+    return {"pair": pair, "extra": [NoChunk(torch.randn(16)), 0.5]}
+
+
+@pytest.mark.parametrize("profile", ["time", "size"])
+def test_nested_samples_and_outputs_profile(profile: str) -> None:
+    model = nn.Sequential(FromNested(), FromDict(), nn.Linear(16, 2))
+    sample = nested_sample()
+    before = [sample["pair"].x.clone(), sample["extra"][0].tensor.clone()]
+    if profile == "time":
+        balance = balance_by_time(3, model, sample, timeout=0.05, device=CPU)
+    else:
+        balance = balance_by_size(3, model, sample, device=CPU)
+    assert balance == [1, 1, 1]
+    assert torch.equal(sample["pair"].x, before[0])
+    assert torch.equal(sample["extra"][0].tensor, before[1])
+    assert not sample["pair"].x.requires_grad
+
+
+def test_nested_tensors_count_in_the_sizes() -> None:
+    model = nn.Sequential(FromNested(), FromDict())
+    sizes = profile_activations(model, check_sample(nested_sample()), CPU)
+    # Each keeps its Linear input and its activation's output (float32[8, 16] each),
+    # nothing of the layer before: the nested inputs are fresh copies, as flat ones are.
+    assert sizes == [8 * 16 * 4 * 2, 8 * 16 * 4 * 2]
+
+
+def test_by_time_counts_the_backward_pass_of_nested_outputs() -> None:
+    class SlowInDict(nn.Module):
+        def forward(self, x: Tensor) -> dict[str, list[Tensor]]:
+            return {"x": [SleepInBackward.apply(x)]}
+
+    class Unwrap(nn.Module):
+        def forward(self, value: dict[str, list[Tensor]]) -> Tensor:
+            return value["x"][0]
+
+    model = nn.Sequential(*linears(4), SlowInDict(), Unwrap(), *linears(2))
+    balance = balance_by_time(3, model, torch.randn(8, 16), timeout=0.1, device=CPU)
+    assert balance == [4, 1, 3]
+
+
+def test_no_chunk_tensors_reach_the_first_layer_unwrapped() -> None:
+    seen: list[Any] = []
+
+    class Record(nn.Module):
+        def forward(self, value: tuple[Tensor, Tensor]) -> Tensor:
+            seen.append(value)
+            x, mask = value
+            return x @ mask
+
+    mask = torch.randn(16, 16)
+    balance_by_size(1, nn.Sequential(Record()), (torch.randn(8, 16), NoChunk(mask)), device=CPU)
+    assert len(seen) == 1 and type(seen[0]) is tuple
+    assert isinstance(seen[0][1], Tensor) and torch.equal(seen[0][1], mask)
 
 
 def test_profiling_records_autograd_even_where_the_caller_turned_it_off() -> None:
