@@ -37,6 +37,8 @@ from pipeline.phase import is_checkpointing, is_recomputing, phase
 __all__ = [
     "Checkpointing",
     "Function",
+    "check_inputs_unchanged",
+    "input_versions",
     "is_checkpointing",
     "is_recomputing",
     "protected",
@@ -72,7 +74,7 @@ class Checkpointing:
     def checkpoint(self, batch: Batch) -> Batch:
         """Run the function on ``batch``, keeping its inputs instead of its activations."""
         self.spec = batch.spec
-        versions = [(x, x._version) for x in batch.leaves if isinstance(x, Tensor)]
+        versions = input_versions(batch)
         self.snapshot = self.buffers.before_forward()
         with phase("checkpointing"):
             # Random draws are replayed by the task's own seeds; and the whole
@@ -86,13 +88,7 @@ class Checkpointing:
                 early_stop=False,
             )
         self.forward_done = True
-        if any(x._version != version for x, version in versions):
-            raise RuntimeError(
-                f"checkpointed partition {self.buffers.index} modified its input in place, so "
-                "recomputation would start from the modified values; give its first layer an "
-                "attribute inplace=True (the Pipe then hands it a copy), make that layer "
-                "out-of-place, or use checkpoint='never'"
-            )
+        check_inputs_unchanged(versions, self.buffers.index)
         self.buffers.after_forward(self.snapshot)
         return Batch(output)
 
@@ -112,6 +108,22 @@ class Checkpointing:
         if self.protect_inputs:
             batch = protected(batch)
         return self.function(batch.value)
+
+
+def input_versions(batch: Batch) -> list[tuple[Tensor, int]]:
+    """The version counters of ``batch``'s tensors, to tell later if a layer wrote into them."""
+    return [(x, x._version) for x in batch.leaves if isinstance(x, Tensor)]
+
+
+def check_inputs_unchanged(versions: list[tuple[Tensor, int]], partition: int) -> None:
+    """Refuse a checkpointed forward that wrote into its inputs: recomputation needs them."""
+    if any(x._version != version for x, version in versions):
+        raise RuntimeError(
+            f"checkpointed partition {partition} modified its input in place, so "
+            "recomputation would start from the modified values; give its first layer an "
+            "attribute inplace=True (the Pipe then hands it a copy), make that layer "
+            "out-of-place, or use checkpoint='never'"
+        )
 
 
 def protected(batch: Batch) -> Batch:

@@ -6,7 +6,8 @@ import itertools
 import operator
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, Literal, TypeAlias, cast, overload
 
@@ -15,20 +16,26 @@ from torch import nn
 from torch.utils._pytree import tree_map
 from torch.utils.hooks import RemovableHandle
 
+from pipeline.actions import Program
 from pipeline.batchnorm import DeferredBatchNorm
 from pipeline.completion import Hook
 from pipeline.microbatch import Batch, NoChunk, Value, check_input, gather, scatter
 from pipeline.pipeline import Pipeline
+from pipeline.runner import StepRun
+from pipeline.schedules import Schedule, resolve_schedule
+from pipeline.simulate import Simulation, validate
 from pipeline.skip.layout import inspect_skip_layout
 from pipeline.skip.verify import verify_skippables
+from pipeline.trace import begin_explicit_step
 from pipeline.worker import Worker, stop_workers
 
-__all__ = ["BalanceError", "Pipe", "PositionalSequential"]
+__all__ = ["BalanceError", "Pipe", "PositionalSequential", "StepReport"]
 
 Device: TypeAlias = torch.device | str | int
 CheckpointMode: TypeAlias = Literal["always", "except_last", "never"]
 CHECKPOINT_MODES = ("always", "except_last", "never")
 CallStyle: TypeAlias = Literal["tuple", "positional"]
+LossReduction: TypeAlias = Literal["mean", "sum"]
 CALL_STYLES = ("tuple", "positional")
 
 
@@ -124,6 +131,8 @@ class Pipe(nn.Module):
             deferred_batch_norm=bool(self._deferred_batch_norms),
         )
         self._completion_hooks: OrderedDict[int, Hook] = OrderedDict()
+        self._validated: dict[tuple[str, int, int], tuple[list[Program], Simulation]] = {}
+        self.last_step: StepReport | None = None
 
     def _register_layers(self, layers: OrderedDict[str, nn.Module]) -> None:
         # Layers are this module's direct children under their Sequential
@@ -181,7 +190,7 @@ class Pipe(nn.Module):
         input = _to_device(input, self.devices[0])
         batches = scatter(input, self.chunks)
         hooks = list(self._completion_hooks.values())
-        rows = sum(b.leaves[k].size(0) for b in batches for k in list(b.tensor_indices())[:1])
+        rows = sum(_rows(b) for b in batches)
         self._pipeline.run(batches, self._checkpoint_stop(len(batches)), hooks, rows)
         if self.training:
             for bn in self._deferred_batch_norms:
@@ -193,6 +202,132 @@ class Pipe(nn.Module):
         if not (self.training and torch.is_grad_enabled()):
             return 0
         return {"always": m, "except_last": m - 1, "never": 0}[self.checkpoint]
+
+    def step(
+        self,
+        input: Value,
+        target: Value,
+        loss_fn: Callable[[Value, Value], torch.Tensor],
+        *,
+        schedule: str | Schedule = "1f1b",
+        loss_reduction: LossReduction = "mean",
+        return_outputs: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, Value]:
+        """Run a training step, forward and backward, as the explicit ``schedule``.
+
+        Equivalent to ``loss = loss_fn(model(input), target); loss.backward()``
+        on the plain model: the gradients accumulate into ``.grad`` (zero them
+        as usual) and the loss is returned, detached, on the last device. The
+        backward runs on the workers too, so that it overlaps across
+        partitions, in the order ``schedule`` gives: ``"gpipe"``, ``"1f1b"``
+        (the default: each partition holds at most as many micro-batches as
+        there are partitions after it), ``"interleaved"``, ``"zb-h1"``, or a
+        ``pipeline.schedules.Schedule`` (``Programs([...])`` for programs of
+        your own, in torch's notation: ``"0F0 0F1 0B0 0B1"``).
+
+        ``loss_fn(output, target)`` gets one micro-batch's output and target
+        (scattered like the input) and returns its loss, reduced over the
+        micro-batch. With ``loss_reduction="mean"`` each micro-batch's loss
+        counts by its share of the rows, so the result is the mean over the
+        mini-batch even when the last micro-batch is smaller; with ``"sum"``
+        the losses are added. ``return_outputs=True`` also returns the
+        model's output (detached)::
+
+            loss = pipe.step(x, y, nn.functional.cross_entropy, schedule="1f1b")
+            optimizer.step()
+        """
+        self._check_step(loss_fn, loss_reduction)
+        chosen = resolve_schedule(schedule)
+        if not isinstance(input, tuple) or self.call_style != "positional":
+            check_input(input)
+        check_input(target)
+        with self._pipeline.lock:
+            return self._step(input, target, loss_fn, chosen, loss_reduction, return_outputs)
+
+    def _check_step(self, loss_fn: Any, loss_reduction: Any) -> None:
+        if torch.compiler.is_compiling():
+            raise RuntimeError(_COMPILE_MESSAGE)
+        if not self._finalizer.alive:
+            raise RuntimeError("this Pipe is closed; create a new Pipe to run it again")
+        if not self.partitions:
+            raise ValueError("Pipe.step needs at least one partition; this Pipe is empty")
+        if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+            raise RuntimeError(
+                "Pipe.step computes gradients, but grad mode is off here (torch.no_grad() or "
+                "inference mode); call pipe(x) to evaluate"
+            )
+        if torch._C._current_graph_task_id() != -1:
+            raise RuntimeError(
+                "Pipe.step cannot run inside a backward pass (a hook or an autograd "
+                "Function's backward): its workers' backward would wait for the device thread "
+                "running this one; call it from ordinary code"
+            )
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable(output, target), got {loss_fn!r}")
+        if loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+
+    def _step(
+        self,
+        input: Value,
+        target: Value,
+        loss_fn: Callable[[Value, Value], torch.Tensor],
+        schedule: Schedule,
+        loss_reduction: LossReduction,
+        return_outputs: bool,
+    ) -> torch.Tensor | tuple[torch.Tensor, Value]:
+        n = len(self.partitions)
+        workers = schedule.workers(n)
+        if workers > n:
+            raise ValueError(
+                f"{schedule!r} needs {workers} workers, but the Pipe has {n} partitions (one "
+                "worker each)"
+            )
+        batches = scatter(_to_device(input, self.devices[0]), self.chunks)
+        targets = scatter(_to_device(target, self.devices[-1]), self.chunks)
+        rows = [_rows(b) for b in batches]
+        if [_rows(t) for t in targets] != rows:
+            raise ValueError(
+                f"target splits into micro-batches of {[_rows(t) for t in targets]} rows but the "
+                f"input into {rows}: give the target the input's batch size (dim 0)"
+            )
+        m = len(batches)
+        programs, simulation = self._programs(schedule, m, n)
+        total = sum(rows)
+        scales = [r / total if loss_reduction == "mean" else 1.0 for r in rows]
+        if self.training:
+            for bn in self._deferred_batch_norms:
+                bn.reset_accumulators()
+        run = StepRun(
+            self._pipeline,
+            programs,
+            batches,
+            targets,
+            loss_fn,
+            scales,
+            self._checkpoint_stop(m),
+            list(self._completion_hooks.values()),
+            keep_outputs=return_outputs,
+        )
+        begin_explicit_step(simulation.mean_idle_fraction)
+        run.run()
+        if self.training:
+            for bn in self._deferred_batch_norms:
+                bn.commit()
+        self.last_step = StepReport(schedule, simulation, run.peak_in_flight)
+        loss = torch.stack([cast(torch.Tensor, loss) for loss in run.losses]).sum()
+        if return_outputs:
+            return loss, gather([cast(Batch, out) for out in run.outputs])
+        return loss
+
+    def _programs(self, schedule: Schedule, m: int, n: int) -> tuple[list[Program], Simulation]:
+        """The schedule's programs for ``m`` micro-batches, validated (once per schedule and m)."""
+        key = (repr(schedule), m, n)
+        found = self._validated.get(key)
+        if found is None:
+            programs = schedule.programs(m, n)
+            found = self._validated[key] = (programs, validate(programs, m, n))
+        return found
 
     def register_partition_backward_hook(self, hook: Hook) -> RemovableHandle:
         """Call ``hook(j)`` in backward once partition ``j``'s gradients are final.
@@ -289,6 +424,20 @@ class Pipe(nn.Module):
             )
 
 
+@dataclass(frozen=True)
+class StepReport:
+    """What the last ``Pipe.step`` ran: its schedule, the simulation, what it held.
+
+    ``peak_in_flight[j]`` is the most micro-batches partition ``j`` held at
+    once (forwarded, not yet fully back-propagated), as measured; it equals
+    ``simulation.peak_in_flight`` for every valid program.
+    """
+
+    schedule: Schedule
+    simulation: Simulation
+    peak_in_flight: list[int]
+
+
 class PositionalSequential(nn.Sequential):
     """An ``nn.Sequential`` that passes a tuple to the next layer as positional arguments.
 
@@ -307,6 +456,8 @@ class PositionalSequential(nn.Sequential):
 
 
 _RUNTIME_STATE = (
+    "_validated",
+    "last_step",
     "_workers",
     "_finalizer",
     "_pipeline",
@@ -453,6 +604,12 @@ def _check_sharing(partitions: list[nn.Sequential], devices: list[torch.device])
                     "only: put those partitions on one device, or keep the tied layers in one "
                     "partition"
                 )
+
+
+def _rows(batch: Batch) -> int:
+    """The micro-batch's size: dim 0 of its first tensor that has one."""
+    tensors = (cast(torch.Tensor, batch.leaves[k]) for k in batch.tensor_indices())
+    return next(t.size(0) for t in tensors if t.dim())
 
 
 def _check_holds_tensor(input: Value) -> None:

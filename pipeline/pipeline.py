@@ -44,7 +44,7 @@ from pipeline.threadstate import ThreadState
 from pipeline.trace import span, traced
 from pipeline.worker import Failure, Worker
 
-__all__ = ["Pipeline"]
+__all__ = ["Pipeline", "add_note", "call_partition"]
 
 
 class Pipeline:
@@ -182,12 +182,12 @@ class _Step:
         try:
             return i, self._run(i, j)
         except BaseException as exception:
-            _add_note(exception, self._where(i, j))
+            add_note(exception, self._where(i, j))
             raise
 
     def _run(self, i: int, j: int) -> Batch:
         pipeline = self.pipeline
-        function: Function = partial(_call_partition, pipeline, j)
+        function: Function = partial(call_partition, pipeline, j)
         if self.skips is not None:
             function = self.skips.bind(i, function)
         function = traced(function, i, j)
@@ -246,10 +246,11 @@ class _Step:
         batch[carrier] = Arrival.apply(batch[carrier], completion)
 
 
-def _add_note(exception: BaseException, note: str) -> None:
-    add_note = getattr(exception, "add_note", None)  # Python 3.11+
-    if add_note is not None and note not in getattr(exception, "__notes__", ()):
-        add_note(note)
+def add_note(exception: BaseException, note: str) -> None:
+    """Add ``note`` to ``exception``'s notes (shown under its traceback; Python 3.11+)."""
+    method = getattr(exception, "add_note", None)  # Python 3.11+
+    if method is not None and note not in getattr(exception, "__notes__", ()):
+        method(note)
 
 
 def _rows(batch: Batch) -> int | None:
@@ -267,7 +268,8 @@ def _carrier(batch: Batch) -> int | None:
     return index
 
 
-def _call_partition(pipeline: Pipeline, j: int, value: Value) -> Value:
+def call_partition(pipeline: Pipeline, j: int, value: Value) -> Value:
+    """Run partition ``j`` on ``value``, with the Pipe's call style and BatchNorm deferral."""
     partition = pipeline.partitions[j]
     with deferring_batch_norm(pipeline.deferred_batch_norm):
         if pipeline.positional and type(value) is tuple:

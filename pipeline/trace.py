@@ -47,7 +47,7 @@ from pipeline.timeline.event import Event, Kind, task_name
 from pipeline.timeline.gantt import render
 from pipeline.timeline.summary import Summary, summarize
 
-__all__ = ["Trace", "span", "trace", "traced"]
+__all__ = ["Trace", "begin_explicit_step", "span", "trace", "traced"]
 
 PartitionCall = Callable[[Value], Value]
 
@@ -78,6 +78,7 @@ class Trace:
         self._events: list[Event] = list(events)
         self._backward: list[BackwardSpan] = []
         self._step = max((e.step for e in self._events), default=-1)
+        self._schedule_bounds: list[float] = []
 
     @property
     def events(self) -> list[Event]:
@@ -91,8 +92,10 @@ class Trace:
         """The index of the step being recorded (-1 before the first)."""
         return self._step
 
-    def _begin_step(self) -> None:
+    def _begin_step(self, schedule_bound: float | None = None) -> None:
         self._step += 1
+        if schedule_bound is not None:
+            self._schedule_bounds.append(schedule_bound)
 
     def _record(
         self, kind: Kind, microbatch: int, partition: int, step: int, start: float, end: float
@@ -126,7 +129,7 @@ class Trace:
 
         Example: ``print(t.summary())`` prints a table.
         """
-        return summarize(self.events)
+        return summarize(self.events, self._schedule_bounds)
 
     def render(self, width: int = 72, step: int | None = None) -> str:
         """A text Gantt chart of step ``step`` (default: the last), one line per partition.
@@ -175,6 +178,12 @@ def span(kind: Kind, microbatch: int, partition: int) -> AbstractContextManager[
     if recording is None and not _profiler._is_profiler_enabled:
         return _UNTRACED
     return _span(kind, microbatch, partition, recording, _step_of(recording))
+
+
+def begin_explicit_step(schedule_bound: float) -> None:
+    """Begin a step of ``Pipe.step`` in the trace recording now, with its simulated idle share."""
+    if _active is not None:
+        _active._begin_step(schedule_bound)
 
 
 def traced(function: PartitionCall, microbatch: int, partition: int) -> PartitionCall:

@@ -151,7 +151,7 @@ def test_render_draws_the_last_step_one_line_per_partition() -> None:
     lines = trace.render(width=9).splitlines()
     assert lines[1] == "partition 0 |Ff...bbRB| idle 33.3%"
     assert lines[2] == "partition 1 |.CfbbBB..| idle 38.9%"
-    assert len(lines) == 4
+    assert len(lines) == 5  # the time axis, two partitions, the two-line legend
 
 
 def profiled_names(pipe: pipeline.Pipe, *, all_threads: bool) -> set[str]:

@@ -8,10 +8,19 @@ from typing import Literal, TypeAlias
 
 __all__ = ["COMPUTE_KINDS", "KINDS", "Event", "Kind", "covered_time", "task_name"]
 
-Kind: TypeAlias = Literal["forward", "backward", "recompute", "copy"]
-KINDS: tuple[Kind, ...] = ("forward", "backward", "recompute", "copy")
+Kind: TypeAlias = Literal["forward", "backward", "recompute", "input_grad", "weight_grad", "copy"]
+KINDS: tuple[Kind, ...] = (
+    "forward",
+    "backward",
+    "recompute",
+    "input_grad",
+    "weight_grad",
+    "copy",
+)
 # Copies are issued by the driver thread, not computed by the partition.
-COMPUTE_KINDS: frozenset[Kind] = frozenset({"forward", "backward", "recompute"})
+COMPUTE_KINDS: frozenset[Kind] = frozenset(
+    {"forward", "backward", "recompute", "input_grad", "weight_grad"}
+)
 
 
 @dataclass(frozen=True)

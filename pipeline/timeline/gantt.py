@@ -16,8 +16,18 @@ from pipeline.timeline.event import COMPUTE_KINDS, Event, Kind, covered_time
 
 __all__ = ["LEGEND", "render"]
 
-_LETTERS: dict[Kind, str] = {"forward": "F", "backward": "B", "recompute": "R", "copy": "C"}
-LEGEND = "F forward, B backward, R recompute, C copy; lower case: odd micro-batch; . idle"
+_LETTERS: dict[Kind, str] = {
+    "forward": "F",
+    "backward": "B",
+    "recompute": "R",
+    "input_grad": "I",
+    "weight_grad": "W",
+    "copy": "C",
+}
+LEGEND = (
+    "F forward, B backward, R recompute, I input gradient, W weight gradient, C copy\n"
+    "lower case: odd micro-batch; . idle"
+)
 
 
 def render(events: Sequence[Event], width: int = 72) -> str:
@@ -28,7 +38,8 @@ def render(events: Sequence[Event], width: int = 72) -> str:
     time 0 .. 2.00 ms, 1 column = 0.50 ms
     partition 0 |FF..| idle 50.0%
     partition 1 |..FF| idle 50.0%
-    F forward, B backward, R recompute, C copy; lower case: odd micro-batch; . idle
+    F forward, B backward, R recompute, I input gradient, W weight gradient, C copy
+    lower case: odd micro-batch; . idle
     """
     if width < 1:
         raise ValueError(f"width must be a positive number of columns, got {width}")

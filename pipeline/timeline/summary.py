@@ -33,7 +33,9 @@ class Summary:
 
     ``window`` is the time from each step's first task to its last, summed
     over ``steps``; ``bubble_bound`` is GPipe's idle share (n-1)/(m+n-1) for
-    ``microbatches`` (m) and ``partitions`` (n) equal tasks. ``str()`` gives a
+    ``microbatches`` (m) and ``partitions`` (n) equal tasks. For steps run
+    with an explicit schedule (``Pipe.step``), ``schedule_bound`` is that
+    schedule's own idle share, simulated with unit costs. ``str()`` gives a
     table::
 
         print(trace.summary())
@@ -44,6 +46,7 @@ class Summary:
     window: float
     partitions: list[PartitionSummary]
     bubble_bound: float
+    schedule_bound: float | None = None
 
     @property
     def idle_fraction(self) -> float:
@@ -66,15 +69,20 @@ class Summary:
         table = [
             "  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)) for row in rows
         ]
-        foot = (
-            f"idle (bubble) fraction {self.idle_fraction:.1%}; GPipe bound "
-            f"(n-1)/(m+n-1) = ({n}-1)/({self.microbatches}+{n}-1) = {self.bubble_bound:.1%}"
+        foot = f"idle (bubble) fraction {self.idle_fraction:.1%}; " + (
+            f"GPipe bound (n-1)/(m+n-1) = ({n}-1)/({self.microbatches}+{n}-1) = "
+            f"{self.bubble_bound:.1%}"
+            if self.schedule_bound is None
+            else f"the schedule's simulated idle fraction {self.schedule_bound:.1%}"
         )
         return "\n".join([head, *table, foot])
 
 
-def summarize(events: Sequence[Event]) -> Summary:
+def summarize(events: Sequence[Event], schedule_bounds: Sequence[float] = ()) -> Summary:
     """Summarise ``events``; idle time is measured within each step's window.
+
+    ``schedule_bounds`` are the simulated idle fractions of the explicit
+    schedules the steps ran, if any.
 
     >>> s = summarize([Event("forward", 0, 0, 0, "t", 0.0, 1.0),
     ...                Event("forward", 0, 1, 0, "t", 1.0, 2.0)])
@@ -96,6 +104,7 @@ def summarize(events: Sequence[Event]) -> Summary:
         window=window,
         partitions=partitions,
         bubble_bound=bubble_fraction(m, n),
+        schedule_bound=sum(schedule_bounds) / len(schedule_bounds) if schedule_bounds else None,
     )
 
 

@@ -1,0 +1,55 @@
+"""Actions and programs: what a worker does in an explicit schedule, in torch's notation.
+
+An action is one piece of work of one stage (partition) on one micro-batch:
+``F`` (forward), ``B`` (backward), or backward split into ``I`` (input
+gradient) and ``W`` (weight gradient). It is written as torch.distributed.
+pipelining writes it: stage, kind, micro-batch, so ``1F3`` is the forward of
+micro-batch 3 on stage 1 and ``0W2`` the weight gradient of micro-batch 2 on
+stage 0. A program is the ordered list of actions one worker runs::
+
+    worker 0: 0F0 0F1 0B0 0B1          worker 1: 1F0 1B0 1F1 1B1
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, TypeAlias
+
+__all__ = ["Action", "Kind", "Program", "parse_program"]
+
+Kind: TypeAlias = Literal["F", "B", "I", "W"]
+Program: TypeAlias = list["Action"]
+
+_ACTION = re.compile(r"^(\d+)([FBIW])(\d+)$")
+
+
+@dataclass(frozen=True, order=True)
+class Action:
+    """One stage's forward, backward, input-gradient or weight-gradient work on one micro-batch."""
+
+    stage: int
+    kind: Kind
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind}{self.microbatch}"
+
+    @classmethod
+    def parse(cls, text: str) -> Action:
+        """The action written as ``text`` ("1F3")."""
+        match = _ACTION.match(text.strip())
+        if match is None:
+            raise ValueError(
+                f"{text!r} is not an action: write stage, kind and micro-batch, like '1F3' "
+                "(kinds: F forward, B backward, I input gradient, W weight gradient)"
+            )
+        kind: Kind = match[2]  # type: ignore[assignment]
+        return cls(int(match[1]), kind, int(match[3]))
+
+
+def parse_program(program: str | Sequence[str | Action]) -> Program:
+    """A program from text ("0F0 0F1 0B0") or a list of actions or their texts."""
+    items = program.split() if isinstance(program, str) else program
+    return [item if isinstance(item, Action) else Action.parse(item) for item in items]

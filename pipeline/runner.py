@@ -1,0 +1,124 @@
+"""Runner: one training step of an explicit schedule, each worker running its program.
+
+The caller's thread hands each worker its whole program (``schedules.py``,
+checked by ``simulate.validate``) and waits. A worker runs its actions in
+order through the stages it owns (``stage.py``); stages exchange values by
+mail (``transport.py``), so the order between workers comes from the data,
+as the programs promise. After a stage's last backward (or weight-gradient)
+action, the partition backward hooks are called with its index, on the
+worker: DataParallel starts that partition's all-reduces while others still
+compute.
+
+The first action to fail aborts the mailboxes, so every worker stops at its
+next wait or action; the caller re-raises that failure, with a note naming
+the action. A Ctrl-C in the caller aborts them too.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from functools import partial
+from typing import Any
+
+from torch import Tensor
+
+from pipeline import rng
+from pipeline.actions import Program
+from pipeline.completion import Hook
+from pipeline.microbatch import Batch
+from pipeline.pipeline import Pipeline, add_note
+from pipeline.skip.layout import SkipLayout
+from pipeline.stage import StageRun
+from pipeline.stream import current_stream
+from pipeline.threadstate import ThreadState
+from pipeline.transport import AbortedError, Mailboxes
+from pipeline.worker import Failure
+
+__all__ = ["StepRun"]
+
+LossFn = Any
+
+
+class StepRun:
+    """The state of one ``Pipe.step``: stages, mailboxes, losses."""
+
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        programs: list[Program],
+        batches: list[Batch],
+        targets: list[Batch],
+        loss_fn: LossFn,
+        scales: list[float],
+        checkpoint_stop: int,
+        hooks: list[Hook],
+        keep_outputs: bool,
+    ) -> None:
+        self.pipeline = pipeline
+        self.programs = programs
+        self.stages = len(pipeline.partitions)
+        self.m = len(batches)
+        self.batches = batches
+        self.targets = targets
+        self.loss_fn = loss_fn
+        self.scales = scales
+        self.checkpoint_stop = checkpoint_stop
+        self.hooks = hooks
+        self.keep_outputs = keep_outputs
+        self.state = ThreadState.capture()
+        self.compute_streams = [current_stream(d) for d in pipeline.devices]
+        self.seeds = rng.StepSeeds()
+        self.skip_layout = pipeline.skip_layout or SkipLayout([], pipeline.devices)
+        self.mailboxes = Mailboxes()
+        self.stage_runs = [StageRun(self, j) for j in range(self.stages)]
+        self.losses: list[Tensor | None] = [None] * self.m
+        self.outputs: list[Batch | None] = [None] * self.m
+        self._hooks_lock = threading.Lock()
+
+    def run(self) -> None:
+        """Run every program on its worker; re-raise the first failure."""
+        replies: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        for w, program in enumerate(self.programs):
+            self.pipeline.workers[w].submit(partial(self._work, program), replies)
+        failures: list[BaseException] = []
+        try:
+            for _ in self.programs:
+                result = replies.get()
+                if isinstance(result, Failure):
+                    failures.append(result.exception)
+        except BaseException:
+            self.mailboxes.abort()
+            raise
+        if failures:
+            raise next((f for f in failures if not isinstance(f, AbortedError)), failures[0])
+
+    def _work(self, program: Program) -> None:
+        for action in program:
+            if self.mailboxes.aborted:
+                return
+            try:
+                self.stage_runs[action.stage].act(action)
+            except BaseException as exception:
+                self.mailboxes.abort()
+                if not isinstance(exception, AbortedError):
+                    add_note(exception, f"(raised in action {action} of the schedule)")
+                raise
+
+    def record_loss(self, i: int, loss: Tensor, output: Batch) -> None:
+        """Micro-batch ``i``'s scaled loss, and its output if the caller wants outputs."""
+        self.losses[i] = loss
+        if self.keep_outputs:
+            self.outputs[i] = Batch.of(
+                [x.detach() if isinstance(x, Tensor) else x for x in output.leaves], output.spec
+            )
+
+    def stage_finished(self, j: int) -> None:
+        """Stage ``j``'s gradients are final: tell the partition backward hooks."""
+        with self._hooks_lock:
+            for hook in self.hooks:
+                hook(j)
+
+    @property
+    def peak_in_flight(self) -> list[int]:
+        return [stage.peak_in_flight for stage in self.stage_runs]

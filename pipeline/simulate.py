@@ -1,0 +1,186 @@
+"""Validate programs before running them, and predict their bubble and memory.
+
+``validate`` refuses, with a message naming the actions, any set of programs
+that could not run to the end:
+
+- an action naming a stage or micro-batch that does not exist, or a stage
+  whose actions are split over several workers;
+- a stage and micro-batch without exactly one forward and one backward
+  (``B``, or ``I`` and ``W``);
+- on a worker, a backward before its forward or a ``W`` before its ``I``;
+- a deadlock: the programs are played with their dependencies (a forward
+  needs the previous stage's forward of its micro-batch, a backward the next
+  stage's backward, or the loss), and if every worker waits for another one
+  the waiting actions are named.
+
+Playing them with costs (forward 1, backward 2, input and weight gradients 1
+each) gives the schedule's own idle fraction, and counting forwards minus
+finished backwards along each program gives the peak number of micro-batches
+each stage holds, which the runtime's stash reaches exactly.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from pipeline.actions import Action, Kind, Program
+
+__all__ = ["COSTS", "ProgramError", "Simulation", "validate"]
+
+COSTS: dict[Kind, float] = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
+
+
+class ProgramError(ValueError):
+    """A set of programs that cannot run: incomplete, out of order, or deadlocked."""
+
+
+@dataclass(frozen=True)
+class Simulation:
+    """How the programs play out with unit costs (``COSTS``).
+
+    ``idle_fraction[w]`` is worker ``w``'s share of the makespan spent
+    waiting; ``peak_in_flight[s]`` the most micro-batches stage ``s`` holds
+    at once (forwarded, not yet fully back-propagated).
+    """
+
+    makespan: float
+    idle_fraction: list[float]
+    peak_in_flight: list[int]
+    start: dict[Action, float]
+
+    @property
+    def mean_idle_fraction(self) -> float:
+        return sum(self.idle_fraction) / len(self.idle_fraction)
+
+
+def validate(programs: list[Program], m: int, stages: int) -> Simulation:
+    """Check ``programs`` (one per worker) for ``m`` micro-batches over ``stages`` stages."""
+    worker_of = _check_actions(programs, m, stages)
+    _check_counts(programs, m, stages)
+    _check_order(programs)
+    start, end = _play(programs, stages)
+    makespan = max(end.values(), default=0.0)
+    busy = [sum(COSTS[a.kind] for a in program) for program in programs]
+    idle = [1.0 - b / makespan if makespan else 0.0 for b in busy]
+    peaks = [
+        _peak_in_flight([a for a in programs[worker_of[s]] if a.stage == s]) for s in range(stages)
+    ]
+    return Simulation(makespan, idle, peaks, start)
+
+
+def _check_actions(programs: list[Program], m: int, stages: int) -> dict[int, int]:
+    worker_of: dict[int, int] = {}
+    for w, program in enumerate(programs):
+        for action in program:
+            if not (0 <= action.stage < stages and 0 <= action.microbatch < m):
+                raise ProgramError(
+                    f"action {action} of worker {w} names stage {action.stage} or micro-batch "
+                    f"{action.microbatch}, but there are {stages} stages and {m} micro-batches"
+                )
+            first = worker_of.setdefault(action.stage, w)
+            if first != w:
+                raise ProgramError(
+                    f"stage {action.stage} has actions on workers {first} and {w}; a stage's "
+                    "actions must all be in one worker's program"
+                )
+    return worker_of
+
+
+def _check_counts(programs: list[Program], m: int, stages: int) -> None:
+    counts: dict[tuple[int, int], dict[Kind, int]] = defaultdict(lambda: defaultdict(int))
+    for program in programs:
+        for action in program:
+            counts[action.stage, action.microbatch][action.kind] += 1
+    problems = []
+    for s in range(stages):
+        for i in range(m):
+            seen = counts[s, i]
+            whole = seen["F"] == 1 and seen["B"] == 1 and seen["I"] == seen["W"] == 0
+            split = seen["F"] == 1 and seen["B"] == 0 and seen["I"] == seen["W"] == 1
+            if not (whole or split):
+                listed = ", ".join(f"{n} x {k}" for k, n in sorted(seen.items()) if n) or "none"
+                problems.append(f"stage {s}, micro-batch {i}: {listed}")
+    if problems:
+        shown = "; ".join(problems[:6]) + (
+            f"; and {len(problems) - 6} more" if len(problems) > 6 else ""
+        )
+        raise ProgramError(
+            "every stage and micro-batch needs one F and either one B or one I and one W; "
+            f"found {shown}"
+        )
+
+
+def _check_order(programs: list[Program]) -> None:
+    for w, program in enumerate(programs):
+        position = {action: k for k, action in enumerate(program)}
+        for action in program:
+            before: Kind | None = {"B": "F", "I": "F", "W": "I", "F": None}[action.kind]
+            if before is None:
+                continue
+            needed = Action(action.stage, before, action.microbatch)
+            if position[needed] > position[action]:
+                raise ProgramError(f"worker {w} runs {action} before {needed}")
+
+
+def _dependencies(action: Action, stages: int) -> list[Action | tuple[int, str, int]]:
+    """What must have finished before ``action`` can start (on any worker)."""
+    s, i = action.stage, action.microbatch
+    if action.kind == "F":
+        return [Action(s - 1, "F", i)] if s > 0 else []
+    if action.kind == "W":
+        return [Action(s, "I", i)]
+    if s == stages - 1:
+        return [Action(s, "F", i)]
+    return [(s + 1, "grad", i)]
+
+
+def _play(programs: list[Program], stages: int) -> tuple[dict[Action, float], dict[Action, float]]:
+    """Start and end time of every action, running each program in order."""
+    start: dict[Action, float] = {}
+    end: dict[Action, float] = {}
+    grad_ready: dict[tuple[int, str, int], float] = {}
+    clock = [0.0] * len(programs)
+    next_action = [0] * len(programs)
+    remaining = sum(len(p) for p in programs)
+    while remaining:
+        progressed = False
+        for w, program in enumerate(programs):
+            while next_action[w] < len(program):
+                action = program[next_action[w]]
+                ready = [
+                    end.get(d) if isinstance(d, Action) else grad_ready.get(d)
+                    for d in _dependencies(action, stages)
+                ]
+                if any(r is None for r in ready):
+                    break
+                start[action] = max([clock[w], *(r for r in ready if r is not None)])
+                end[action] = clock[w] = start[action] + COSTS[action.kind]
+                if action.kind in ("B", "I"):
+                    grad_ready[action.stage, "grad", action.microbatch] = end[action]
+                next_action[w] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            waiting = [
+                f"worker {w} at {programs[w][next_action[w]]}"
+                for w in range(len(programs))
+                if next_action[w] < len(programs[w])
+            ]
+            raise ProgramError(
+                "the programs deadlock: every worker waits for an action another one has not "
+                f"run yet ({', '.join(waiting)})"
+            )
+    return start, end
+
+
+def _peak_in_flight(program: Program) -> int:
+    """The most micro-batches forwarded and not yet fully back-propagated along ``program``."""
+    held = peak = 0
+    for action in program:
+        if action.kind == "F":
+            held += 1
+            peak = max(peak, held)
+        elif action.kind in ("B", "W"):
+            held -= 1
+    return peak

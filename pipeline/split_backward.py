@@ -1,0 +1,260 @@
+"""Backward split in two: input gradients now (I), weight gradients later (W).
+
+A zero-bubble schedule sends a stage's input gradients upstream as soon as
+possible and computes its weight gradients in the gaps. Both halves walk the
+one autograd graph of the stage's forward::
+
+    outputs --> a2 --------> a1 --------> input      (the input path)
+                 \\            \\
+                  +--> W2      +--> W1               (weight branches)
+
+- I runs ``autograd.grad`` from the outputs to the inputs, keeping the graph.
+  The engine computes only what the inputs need, so ``a2`` (a matrix
+  product, say) skips its weight gradient. A pre-hook on every *anchor*, an
+  input-path node where a branch toward weights leaves the path (``a2``,
+  ``a1``), records the gradient reaching it.
+- W runs ``autograd.backward`` from the anchors, with their recorded
+  gradients, to the weights of their branches only, so that no input-path
+  work is done twice: each anchor computes just its weight outputs. The
+  weights accumulate through their own ``AccumulateGrad`` nodes, so gradient
+  hooks (DataParallel's among them) fire as in a plain backward.
+
+Cases torch's own split has got wrong, and how this one handles them:
+
+- a weight reached from two anchors (a layer used twice on the input path):
+  the two are one group, run together, and a pre-hook replaces whatever
+  reaches an anchor during W by its recorded gradient, so nothing is counted
+  twice;
+- a node with several outputs: its whole recorded gradient is replayed;
+- a weight reached from an output without crossing the input path, or no
+  input needing a gradient at all: that output itself is a root of W;
+- weights shared by two layers of the stage: one ``AccumulateGrad`` node,
+  one accumulation of the sum.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+from torch import Tensor
+from torch.autograd.graph import GradientEdge, Node
+
+__all__ = ["WeightWork", "backward_input"]
+
+Grads = tuple[Tensor | None, ...]
+
+
+class _Group:
+    """Roots of W that share weights, run in one backward: anchors and outputs off the path."""
+
+    __slots__ = ("anchors", "outputs", "weights")
+
+    def __init__(self) -> None:
+        self.anchors: list[Node] = []
+        self.outputs: list[tuple[GradientEdge, Tensor]] = []
+        self.weights: list[Tensor] = []
+
+
+class WeightWork:
+    """W, recorded by I: each group's anchors with their gradients, and its weights."""
+
+    __slots__ = ("_groups", "_recorded")
+
+    def __init__(self, groups: list[_Group], recorded: dict[Node, Grads]) -> None:
+        self._groups = groups
+        self._recorded = recorded
+
+    def run(self) -> None:
+        """Accumulate the weight gradients into ``.grad``; frees what W used of the graph."""
+        groups, recorded = self._groups, self._recorded
+        self._groups, self._recorded = [], {}
+        for group in groups:
+            roots: list[GradientEdge] = []
+            grads: list[Tensor] = []
+            for anchor in group.anchors:
+                for k, grad in enumerate(recorded.get(anchor, ())):
+                    if grad is not None:
+                        roots.append(GradientEdge(anchor, k))
+                        grads.append(grad)
+            for edge, grad in group.outputs:
+                roots.append(edge)
+                grads.append(grad)
+            if not roots:
+                continue
+            handles = [
+                anchor.register_prehook(_replacing(recorded[anchor]))
+                for anchor in group.anchors
+                if anchor in recorded
+            ]
+            try:
+                torch.autograd.backward(roots, grads, inputs=group.weights)
+            finally:
+                for handle in handles:
+                    handle.remove()
+
+
+def backward_input(
+    outputs: Sequence[Tensor],
+    grads: Sequence[Tensor | None],
+    inputs: Sequence[Tensor],
+    weights: Iterable[Tensor],
+) -> tuple[list[Tensor | None], WeightWork]:
+    """I: the gradients of ``inputs`` (None where unused); and the W still to do.
+
+    ``outputs`` and ``grads`` are the roots of the backward (a ``None``
+    gradient for a scalar loss); ``weights`` the tensors W accumulates into.
+    """
+    wanted = [x for x in inputs if x.requires_grad]
+    weight_of = {_node(w): w for w in weights if w.requires_grad}
+    graph = _successors(_node(o) for o in outputs)
+    input_path = _reaching({_node(x) for x in wanted}, graph)
+    groups = _groups(outputs, grads, graph, input_path, weight_of)
+    recorded: dict[Node, Grads] = {}
+    anchors = [anchor for group in groups for anchor in group.anchors]
+    handles = [anchor.register_prehook(_recording(recorded, anchor)) for anchor in anchors]
+    try:
+        found = (
+            torch.autograd.grad(outputs, wanted, grads, retain_graph=True, allow_unused=True)
+            if wanted
+            else ()
+        )
+    finally:
+        for handle in handles:
+            handle.remove()
+    by_input = dict(zip(map(id, wanted), found, strict=True))
+    return [by_input.get(id(x)) for x in inputs], WeightWork(groups, recorded)
+
+
+def _node(tensor: Tensor) -> Node:
+    """The node a gradient for ``tensor`` goes to: its grad_fn, or a leaf's AccumulateGrad."""
+    return torch.autograd.graph.get_gradient_edge(tensor).node
+
+
+def _successors(roots: Iterable[Node]) -> dict[Node, list[Node]]:
+    """Every node reachable from ``roots``, with the nodes its gradients go to."""
+    graph: dict[Node, list[Node]] = {}
+    pending = list(roots)
+    while pending:
+        node = pending.pop()
+        if node in graph:
+            continue
+        graph[node] = [child for child, _ in node.next_functions if child is not None]
+        pending += graph[node]
+    return graph
+
+
+def _reaching(targets: set[Node], graph: dict[Node, list[Node]]) -> set[Node]:
+    """The nodes of ``graph`` from which a node of ``targets`` can be reached."""
+    parents: dict[Node, list[Node]] = defaultdict(list)
+    for node, children in graph.items():
+        for child in children:
+            parents[child].append(node)
+    reached = set(targets & graph.keys())
+    pending = list(reached)
+    while pending:
+        for parent in parents[pending.pop()]:
+            if parent not in reached:
+                reached.add(parent)
+                pending.append(parent)
+    return reached
+
+
+def _branch_weights(
+    starts: Iterable[Node], graph: dict[Node, list[Node]], input_path: set[Node], weights: set[Node]
+) -> set[Node]:
+    """The weights reached from ``starts`` without entering the input path."""
+    found: set[Node] = set()
+    seen: set[Node] = set()
+    pending = [n for n in starts if n not in input_path]
+    while pending:
+        node = pending.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node in weights:
+            found.add(node)
+        pending += [c for c in graph[node] if c not in input_path]
+    return found
+
+
+def _groups(
+    outputs: Sequence[Tensor],
+    grads: Sequence[Tensor | None],
+    graph: dict[Node, list[Node]],
+    input_path: set[Node],
+    weight_of: dict[Node, Tensor],
+) -> list[_Group]:
+    """W's roots, grouped so that roots reaching a common weight run together."""
+    weights = set(weight_of)
+    roots: list[tuple[Node | tuple[GradientEdge, Tensor], set[Node]]] = []
+    for node in graph:  # in a fixed order: sums of shared weights are then reproducible
+        if node not in input_path:
+            continue
+        reached = _branch_weights(graph[node], graph, input_path, weights)
+        if reached:
+            roots.append((node, reached))
+    for output, grad in zip(outputs, grads, strict=True):
+        edge = torch.autograd.graph.get_gradient_edge(output)
+        if edge.node in input_path:
+            continue
+        reached = _branch_weights([edge.node], graph, input_path, weights)
+        if reached:
+            seed = torch.ones_like(output) if grad is None else grad
+            roots.append(((edge, seed), reached))
+    merged = _merge(roots)
+    groups = []
+    for members in merged:
+        group = _Group()
+        reached_weights: set[Node] = set()
+        for root, reached in members:
+            if isinstance(root, tuple):
+                group.outputs.append(root)
+            else:
+                group.anchors.append(root)
+            reached_weights |= reached
+        group.weights = [weight_of[node] for node in reached_weights]
+        groups.append(group)
+    return groups
+
+
+def _merge(
+    roots: list[tuple[Node | tuple[GradientEdge, Tensor], set[Node]]],
+) -> list[list[tuple[Node | tuple[GradientEdge, Tensor], set[Node]]]]:
+    """Group the roots whose weight sets overlap, transitively."""
+    owner: dict[Node, int] = {}
+    parent = list(range(len(roots)))
+
+    def find(k: int) -> int:
+        while parent[k] != k:
+            parent[k] = parent[parent[k]]
+            k = parent[k]
+        return k
+
+    for k, (_, reached) in enumerate(roots):
+        for weight in reached:
+            if weight in owner:
+                parent[find(k)] = find(owner[weight])
+            else:
+                owner[weight] = k
+    grouped: dict[int, list[tuple[Node | tuple[GradientEdge, Tensor], set[Node]]]] = defaultdict(
+        list
+    )
+    for k, root in enumerate(roots):
+        grouped[find(k)].append(root)
+    return list(grouped.values())
+
+
+def _recording(recorded: dict[Node, Grads], node: Node) -> Callable[[Grads], None]:
+    def record(grads: Grads) -> None:
+        recorded[node] = tuple(grads)
+
+    return record
+
+
+def _replacing(recorded: Grads) -> Callable[[Grads], Grads]:
+    def replace(grads: Grads) -> Grads:
+        return recorded
+
+    return replace

@@ -1,0 +1,347 @@
+"""Stage: one partition's actions in an explicit schedule, and what it keeps between them.
+
+A stage runs its partition on detached inputs, so that each of its actions
+works on an autograd graph of its own, on the stage's worker:
+
+- ``F``: take micro-batch ``i`` (the scattered input on stage 0, else the
+  previous stage's output from the mailbox), make its tensors leaves that
+  require grad, run the partition, and mail the output (detached) to the
+  next stage; the last stage computes the micro-batch's loss instead. A
+  checkpointed forward runs without grad and keeps only its inputs.
+- ``B``: recompute if checkpointed (same random draws, same buffers, same
+  autocast), run backward from the outputs with the gradients the next stage
+  mailed back (from the loss on the last stage), and mail the gradients of
+  the inputs back. On stage 0 they continue into the caller's graph (the
+  input may require grad). ``I`` and ``W`` do the same in two halves
+  (``split_backward.py``).
+
+A skip between partitions is an extra boundary value of its micro-batch: the
+stashing stage mails it to the popping stage, which makes it a leaf and
+mails its gradient back; the stashing stage's backward starts from its
+outputs and its outgoing skips together. Stages in between never see it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from functools import partial
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+from torch import Tensor
+
+from pipeline.actions import Action
+from pipeline.buffers import BufferSnapshot
+from pipeline.checkpoint import check_inputs_unchanged, input_versions, protected
+from pipeline.microbatch import Batch
+from pipeline.phase import phase
+from pipeline.pipeline import call_partition
+from pipeline.rng import TaskRandomness
+from pipeline.skip.carrier import Carrier
+from pipeline.skip.tracker import SkipKey, SkipTracker, use_tracker
+from pipeline.split_backward import WeightWork, backward_input
+from pipeline.stream import use_stream
+from pipeline.timeline.event import Kind as EventKind
+from pipeline.trace import span
+from pipeline.transport import Message, arrived, moved
+
+if TYPE_CHECKING:
+    from pipeline.runner import StepRun
+
+__all__ = ["StageRun"]
+
+
+@dataclass
+class _Stashed:
+    """What a stage keeps of micro-batch ``i`` from its forward to its backward."""
+
+    i: int
+    inputs: Batch
+    randomness: TaskRandomness
+    checkpointed: bool
+    # What the inputs came from: the caller's tensors on stage 0 (the input's
+    # gradient continues there), else the message (kept alive until backward).
+    sources: list[Any]
+    outputs: list[Any] = field(default_factory=list)
+    loss: Tensor | None = None
+    skips_in: dict[SkipKey, Tensor] = field(default_factory=dict)
+    skips_out: dict[SkipKey, Tensor] = field(default_factory=dict)
+    snapshot: BufferSnapshot | None = None
+    weight_work: WeightWork | None = None
+
+
+class StageRun:
+    """Stage ``j``'s actions in one step."""
+
+    def __init__(self, run: StepRun, j: int) -> None:
+        self.run = run
+        self.j = j
+        self.last = j == run.stages - 1
+        self.device = run.pipeline.devices[j]
+        self.stash: dict[int, _Stashed] = {}
+        self.peak_in_flight = 0
+        self.done = 0
+
+    def act(self, action: Action) -> None:
+        """Run ``action`` (one of this stage's) on its micro-batch."""
+        i = action.microbatch
+        if action.kind == "F":
+            with span("forward", i, self.j), self._forward_context():
+                self.forward(i)
+            return
+        if action.kind == "W":
+            with span("weight_grad", i, self.j), self._backward_context():
+                work = self.stash[i].weight_work
+                assert work is not None, "validate() puts every W after its I"
+                work.run()
+        else:
+            kind: EventKind = "backward" if action.kind == "B" else "input_grad"
+            with span(kind, i, self.j), self._backward_context():
+                self.backward(i, split=action.kind == "I")
+        if action.kind != "I":
+            self._release(i)
+
+    # Forward
+
+    def forward(self, i: int) -> None:
+        inputs, sources = self._inputs(i)
+        randomness = TaskRandomness(self.run.seeds, i, self.j)
+        stashed = _Stashed(i, inputs, randomness, i < self.run.checkpoint_stop, sources)
+        self.stash[i] = stashed
+        self.peak_in_flight = max(self.peak_in_flight, len(self.stash))
+        with randomness.drawing():
+            if stashed.checkpointed:
+                output = self._checkpointed_forward(stashed)
+            else:
+                output = self._call(i, stashed, recomputing=False)
+                stashed.outputs = output.leaves
+            if self.last:
+                stashed.loss = self._loss(i, output)
+                self.run.record_loss(i, stashed.loss.detach(), output)
+        if not self.last:
+            self._send_output(i, stashed, output)
+
+    def _inputs(self, i: int) -> tuple[Batch, list[Any]]:
+        """Micro-batch ``i`` as leaves of this stage's graph; and what they came from."""
+        if self.j == 0:
+            batch = self.run.batches[i]
+            leaves = [_leaf(x) if _needs_grad(x) else x for x in batch.leaves]
+            return Batch.of(leaves, batch.spec), list(batch.leaves)
+        message = self._receive(("act", self.j, i))
+        leaves = [
+            _leaf(x) if wanted else x
+            for x, wanted in zip(message.leaves, message.differentiable, strict=True)
+        ]
+        return Batch.of(leaves, message.spec), message.leaves
+
+    def _checkpointed_forward(self, stashed: _Stashed) -> Batch:
+        buffers = self.run.pipeline.buffers[self.j]
+        versions = input_versions(stashed.inputs)
+        stashed.snapshot = buffers.before_forward()
+        with torch.no_grad(), phase("checkpointing"):
+            output = self._call(-1, stashed, recomputing=False)
+        check_inputs_unchanged(versions, self.j)
+        buffers.after_forward(stashed.snapshot)
+        return output
+
+    def _call(self, i: int, stashed: _Stashed, recomputing: bool) -> Batch:
+        """Run the partition on the stashed inputs, with this task's skips installed."""
+        pipeline = self.run.pipeline
+        # Views, so that a layer may write into its input as it may into any
+        # non-leaf tensor; in-place first layers get copies (checkpoint.py).
+        inputs = Batch.of([_view(x) for x in stashed.inputs.leaves], stashed.inputs.spec)
+        if pipeline.protect_inputs[self.j] and (stashed.checkpointed or self.j == 0):
+            inputs = protected(inputs)
+        function = partial(call_partition, pipeline, self.j)
+        if not self.run.skip_layout:
+            output = inputs.call(function)
+        else:
+            with use_tracker(_StageTracker(self, stashed, recomputing)):
+                output = inputs.call(function)
+        if not any(True for _ in output.tensor_indices()):
+            raise TypeError(
+                f"partition {self.j} returned {type(output.value).__name__}, which holds no "
+                "tensor; a partition must return a tensor, or tuples, lists or dicts holding "
+                "tensors"
+            )
+        return output
+
+    def _loss(self, i: int, output: Batch) -> Tensor:
+        """Micro-batch ``i``'s loss, scaled by its share of the mini-batch's loss."""
+        run = self.run
+        loss = run.loss_fn(output.value, run.targets[i].value)
+        if not isinstance(loss, Tensor) or loss.dim() != 0:
+            shape = f" of shape {tuple(loss.shape)}" if isinstance(loss, Tensor) else ""
+            raise TypeError(
+                f"loss_fn returned {type(loss).__name__}{shape}; it must return a scalar "
+                "tensor, the loss of one micro-batch (reduced with 'mean' or 'sum')"
+            )
+        return loss * run.scales[i]
+
+    def _send_output(self, i: int, stashed: _Stashed, output: Batch) -> None:
+        # A checkpointed forward records no graph, so it cannot tell which
+        # outputs need a gradient: any floating one may (an unneeded gradient
+        # comes back as None).
+        differentiable = [
+            _needs_grad(x) or (stashed.checkpointed and _floating(x)) for x in output.leaves
+        ]
+        message = Message([_detached(x) for x in output.leaves], output.spec, differentiable)
+        self._send(("act", self.j + 1, i), message, self.j + 1, i)
+
+    # Backward
+
+    def backward(self, i: int, split: bool) -> None:
+        stashed = self.stash[i]
+        if stashed.checkpointed:
+            with span("recompute", i, self.j):
+                self._recompute(i, stashed)
+        roots, grads = self._roots(i, stashed)
+        inputs = [x for x in stashed.inputs.leaves if _needs_grad(x)]
+        skips = list(stashed.skips_in.items())
+        targets = inputs + [leaf for _, leaf in skips]
+        if split:
+            params = self.run.pipeline.partitions[self.j].parameters()
+            found, stashed.weight_work = backward_input(roots, grads, targets, params)
+        else:
+            if roots:
+                torch.autograd.backward(roots, grads)
+            found = [x.grad for x in targets]
+        for (key, _), grad in zip(skips, found[len(inputs) :], strict=True):
+            source = self.run.skip_layout.route(key).source
+            self._send(("skip-grad", key, i), Message([grad]), source, i)
+        self._send_input_grads(i, stashed, found[: len(inputs)])
+        stashed.outputs, stashed.loss, stashed.skips_out = [], None, {}
+
+    def _recompute(self, i: int, stashed: _Stashed) -> None:
+        buffers = self.run.pipeline.buffers[self.j]
+        assert stashed.snapshot is not None
+        with (
+            self.run.state.autocast_applied(self.device),
+            stashed.randomness.replaying(),
+            buffers.replayed(stashed.snapshot),
+            phase("recomputing"),
+        ):
+            output = self._call(i, stashed, recomputing=True)
+            stashed.outputs = output.leaves
+            if self.last:
+                stashed.loss = self._loss(i, output)
+
+    def _roots(self, i: int, stashed: _Stashed) -> tuple[list[Tensor], list[Tensor | None]]:
+        """What this stage's backward starts from: the loss, or outputs and outgoing skips."""
+        if self.last:
+            assert stashed.loss is not None
+            return [stashed.loss], [None]
+        pairs = list(zip(stashed.outputs, self._receive(("grad", self.j, i)).leaves, strict=True))
+        for key, tensor in stashed.skips_out.items():
+            pairs.append((tensor, self._receive(("skip-grad", key, i)).leaves[0]))
+        kept = [(o, g) for o, g in pairs if _needs_grad(o) and g is not None]
+        return [o for o, _ in kept], [g for _, g in kept]
+
+    def _send_input_grads(self, i: int, stashed: _Stashed, grads: list[Tensor | None]) -> None:
+        if self.j > 0:
+            found = iter(grads)
+            message = [next(found) if _needs_grad(x) else None for x in stashed.inputs.leaves]
+            self._send(("grad", self.j - 1, i), Message(message), self.j - 1, i)
+            return
+        # Stage 0: the gradient continues into the caller's graph.
+        sources = [x for x in stashed.sources if _needs_grad(x)]
+        pairs = [(s, g) for s, g in zip(sources, grads, strict=True) if g is not None]
+        if pairs:
+            torch.autograd.backward([s for s, _ in pairs], [g for _, g in pairs])
+
+    def _release(self, i: int) -> None:
+        """Micro-batch ``i`` is fully back-propagated through this stage."""
+        del self.stash[i]
+        self.done += 1
+        if self.done == self.run.m:
+            self.run.stage_finished(self.j)
+
+    # Mail
+
+    def _send(self, key: Hashable, message: Message, stage: int, i: int) -> None:
+        target = self.run.pipeline.devices[stage]
+        if target != self.device:
+            with span("copy", i, stage):
+                message = moved(message, target)
+        self.run.mailboxes.put(key, message)
+
+    def _receive(self, key: Hashable) -> Message:
+        return arrived(self.run.mailboxes.get(key))
+
+    # Contexts
+
+    @contextmanager
+    def _forward_context(self) -> Iterator[None]:
+        with self.run.state.applied(self.device), use_stream(self.run.compute_streams[self.j]):
+            yield
+
+    @contextmanager
+    def _backward_context(self) -> Iterator[None]:
+        # Backward runs outside the caller's autocast, as loss.backward()
+        # usually does, and without engine threads: CUDA nodes run on this
+        # worker, never on a device thread that another stage could block.
+        with ExitStack() as stack:
+            stack.enter_context(torch.enable_grad())
+            stack.enter_context(torch.autograd.set_multithreading_enabled(False))
+            stack.enter_context(use_stream(self.run.compute_streams[self.j]))
+            if self.device.type == "cuda":
+                stack.enter_context(torch.cuda.device(self.device))
+            yield
+
+
+class _StageTracker(SkipTracker):
+    """The skips of one task of an explicit schedule: those leaving the partition go by mail."""
+
+    def __init__(self, stage: StageRun, stashed: _Stashed, recomputing: bool) -> None:
+        super().__init__()
+        self.stage = stage
+        self.stashed = stashed
+        self.recomputing = recomputing
+
+    def save(self, output: Carrier, key: SkipKey, tensor: Tensor) -> None:
+        route = self.stage.run.skip_layout.route(key)
+        if not route.crosses_partitions:
+            super().save(output, key, tensor)
+            return
+        if self.stashed.checkpointed == self.recomputing:
+            self.stashed.skips_out[key] = tensor  # the tensor whose graph backward starts from
+        if not self.recomputing:
+            i = self.stashed.i
+            needs = _needs_grad(tensor) or (self.stashed.checkpointed and _floating(tensor))
+            message = Message([_detached(tensor)], None, [needs])
+            self.stage._send(("skip", key, i), message, route.target, i)
+
+    def load(self, input: Carrier, key: SkipKey) -> Tensor:
+        if not self.stage.run.skip_layout.route(key).crosses_partitions:
+            return super().load(input, key)
+        if self.recomputing:
+            return cast(Tensor, _view(self.stashed.skips_in[key]))
+        i = self.stashed.i
+        message = self.stage._receive(("skip", key, i))
+        tensor = message.leaves[0]
+        leaf = _leaf(tensor) if message.differentiable[0] else tensor
+        self.stashed.skips_in[key] = leaf
+        self.stashed.sources.append(tensor)
+        return cast(Tensor, _view(leaf))
+
+
+def _leaf(x: Tensor) -> Tensor:
+    return x.detach().requires_grad_()
+
+
+def _view(x: Any) -> Any:
+    return x.view_as(x) if _needs_grad(x) else x
+
+
+def _needs_grad(x: Any) -> bool:
+    return isinstance(x, Tensor) and x.requires_grad
+
+
+def _floating(x: Any) -> bool:
+    return isinstance(x, Tensor) and (x.is_floating_point() or x.is_complex())
+
+
+def _detached(x: Any) -> Any:
+    return x.detach() if isinstance(x, Tensor) else x
