@@ -96,13 +96,17 @@ class PartitionBuffers:
             return
         buffers = self._buffers()
         targets = [(buffers[name], value) for name, value in snapshot.values.items()]
+        # Written through .data: the version counters stay as they are, since
+        # a micro-batch not checkpointed may have saved a buffer for its
+        # backward (batch norm saves its running statistics), and the values
+        # it saved are back in place before that backward runs.
         with torch.no_grad():
             now = [b.clone() for b, _ in targets]
             for buffer, value in targets:
-                buffer.copy_(value)
+                buffer.data.copy_(value)
         try:
             yield
         finally:
             with torch.no_grad():
                 for (buffer, _), value in zip(targets, now, strict=True):
-                    buffer.copy_(value)
+                    buffer.data.copy_(value)

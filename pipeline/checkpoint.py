@@ -111,8 +111,12 @@ class Checkpointing:
 
 
 def input_versions(batch: Batch) -> list[tuple[Tensor, int]]:
-    """The version counters of ``batch``'s tensors, to tell later if a layer wrote into them."""
-    return [(x, x._version) for x in batch.leaves if isinstance(x, Tensor)]
+    """The version counters of ``batch``'s tensors, to tell later if a layer wrote into them.
+
+    Inference tensors have none (and cannot be written outside inference
+    mode); saving them for backward fails with torch's own clear error.
+    """
+    return [(x, x._version) for x in batch.leaves if isinstance(x, Tensor) and not x.is_inference()]
 
 
 def check_inputs_unchanged(versions: list[tuple[Tensor, int]], partition: int) -> None:
