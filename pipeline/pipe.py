@@ -251,16 +251,16 @@ class Pipe(nn.Module):
             raise RuntimeError("this Pipe is closed; create a new Pipe to run it again")
         if not self.partitions:
             raise ValueError("Pipe.step needs at least one partition; this Pipe is empty")
-        if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
-            raise RuntimeError(
-                "Pipe.step computes gradients, but grad mode is off here (torch.no_grad() or "
-                "inference mode); call pipe(x) to evaluate"
-            )
         if torch._C._current_graph_task_id() != -1:
             raise RuntimeError(
                 "Pipe.step cannot run inside a backward pass (a hook or an autograd "
                 "Function's backward): its workers' backward would wait for the device thread "
                 "running this one; call it from ordinary code"
+            )
+        if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+            raise RuntimeError(
+                "Pipe.step computes gradients, but grad mode is off here (torch.no_grad() or "
+                "inference mode); call pipe(x) to evaluate"
             )
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable(output, target), got {loss_fn!r}")
