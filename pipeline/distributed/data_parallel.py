@@ -107,6 +107,35 @@ class DataParallel(nn.Module):
             self.reducer.disarm()
         return output
 
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the replica's own training step (``Pipe.step``) and average its gradients.
+
+        Each partition's buckets are all-reduced as soon as the Pipe's workers
+        finish that partition's last backward (or weight-gradient) action,
+        while other partitions still compute; the averages are in ``.grad``
+        when this returns::
+
+            loss = model.step(x, y, nn.functional.cross_entropy, schedule="1f1b")
+            optimizer.step()
+        """
+        step = getattr(self.module, "step", None)
+        if not (callable(step) and isinstance(self.module, SignalsPartitionBackward)):
+            raise TypeError(
+                f"DataParallel.step runs the wrapped module's step(); "
+                f"{type(self.module).__name__} has none (pipeline.Pipe does): call "
+                "model(x) and loss.backward() instead"
+            )
+        if self._sync and self.broadcast_buffers:
+            self._broadcast_buffers()
+        if self._sync:
+            self.reducer.prepare_for_step()
+        else:
+            self.reducer.disarm()
+        result = step(*args, **kwargs)
+        if self._sync:
+            self.reducer.finish_step()
+        return result
+
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         """Within this context, backward accumulates gradients locally without communicating.

@@ -87,13 +87,26 @@ class Reducer:
     def prepare_for_backward(self, output: Any) -> None:
         """Arm the reducer for the backward of `output`; called after every synced forward."""
         outputs = [t for t in tensors_in(output) if t.requires_grad]
-        with self._lock:
-            self._start_iteration()
-            self._armed = True
+        self.prepare_for_step()
         for tensor in outputs:
             tensor.register_hook(self._on_output_grad)
         if self._find_unused and self._partitions is None:
             self._mark_unreached_ready(leaves_reached(outputs))
+
+    def prepare_for_step(self) -> None:
+        """Arm the reducer for a step that runs its own backward (``Pipe.step``).
+
+        The pipeline signals each partition as its last backward ends; the
+        caller then calls ``finish_step``, in place of the end-of-backward
+        callback that ``prepare_for_backward`` queues.
+        """
+        with self._lock:
+            self._start_iteration()
+            self._armed = True
+
+    def finish_step(self) -> None:
+        """Reduce what was not signalled, wait for every all-reduce, write the averages."""
+        self._finish_backward()
 
     def disarm(self) -> None:
         """Let the next backward accumulate gradients locally (no_sync)."""

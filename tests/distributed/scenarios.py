@@ -15,7 +15,8 @@ import os
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
@@ -490,6 +491,45 @@ def pipe_and_plain(seed: int, checkpoint: str) -> tuple[Pipe, nn.Sequential]:
         checkpoint=checkpoint,
     )
     return pipe, plain
+
+
+@scenario
+def pipe_step_matches_full_batch() -> None:
+    # Every schedule, with a partition backward hook that signals from the workers.
+    for schedule in ("gpipe", "1f1b", "zb-h1"):
+        for mode in ("always", "never"):
+            pipe, full_batch = pipe_and_plain(seed=19, checkpoint=mode)
+            dp = DataParallel(pipe, **SMALL_BUCKETS)
+            launched: list[int] = []
+            pipe.register_partition_backward_hook(launched.append)
+            for step in range(2):
+                x, y = global_batch(step)
+                dp.step(shard(x), shard(y), F.mse_loss, schedule=schedule)
+                F.mse_loss(full_batch(x), y).backward()
+            assert sorted(launched) == [0, 0, 1, 1], launched
+            assert_grads_close(pipe, full_batch, f"DataParallel(Pipe).step, {schedule}, {mode}")
+    with no_sync_of(DataParallel(pipe_and_plain(seed=19, checkpoint="never")[0])) as dp:
+        x, y = global_batch(0)
+        dp.step(shard(x), shard(y), F.mse_loss)
+    expect_error(
+        TypeError,
+        lambda: DataParallel(mlp(seed=19)).step(x, y, F.mse_loss),
+        "has none (pipeline.Pipe does)",
+    )
+
+
+@contextmanager
+def no_sync_of(dp: DataParallel) -> Iterator[DataParallel]:
+    """``dp`` inside its no_sync(): its step must leave local, unaveraged gradients."""
+    with dp.no_sync():
+        yield dp
+    local = [p.grad.clone() for p in dp.parameters() if p.grad is not None]
+    assert local, "no_sync step left no gradient"
+    other = [g.clone() for g in local]
+    for g in other:
+        dist.broadcast(g, 0)
+    differs = any(not torch.equal(a, b) for a, b in zip(local, other, strict=True))
+    assert differs or rank() == 0, "no_sync step averaged the gradients"
 
 
 @scenario

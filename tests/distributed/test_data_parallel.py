@@ -31,6 +31,7 @@ SHARED = [
     "pipe_unused_parameter_without_flag_raises",
     "pipe_matches_full_batch",
     "torch_ddp_wraps_a_checkpointed_pipe",
+    "pipe_step_matches_full_batch",
     "unused_parameter_without_flag_raises",
     "repeated_accumulation_without_protocol_raises",
     "pipe_two_forwards_one_backward_raises",
