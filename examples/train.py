@@ -3,11 +3,14 @@
 The data is generated (a spiral of classes in 2-D, lifted to 64 features by a
 fixed random projection), so nothing is downloaded. The model runs through a
 ``pipeline.Pipe`` on whatever devices exist: every CUDA device, or worker
-threads on the CPU. At the end the same model is trained again without the
-pipeline from the same seed, and the two final losses must agree.
+threads on the CPU. Each training step is one ``pipe.step`` (1F1B by
+default: forward and backward both run on the partitions' workers); with
+``--schedule call`` it is ``pipe(x)`` then ``loss.backward()``. At the end the
+same model is trained again without the pipeline from the same seed, and the
+two final losses must agree.
 
-    python examples/train.py                       # defaults: 200 steps
-    python examples/train.py --steps 50 --chunks 8 --checkpoint always
+    python examples/train.py                       # defaults: 200 steps, 1F1B
+    python examples/train.py --steps 50 --chunks 8 --checkpoint always --schedule gpipe
     python examples/train.py --steps 20 --trace out.json   # timeline and bubble
 """
 
@@ -103,11 +106,14 @@ def train(
     losses: list[Tensor] = []
     for step in range(1, args.steps + 1):
         x, y = next(data)
-        output = model(x.to(in_device))
-        assert isinstance(output, Tensor)
-        loss = loss_fn(output, y.to(out_device))
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        if isinstance(model, Pipe) and args.schedule != "call":
+            loss = model.step(x, y, loss_fn, schedule=args.schedule)
+        else:
+            output = model(x.to(in_device))
+            assert isinstance(output, Tensor)
+            loss = loss_fn(output, y.to(out_device))
+            loss.backward()
         optimizer.step()
         schedule.step()
         losses.append(loss.detach())
@@ -131,6 +137,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--partitions", type=int, default=2)
     parser.add_argument(
         "--checkpoint", default="except_last", choices=["always", "except_last", "never"]
+    )
+    parser.add_argument(
+        "--schedule",
+        default="1f1b",
+        choices=["1f1b", "gpipe", "interleaved", "zb-h1", "call"],
+        help="the schedule of pipe.step; 'call': pipe(x) then loss.backward()",
     )
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--depth", type=int, default=6, help="residual blocks")
@@ -159,7 +171,8 @@ def main(argv: list[str]) -> int:
     params = sum(p.numel() for p in pipe.parameters())
     print(
         f"model: {len(pipe)} layers, {params / 1e6:.2f}M parameters; balance {balance} on "
-        f"{[str(d) for d in pipe.devices]}; chunks {args.chunks}; checkpoint {args.checkpoint}"
+        f"{[str(d) for d in pipe.devices]}; chunks {args.chunks}; checkpoint {args.checkpoint}; "
+        f"schedule {args.schedule}"
     )
 
     with pipeline.trace(enabled=args.trace is not None) as timeline:

@@ -71,3 +71,22 @@ def test_train_writes_a_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     events = json.loads(path.read_text())
     assert events  # Chrome trace JSON with the pipe's tasks
     assert f"written to {path}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_gpt_trains_through_step_with_a_tied_head(
+    schedule: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    gpt = load("gpt")
+    argv = ["--steps", "8", "--batch", "8", "--layers", "2", "--width", "32", "--context", "32"]
+    assert gpt.main([*argv, "--schedule", schedule, "--log-every", "4"]) == 0
+    printed = capsys.readouterr().out
+    assert "balance_by_time" in printed and "step    8/8" in printed
+    assert "gradients differ from the plain model's by" in printed and "loss fell" in printed
+
+
+def test_train_runs_the_pipe_call_too(capsys: pytest.CaptureFixture[str]) -> None:
+    train = load("train")
+    argv = ["--steps", "4", "--batch-size", "32", "--width", "16", "--depth", "1"]
+    assert train.main([*argv, "--schedule", "call", "--log-every", "2"]) == 0
+    assert "final losses agree" in capsys.readouterr().out

@@ -443,3 +443,41 @@ def test_partition_backward_hooks_fire_once_per_partition_after_its_last_backwar
         x, y = torch.randn(8, WIDTH, dtype=torch.double), torch.randn(8, WIDTH, dtype=torch.double)
         pipe.step(x, y, F.mse_loss, schedule=SCHEDULES[schedule]())
         assert sorted(seen) == [0, 1, 2, 3], schedule
+
+
+@pytest.mark.parametrize(
+    ("schedule", "backward_kinds"),
+    [("1f1b", {"backward"}), ("zb-h1", {"input_grad", "weight_grad"})],
+)
+def test_the_trace_shows_every_action_once_with_its_kind(
+    schedule: str, backward_kinds: set[str]
+) -> None:
+    import pipeline
+
+    n, m = 3, 4
+    pipe = Pipe(
+        layered(n, "none")[0],
+        [2] * n,
+        devices=["cpu", "cpu:0", "cpu"],  # differently named: the hand-overs are copies
+        chunks=m,
+        checkpoint="except_last",
+    )
+    x, y = torch.randn(8, WIDTH, dtype=torch.double), torch.randn(8, WIDTH, dtype=torch.double)
+    with pipeline.trace() as t:
+        pipe.step(x, y, F.mse_loss, schedule=schedule)
+    tasks: dict[str, list[tuple[int, int]]] = {}
+    for event in t.events:
+        tasks.setdefault(event.kind, []).append((event.microbatch, event.partition))
+    every = sorted((i, j) for i in range(m) for j in range(n))
+    assert sorted(tasks["forward"]) == every
+    for kind in backward_kinds:
+        assert sorted(tasks[kind]) == every, kind
+    assert sorted(tasks["recompute"]) == sorted((i, j) for i in range(m - 1) for j in range(n))
+    assert "copy" in tasks
+    summary = t.summary()
+    assert pipe.last_step is not None
+    assert summary.schedule_bound == pipe.last_step.simulation.mean_idle_fraction
+    assert "the schedule's simulated idle fraction" in str(summary)
+    letters = {"backward": "B", "input_grad": "I", "weight_grad": "W"}
+    rendered = t.render(width=200).lower()
+    assert all(letters[kind].lower() in rendered for kind in backward_kinds)
