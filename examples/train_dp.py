@@ -12,6 +12,7 @@ At the end the script checks that all replicas hold identical weights.
 from __future__ import annotations
 
 import argparse
+import gc
 import time
 
 import torch
@@ -101,6 +102,11 @@ def main() -> None:
     difference = max_difference_from_rank0(model)
     if env.rank == 0:
         print(f"max weight difference between replicas: {difference:.3g}")
+    # Drop everything that holds the process group first, so that destroying
+    # it joins gloo's threads now: joined during interpreter shutdown, a
+    # thread still releasing a collective's tensors aborts the process.
+    del model, optimizer, pipe
+    gc.collect()
     dist.destroy_process_group()
     if difference != 0.0:
         raise SystemExit("replicas diverged")
