@@ -305,7 +305,7 @@ class Pipe(nn.Module):
             targets,
             loss_fn,
             scales,
-            self._checkpoint_stop(m),
+            _checkpointed(programs, self._checkpoint_stop(m), self.checkpoint),
             list(self._completion_hooks.values()),
             keep_outputs=return_outputs,
         )
@@ -604,6 +604,35 @@ def _check_sharing(partitions: list[nn.Sequential], devices: list[torch.device])
                     "only: put those partitions on one device, or keep the tied layers in one "
                     "partition"
                 )
+
+
+def _checkpointed(programs: list[Program], stop: int, mode: CheckpointMode) -> set[tuple[int, int]]:
+    """The (micro-batch, partition) tasks whose forward drops its activations.
+
+    ``'except_last'`` spares the last micro-batch in the ``pipe(x)`` path
+    because its backward starts right after its forward, so recomputing it
+    would only delay it. In a program, that holds for every forward directly
+    followed by its own backward (each one on the last partition with
+    1F1B): those are spared.
+    """
+    tasks = {
+        (a.microbatch, a.stage)
+        for program in programs
+        for a in program
+        if a.kind == "F" and a.microbatch < stop
+    }
+    if mode != "except_last":
+        return tasks
+    for program in programs:
+        for action, after in itertools.pairwise(program):
+            task = (action.microbatch, action.stage)
+            if (
+                action.kind == "F"
+                and after.kind in ("B", "I")
+                and task == (after.microbatch, after.stage)
+            ):
+                tasks.discard(task)
+    return tasks
 
 
 def _rows(batch: Batch) -> int:

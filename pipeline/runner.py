@@ -51,7 +51,7 @@ class StepRun:
         targets: list[Batch],
         loss_fn: LossFn,
         scales: list[float],
-        checkpoint_stop: int,
+        checkpointed: set[tuple[int, int]],
         hooks: list[Hook],
         keep_outputs: bool,
     ) -> None:
@@ -63,7 +63,7 @@ class StepRun:
         self.targets = targets
         self.loss_fn = loss_fn
         self.scales = scales
-        self.checkpoint_stop = checkpoint_stop
+        self.checkpointed = checkpointed
         self.hooks = hooks
         self.keep_outputs = keep_outputs
         self.state = ThreadState.capture()

@@ -5,7 +5,7 @@ partitions) into one program per worker (``actions.py``). Stage ``s`` runs on
 worker ``s % workers``; all schedules but the interleaved one have a worker
 per stage. Costs below are in units of one forward (F = 1, B = 2)::
 
-    GPipe   0F0 0F1 0F2 0F3 0B0 0B1 0B2 0B3     all forwards, then all backwards:
+    GPipe   0F0 0F1 0F2 0F3 0B3 0B2 0B1 0B0     all forwards, then all backwards:
                                                 m micro-batches in flight per stage
     1F1B    0F0 0F1 0B0 0F2 0B1 0F3 0B2 0B3     after n - s warm-up forwards, one
                                                 forward per backward: at most n - s
@@ -54,13 +54,17 @@ class Schedule(ABC):
 
 
 class GPipe(Schedule):
-    """Every forward, then every backward, on each stage."""
+    """Every forward, then every backward, last micro-batch first, on each stage.
+
+    The backward order is ``pipe(x)``'s: the last micro-batch's backward
+    follows its forward at once.
+    """
 
     name = "gpipe"
 
     def programs(self, m: int, stages: int) -> list[Program]:
         return [
-            [Action(s, "F", i) for i in range(m)] + [Action(s, "B", i) for i in range(m)]
+            [Action(s, "F", i) for i in range(m)] + [Action(s, "B", i) for i in reversed(range(m))]
             for s in range(stages)
         ]
 

@@ -108,7 +108,7 @@ class StageRun:
     def forward(self, i: int) -> None:
         inputs, sources = self._inputs(i)
         randomness = TaskRandomness(self.run.seeds, i, self.j)
-        stashed = _Stashed(i, inputs, randomness, i < self.run.checkpoint_stop, sources)
+        stashed = _Stashed(i, inputs, randomness, (i, self.j) in self.run.checkpointed, sources)
         self.stash[i] = stashed
         self.peak_in_flight = max(self.peak_in_flight, len(self.stash))
         with randomness.drawing():
