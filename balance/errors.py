@@ -4,6 +4,6 @@ It is the same class as ``pipeline.BalanceError``, raised by ``Pipe`` for a
 bad ``balance``, so one ``except BalanceError`` catches both.
 """
 
-from pipeline.pipe import BalanceError
+from pipeline.arguments import BalanceError
 
 __all__ = ["BalanceError"]

@@ -12,6 +12,7 @@ every tensor, and the next partition gets the value back with its types.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from typing import Any, TypeAlias
 
 import torch
@@ -21,10 +22,11 @@ from torch.utils._pytree import (
     keystr,
     tree_flatten,
     tree_flatten_with_path,
+    tree_map,
     tree_unflatten,
 )
 
-__all__ = ["Batch", "NoChunk", "Value", "check_input", "gather", "scatter"]
+__all__ = ["Batch", "NoChunk", "Value", "check_input", "gather", "scatter", "to_device"]
 
 # What a partition takes and returns: a tensor or a structure holding tensors.
 Value: TypeAlias = Any
@@ -81,6 +83,13 @@ class Batch:
 
     def tensor_indices(self) -> Iterator[int]:
         return (i for i, v in enumerate(self.leaves) if isinstance(v, Tensor))
+
+    def rows(self) -> int:
+        """The micro-batch's size: dim 0 of its first tensor that has one (0 if none)."""
+        for i in self.tensor_indices():
+            if self.leaves[i].dim() > 0:
+                return int(self.leaves[i].size(0))
+        return 0
 
     def first_differentiable(self) -> int | None:
         """Index of the first floating tensor: the carrier of phony edges."""
@@ -210,3 +219,20 @@ def _check_concatenable(column: list[Tensor], position: int) -> None:
             f"concatenated along dim 0 ({listed}); every micro-batch must return the same "
             "shape beyond dim 0 (a squeeze() on a 1-row micro-batch is a common cause)"
         )
+
+
+def to_device(input: Value, device: torch.device) -> Value:
+    """``input`` with every tensor in it (``NoChunk`` ones included) on ``device``."""
+    if isinstance(input, torch.Tensor):
+        return input.to(device)
+    return tree_map(
+        partial(_value_to_device, device), input, is_leaf=lambda v: isinstance(v, NoChunk)
+    )
+
+
+def _value_to_device(device: torch.device, value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, NoChunk):
+        return NoChunk(value.tensor.to(device))
+    return value

@@ -6,22 +6,34 @@ import itertools
 import operator
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
-from functools import partial
-from typing import Any, Literal, TypeAlias, cast, overload
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, cast, overload
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 from torch.utils.hooks import RemovableHandle
 
 from pipeline.actions import Program
+from pipeline.arguments import (
+    BalanceError,
+    CallStyle,
+    CheckpointMode,
+    Device,
+    LossReduction,
+    check_balance,
+    check_call_style,
+    check_checkpoint,
+    check_chunks,
+    check_module,
+    check_sharing,
+    normalize_device,
+    resolve_devices,
+)
 from pipeline.batchnorm import DeferredBatchNorm
 from pipeline.completion import Hook
-from pipeline.microbatch import Batch, NoChunk, Value, check_input, gather, scatter
+from pipeline.microbatch import Batch, Value, check_input, gather, scatter, to_device
 from pipeline.pipeline import Pipeline
-from pipeline.runner import StepRun
+from pipeline.runner import StepReport, StepRun, checkpointed_tasks
 from pipeline.schedules import Schedule, resolve_schedule
 from pipeline.simulate import Simulation, validate
 from pipeline.skip.layout import inspect_skip_layout
@@ -30,17 +42,6 @@ from pipeline.trace import begin_explicit_step
 from pipeline.worker import Worker, stop_workers
 
 __all__ = ["BalanceError", "Pipe", "PositionalSequential", "StepReport"]
-
-Device: TypeAlias = torch.device | str | int
-CheckpointMode: TypeAlias = Literal["always", "except_last", "never"]
-CHECKPOINT_MODES = ("always", "except_last", "never")
-CallStyle: TypeAlias = Literal["tuple", "positional"]
-LossReduction: TypeAlias = Literal["mean", "sum"]
-CALL_STYLES = ("tuple", "positional")
-
-
-class BalanceError(ValueError):
-    """The ``balance`` given to a Pipe does not describe a split of its module."""
 
 
 class Pipe(nn.Module):
@@ -97,14 +98,14 @@ class Pipe(nn.Module):
         call_style: CallStyle = "tuple",
     ) -> None:
         super().__init__()
-        _check_module(module)
+        check_module(module)
         verify_skippables(module)
-        balance = _check_balance(balance, len(module))
+        balance = check_balance(balance, len(module))
         self.balance = balance
-        self.chunks = _check_chunks(chunks)
+        self.chunks = check_chunks(chunks)
         self.checkpoint = checkpoint
-        self.call_style = _check_call_style(call_style)
-        self.devices = _resolve_devices(devices, len(balance))
+        self.call_style = check_call_style(call_style)
+        self.devices = resolve_devices(devices, len(balance))
         if deferred_batch_norm:
             DeferredBatchNorm.convert(module)
         # _modules, unlike named_children(), keeps a layer listed twice.
@@ -152,7 +153,7 @@ class Pipe(nn.Module):
 
     @checkpoint.setter
     def checkpoint(self, mode: Any) -> None:
-        self._checkpoint = _check_checkpoint(mode)
+        self._checkpoint = check_checkpoint(mode)
 
     def forward(self, *inputs: Value) -> Value:
         """Run the input through the pipeline; the output is on the last device.
@@ -187,10 +188,10 @@ class Pipe(nn.Module):
         if self.training:
             for bn in self._deferred_batch_norms:
                 bn.reset_accumulators()
-        input = _to_device(input, self.devices[0])
+        input = to_device(input, self.devices[0])
         batches = scatter(input, self.chunks)
         hooks = list(self._completion_hooks.values())
-        rows = sum(_rows(b) for b in batches)
+        rows = sum(b.rows() for b in batches)
         self._pipeline.run(batches, self._checkpoint_stop(len(batches)), hooks, rows)
         if self.training:
             for bn in self._deferred_batch_norms:
@@ -283,12 +284,12 @@ class Pipe(nn.Module):
                 f"{schedule!r} needs {workers} workers, but the Pipe has {n} partitions (one "
                 "worker each)"
             )
-        batches = scatter(_to_device(input, self.devices[0]), self.chunks)
-        targets = scatter(_to_device(target, self.devices[-1]), self.chunks)
-        rows = [_rows(b) for b in batches]
-        if [_rows(t) for t in targets] != rows:
+        batches = scatter(to_device(input, self.devices[0]), self.chunks)
+        targets = scatter(to_device(target, self.devices[-1]), self.chunks)
+        rows = [b.rows() for b in batches]
+        if [t.rows() for t in targets] != rows:
             raise ValueError(
-                f"target splits into micro-batches of {[_rows(t) for t in targets]} rows but the "
+                f"target splits into micro-batches of {[t.rows() for t in targets]} rows but the "
                 f"input into {rows}: give the target the input's batch size (dim 0)"
             )
         m = len(batches)
@@ -305,7 +306,7 @@ class Pipe(nn.Module):
             targets,
             loss_fn,
             scales,
-            _checkpointed(programs, self._checkpoint_stop(m), self.checkpoint),
+            checkpointed_tasks(programs, self._checkpoint_stop(m), self.checkpoint),
             list(self._completion_hooks.values()),
             keep_outputs=return_outputs,
         )
@@ -402,11 +403,11 @@ class Pipe(nn.Module):
 
     def to_empty(self, *, device: Device | None, recurse: bool = True) -> Pipe:
         if device is not None:
-            self._refuse_move(_normalize_device(device), "to_empty")
+            self._refuse_move(normalize_device(device), "to_empty")
         return super().to_empty(device=device, recurse=recurse)
 
     def cuda(self, device: Device | None = None) -> Pipe:
-        self._refuse_move(_normalize_device("cuda" if device is None else device), "cuda")
+        self._refuse_move(normalize_device("cuda" if device is None else device), "cuda")
         return self
 
     def cpu(self) -> Pipe:
@@ -414,7 +415,7 @@ class Pipe(nn.Module):
         return self
 
     def _refuse_move(self, device: torch.device, method: str) -> None:
-        target = _normalize_device(device)
+        target = normalize_device(device)
         if any(d != target for d in self.devices):
             placed = ", ".join(str(d) for d in self.devices)
             raise ValueError(
@@ -422,20 +423,6 @@ class Pipe(nn.Module):
                 "a Pipe places each partition at construction: pass devices=[...] to Pipe "
                 "instead of moving it"
             )
-
-
-@dataclass(frozen=True)
-class StepReport:
-    """What the last ``Pipe.step`` ran: its schedule, the simulation, what it held.
-
-    ``peak_in_flight[j]`` is the most micro-batches partition ``j`` held at
-    once (forwarded, not yet fully back-propagated), as measured; it equals
-    ``simulation.peak_in_flight`` for every valid program.
-    """
-
-    schedule: Schedule
-    simulation: Simulation
-    peak_in_flight: list[int]
 
 
 class PositionalSequential(nn.Sequential):
@@ -472,104 +459,6 @@ _COMPILE_MESSAGE = (
 )
 
 
-def _check_module(module: Any) -> None:
-    if not isinstance(module, nn.Sequential):
-        raise TypeError(
-            f"Pipe splits an nn.Sequential, got {type(module).__name__}; wrap your layers in "
-            "nn.Sequential(...)"
-        )
-
-
-def _check_balance(balance: Sequence[int] | None, layers: int) -> list[int]:
-    hint = (
-        "use balance=balance.balance_by_time(partitions, module, sample) to compute one, or "
-        "give the number of layers of each partition"
-    )
-    if balance is None:
-        raise BalanceError(f"Pipe needs balance, the number of layers in each partition; {hint}")
-    if isinstance(balance, int | str) or not isinstance(balance, Iterable):
-        raise BalanceError(f"balance must be a list of ints, got {balance!r}; {hint}")
-    balance = list(balance)
-    if not balance and layers > 0:
-        raise BalanceError(f"balance is empty; {hint}")
-    bad = [b for b in balance if isinstance(b, bool) or not isinstance(b, int) or b <= 0]
-    if bad:
-        raise BalanceError(
-            f"balance {balance} has entries that are not positive ints ({bad}); every partition "
-            f"needs at least one layer; {hint}"
-        )
-    if sum(balance) != layers:
-        raise BalanceError(
-            f"balance {balance} sums to {sum(balance)} but the module has {layers} layers; {hint}"
-        )
-    return balance
-
-
-def _check_chunks(chunks: Any) -> int:
-    """``chunks`` as an int; a float that is a whole number is accepted, as predecessors do."""
-    if isinstance(chunks, float) and chunks.is_integer():
-        chunks = int(chunks)
-    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks <= 0:
-        raise ValueError(f"chunks must be a positive int (micro-batches per batch), got {chunks!r}")
-    return chunks
-
-
-def _check_checkpoint(checkpoint: Any) -> CheckpointMode:
-    """The mode named by ``checkpoint`` (any object whose ``str()`` names one, like an enum)."""
-    mode = checkpoint if isinstance(checkpoint, str) else str(checkpoint)
-    if mode not in CHECKPOINT_MODES or checkpoint is None:
-        raise ValueError(
-            f"checkpoint must be one of {', '.join(map(repr, CHECKPOINT_MODES))}, got "
-            f"{checkpoint!r}"
-        )
-    return cast(CheckpointMode, str(mode))
-
-
-def _check_call_style(call_style: Any) -> CallStyle:
-    if call_style not in CALL_STYLES:
-        raise ValueError(
-            f"call_style must be one of {', '.join(map(repr, CALL_STYLES))}, got {call_style!r}"
-        )
-    return cast(CallStyle, call_style)
-
-
-def _normalize_device(device: Device) -> torch.device:
-    if isinstance(device, int) and not isinstance(device, bool):
-        device = torch.device("cuda", device)
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
-def _resolve_devices(devices: Sequence[Device] | None, partitions: int) -> list[torch.device]:
-    if devices is None:
-        if not torch.cuda.is_available():
-            return [torch.device("cpu")] * partitions
-        count = torch.cuda.device_count()
-        if partitions > count:
-            raise ValueError(
-                f"{partitions} partitions but only {count} CUDA devices; pass devices=[...] "
-                "(a device may appear several times) or use fewer partitions"
-            )
-        return [torch.device("cuda", j) for j in range(partitions)]
-    if isinstance(devices, str | torch.device | int):
-        raise TypeError(f"devices must be a list of devices, got {devices!r}")
-    resolved = [_normalize_device(d) for d in devices]
-    if len(resolved) < partitions:
-        raise ValueError(
-            f"{partitions} partitions but {len(resolved)} devices ({[str(d) for d in resolved]}); "
-            "give one device per partition (a device may appear several times)"
-        )
-    for device in resolved:
-        if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-            raise ValueError(
-                f"device {device} is not available (torch.cuda.device_count() is "
-                f"{torch.cuda.device_count()})"
-            )
-    return resolved[:partitions]
-
-
 def _split(
     layers: OrderedDict[str, nn.Module],
     balance: list[int],
@@ -581,82 +470,12 @@ def _split(
     partitions = [
         sequential(OrderedDict(items[start:stop])) for start, stop in itertools.pairwise(bounds)
     ]
-    _check_sharing(partitions, devices)
+    check_sharing(partitions, devices)
     for partition, device in zip(partitions, devices, strict=True):
         partition.to(device)
     return partitions
 
 
-def _check_sharing(partitions: list[nn.Sequential], devices: list[torch.device]) -> None:
-    """Refuse a layer or tensor used by two partitions unless they share a device (tied weights)."""
-    owner: dict[int, tuple[int, str]] = {}
-    for j, partition in enumerate(partitions):
-        named = [*partition.named_modules(remove_duplicate=False)]
-        named += [*partition.named_parameters(remove_duplicate=False)]
-        named += [*partition.named_buffers(remove_duplicate=False)]
-        for name, thing in named:
-            first = owner.setdefault(id(thing), (j, name))
-            if devices[first[0]] != devices[j]:
-                raise ValueError(
-                    f"{type(thing).__name__} {first[1]!r} of partition {first[0]} (on "
-                    f"{devices[first[0]]}) is also {name!r} of partition {j} (on {devices[j]}); "
-                    "a layer or parameter can be shared between partitions on the same device "
-                    "only: put those partitions on one device, or keep the tied layers in one "
-                    "partition"
-                )
-
-
-def _checkpointed(programs: list[Program], stop: int, mode: CheckpointMode) -> set[tuple[int, int]]:
-    """The (micro-batch, partition) tasks whose forward drops its activations.
-
-    ``'except_last'`` spares the last micro-batch in the ``pipe(x)`` path
-    because its backward starts right after its forward, so recomputing it
-    would only delay it. In a program, that holds for every forward directly
-    followed by its own backward (each one on the last partition with
-    1F1B): those are spared.
-    """
-    tasks = {
-        (a.microbatch, a.stage)
-        for program in programs
-        for a in program
-        if a.kind == "F" and a.microbatch < stop
-    }
-    if mode != "except_last":
-        return tasks
-    for program in programs:
-        for action, after in itertools.pairwise(program):
-            task = (action.microbatch, action.stage)
-            if (
-                action.kind == "F"
-                and after.kind in ("B", "I")
-                and task == (after.microbatch, after.stage)
-            ):
-                tasks.discard(task)
-    return tasks
-
-
-def _rows(batch: Batch) -> int:
-    """The micro-batch's size: dim 0 of its first tensor that has one."""
-    tensors = (cast(torch.Tensor, batch.leaves[k]) for k in batch.tensor_indices())
-    return next(t.size(0) for t in tensors if t.dim())
-
-
 def _check_holds_tensor(input: Value) -> None:
     if not any(isinstance(leaf, torch.Tensor) for leaf in Batch(input).leaves):
         raise TypeError(f"Pipe input must be a tensor or hold tensors, got {type(input).__name__}")
-
-
-def _to_device(input: Value, device: torch.device) -> Value:
-    if isinstance(input, torch.Tensor):
-        return input.to(device)
-    return tree_map(
-        partial(_value_to_device, device), input, is_leaf=lambda v: isinstance(v, NoChunk)
-    )
-
-
-def _value_to_device(device: torch.device, value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, NoChunk):
-        return NoChunk(value.tensor.to(device))
-    return value

@@ -118,7 +118,7 @@ class _Step:
         self.batches = batches
         self.checkpoint_stop = checkpoint_stop
         self.rows = rows
-        self.sizes = [_rows(b) for b in batches]
+        self.sizes = [b.rows() for b in batches]
         self.state = ThreadState.capture()
         self.compute_streams = [current_stream(d) for d in pipeline.devices]
         self.copy_streams = pipeline.copy_streams_for(len(batches))
@@ -251,13 +251,6 @@ def add_note(exception: BaseException, note: str) -> None:
     method = getattr(exception, "add_note", None)  # Python 3.11+
     if method is not None and note not in getattr(exception, "__notes__", ()):
         method(note)
-
-
-def _rows(batch: Batch) -> int | None:
-    for x in batch.leaves:
-        if isinstance(x, torch.Tensor) and x.dim() > 0:
-            return x.size(0)
-    return None
 
 
 def _carrier(batch: Batch) -> int | None:

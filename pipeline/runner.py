@@ -16,8 +16,10 @@ the action. A Ctrl-C in the caller aborts them too.
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -25,9 +27,12 @@ from torch import Tensor
 
 from pipeline import rng
 from pipeline.actions import Program
+from pipeline.arguments import CheckpointMode
 from pipeline.completion import Hook
 from pipeline.microbatch import Batch
 from pipeline.pipeline import Pipeline, add_note
+from pipeline.schedules import Schedule
+from pipeline.simulate import Simulation
 from pipeline.skip.layout import SkipLayout
 from pipeline.stage import StageRun
 from pipeline.stream import current_stream
@@ -35,7 +40,7 @@ from pipeline.threadstate import ThreadState
 from pipeline.transport import AbortedError, Mailboxes
 from pipeline.worker import Failure
 
-__all__ = ["StepRun"]
+__all__ = ["StepReport", "StepRun", "checkpointed_tasks"]
 
 LossFn = Any
 
@@ -122,3 +127,48 @@ class StepRun:
     @property
     def peak_in_flight(self) -> list[int]:
         return [stage.peak_in_flight for stage in self.stage_runs]
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What the last ``Pipe.step`` ran: its schedule, the simulation, what it held.
+
+    ``peak_in_flight[j]`` is the most micro-batches partition ``j`` held at
+    once (forwarded, not yet fully back-propagated), as measured; it equals
+    ``simulation.peak_in_flight`` for every valid program.
+    """
+
+    schedule: Schedule
+    simulation: Simulation
+    peak_in_flight: list[int]
+
+
+def checkpointed_tasks(
+    programs: list[Program], stop: int, mode: CheckpointMode
+) -> set[tuple[int, int]]:
+    """The (micro-batch, partition) tasks whose forward drops its activations.
+
+    ``'except_last'`` spares the last micro-batch in the ``pipe(x)`` path
+    because its backward starts right after its forward, so recomputing it
+    would only delay it. In a program, that holds for every forward directly
+    followed by its own backward (each one on the last partition with
+    1F1B): those are spared.
+    """
+    tasks = {
+        (a.microbatch, a.stage)
+        for program in programs
+        for a in program
+        if a.kind == "F" and a.microbatch < stop
+    }
+    if mode != "except_last":
+        return tasks
+    for program in programs:
+        for action, after in itertools.pairwise(program):
+            task = (action.microbatch, action.stage)
+            if (
+                action.kind == "F"
+                and after.kind in ("B", "I")
+                and task == (after.microbatch, after.stage)
+            ):
+                tasks.discard(task)
+    return tasks

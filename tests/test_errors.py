@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from pipeline import Pipe
-from pipeline.pipe import CheckpointMode
+from pipeline.arguments import CheckpointMode
 from tests.helpers import assert_close_dicts, grads, mlp
 
 MODES: list[CheckpointMode] = ["always", "except_last", "never"]

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from pipeline import NoChunk, Pipe, PositionalSequential
-from pipeline.pipe import CheckpointMode
+from pipeline.arguments import CheckpointMode
 from tests.helpers import assert_close_dicts, grads
 
 WIDTH = 8

@@ -15,8 +15,8 @@ from torch._C._profiler import _ExperimentalConfig
 from torch.profiler import profile
 
 import pipeline
+from pipeline.arguments import CheckpointMode
 from pipeline.microbatch import Value
-from pipeline.pipe import CheckpointMode
 from pipeline.schedule import clock_cycles
 from pipeline.timeline import chrome, event, gantt, summary
 from pipeline.timeline.backward import BackwardSpan, run_hooked

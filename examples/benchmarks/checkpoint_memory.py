@@ -1,7 +1,9 @@
 """Benchmark: peak memory of a training step for each checkpoint mode, against the plain model.
 
 The model is 8 blocks of Linear(1024, 1024) + ReLU in 2 partitions, trained
-on one batch of ``--rows`` rows split into ``--chunks`` micro-batches. Each
+on one batch of ``--rows`` rows split into ``--chunks`` micro-batches, by
+``pipe(x)`` then ``backward()`` (``pipe``), by ``pipe.step`` with 1F1B
+(``step``), and by torchgpipe where it is installed. Each
 configuration runs in a fresh Python process, so that nothing another one
 allocated is counted; there a first step allocates what stays (gradients,
 per-thread buffers) and the second is measured:
@@ -37,13 +39,13 @@ from pipe_common import machine, print_json, torchgpipe_or_none
 from torch import nn
 
 import pipeline
-from pipeline.pipe import CheckpointMode
+from pipeline.arguments import CheckpointMode
 
 WIDTH = 1024
 BLOCKS = 8
 MODES: tuple[CheckpointMode, ...] = ("never", "except_last", "always")
 CONFIGURATIONS = ["plain"] + [
-    f"{backend} {mode}" for backend in ("pipe", "torchgpipe") for mode in MODES
+    f"{backend} {mode}" for backend in ("pipe", "step", "torchgpipe") for mode in MODES
 ]
 # glibc serves blocks above this size with mmap and unmaps them when freed.
 MALLOC_ENV = {
@@ -109,26 +111,38 @@ def reset_peak_rss() -> None:
 def step_peak_bytes(configuration: str, rows: int, chunks: int) -> int:
     """Memory a training step needs beyond what was allocated before it.
 
-    A first step is run and not measured: it allocates what stays (the
-    gradients, each thread's BLAS buffers), so that the measured step shows
-    what a step adds, activations above all.
+    A first step is run and not measured: it allocates what stays (each
+    thread's BLAS buffers, the allocator's pools). Then the gradients are set
+    to None, as ``optimizer.zero_grad()`` does, so the measured step counts
+    what a training step adds: activations, and the gradients themselves.
     """
     torch.manual_seed(0)
     model = build(configuration, chunks)
     x = torch.randn(rows, WIDTH, device=device())
-    model(x).sum().backward()
+    train_step(configuration, model, x)
+    model.zero_grad(set_to_none=True)
     gc.collect()
     if device() == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
-        model(x).sum().backward()
+        train_step(configuration, model, x)
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - before
     reset_peak_rss()
     before = peak_rss_kib()
-    model(x).sum().backward()
+    train_step(configuration, model, x)
     return (peak_rss_kib() - before) * 1024
+
+
+def train_step(configuration: str, model: nn.Module, x: torch.Tensor) -> None:
+    """Forward and backward of ``x.sum()``: by ``Pipe.step`` for the ``step`` configurations."""
+    if configuration.startswith("step"):
+        assert isinstance(model, pipeline.Pipe)
+        target = torch.zeros(len(x), 1, device=device())
+        model.step(x, target, lambda output, _: output.sum(), loss_reduction="sum")
+    else:
+        model(x).sum().backward()
 
 
 def run_child(configuration: str, rows: int, chunks: int) -> int:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import queue
 import statistics
 import time
 from collections.abc import Callable
@@ -76,12 +77,12 @@ def per_task_overhead(times: dict[str, float], who: str) -> dict[str, float]:
 def handoff_round_trip(calls: int = 2000) -> float:
     """Median microseconds to run an empty task on a worker thread and get its answer."""
     worker = Worker("handoff-probe")
-    tag = object()
+    replies: queue.SimpleQueue[object] = queue.SimpleQueue()
     times = []
     for _ in range(calls):
         start = time.perf_counter()
-        worker.submit(tag, int)
-        worker.result(tag)
+        worker.submit(int, replies)
+        replies.get()
         times.append(time.perf_counter() - start)
     stop_workers([worker])
     return statistics.median(times) * 1e6

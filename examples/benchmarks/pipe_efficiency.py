@@ -34,7 +34,7 @@ from pipe_common import best_times, print_json, start_single_threaded, thread_sc
 from torch import nn
 
 import pipeline
-from pipeline.pipe import CheckpointMode
+from pipeline.arguments import CheckpointMode
 
 WIDTH = 1024
 BLOCKS = 8

@@ -1,0 +1,161 @@
+"""The arguments of a Pipe, checked before any work: what was wrong, and how to fix it.
+
+Balance, chunks, checkpoint mode, call style, devices, and layers shared by
+partitions. Conversions follow the predecessors' (``chunks=8.0`` is 8, an
+object whose ``str()`` is a mode names it), but nothing is truncated or
+ignored silently.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any, Literal, TypeAlias, cast
+
+import torch
+from torch import nn
+
+__all__ = [
+    "CALL_STYLES",
+    "CHECKPOINT_MODES",
+    "BalanceError",
+    "CallStyle",
+    "CheckpointMode",
+    "Device",
+    "LossReduction",
+    "check_balance",
+    "check_call_style",
+    "check_checkpoint",
+    "check_chunks",
+    "check_module",
+    "check_sharing",
+    "normalize_device",
+    "resolve_devices",
+]
+
+Device: TypeAlias = torch.device | str | int
+CheckpointMode: TypeAlias = Literal["always", "except_last", "never"]
+CHECKPOINT_MODES = ("always", "except_last", "never")
+CallStyle: TypeAlias = Literal["tuple", "positional"]
+LossReduction: TypeAlias = Literal["mean", "sum"]
+CALL_STYLES = ("tuple", "positional")
+
+
+class BalanceError(ValueError):
+    """The ``balance`` given to a Pipe does not describe a split of its module."""
+
+
+def check_module(module: Any) -> None:
+    if not isinstance(module, nn.Sequential):
+        raise TypeError(
+            f"Pipe splits an nn.Sequential, got {type(module).__name__}; wrap your layers in "
+            "nn.Sequential(...)"
+        )
+
+
+def check_balance(balance: Sequence[int] | None, layers: int) -> list[int]:
+    hint = (
+        "use balance=balance.balance_by_time(partitions, module, sample) to compute one, or "
+        "give the number of layers of each partition"
+    )
+    if balance is None:
+        raise BalanceError(f"Pipe needs balance, the number of layers in each partition; {hint}")
+    if isinstance(balance, int | str) or not isinstance(balance, Iterable):
+        raise BalanceError(f"balance must be a list of ints, got {balance!r}; {hint}")
+    balance = list(balance)
+    if not balance and layers > 0:
+        raise BalanceError(f"balance is empty; {hint}")
+    bad = [b for b in balance if isinstance(b, bool) or not isinstance(b, int) or b <= 0]
+    if bad:
+        raise BalanceError(
+            f"balance {balance} has entries that are not positive ints ({bad}); every partition "
+            f"needs at least one layer; {hint}"
+        )
+    if sum(balance) != layers:
+        raise BalanceError(
+            f"balance {balance} sums to {sum(balance)} but the module has {layers} layers; {hint}"
+        )
+    return balance
+
+
+def check_chunks(chunks: Any) -> int:
+    """``chunks`` as an int; a float that is a whole number is accepted, as predecessors do."""
+    if isinstance(chunks, float) and chunks.is_integer():
+        chunks = int(chunks)
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks <= 0:
+        raise ValueError(f"chunks must be a positive int (micro-batches per batch), got {chunks!r}")
+    return chunks
+
+
+def check_checkpoint(checkpoint: Any) -> CheckpointMode:
+    """The mode named by ``checkpoint`` (any object whose ``str()`` names one, like an enum)."""
+    mode = checkpoint if isinstance(checkpoint, str) else str(checkpoint)
+    if mode not in CHECKPOINT_MODES or checkpoint is None:
+        raise ValueError(
+            f"checkpoint must be one of {', '.join(map(repr, CHECKPOINT_MODES))}, got "
+            f"{checkpoint!r}"
+        )
+    return cast(CheckpointMode, str(mode))
+
+
+def check_call_style(call_style: Any) -> CallStyle:
+    if call_style not in CALL_STYLES:
+        raise ValueError(
+            f"call_style must be one of {', '.join(map(repr, CALL_STYLES))}, got {call_style!r}"
+        )
+    return cast(CallStyle, call_style)
+
+
+def normalize_device(device: Device) -> torch.device:
+    if isinstance(device, int) and not isinstance(device, bool):
+        device = torch.device("cuda", device)
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def resolve_devices(devices: Sequence[Device] | None, partitions: int) -> list[torch.device]:
+    if devices is None:
+        if not torch.cuda.is_available():
+            return [torch.device("cpu")] * partitions
+        count = torch.cuda.device_count()
+        if partitions > count:
+            raise ValueError(
+                f"{partitions} partitions but only {count} CUDA devices; pass devices=[...] "
+                "(a device may appear several times) or use fewer partitions"
+            )
+        return [torch.device("cuda", j) for j in range(partitions)]
+    if isinstance(devices, str | torch.device | int):
+        raise TypeError(f"devices must be a list of devices, got {devices!r}")
+    resolved = [normalize_device(d) for d in devices]
+    if len(resolved) < partitions:
+        raise ValueError(
+            f"{partitions} partitions but {len(resolved)} devices ({[str(d) for d in resolved]}); "
+            "give one device per partition (a device may appear several times)"
+        )
+    for device in resolved:
+        if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+            raise ValueError(
+                f"device {device} is not available (torch.cuda.device_count() is "
+                f"{torch.cuda.device_count()})"
+            )
+    return resolved[:partitions]
+
+
+def check_sharing(partitions: list[nn.Sequential], devices: list[torch.device]) -> None:
+    """Refuse a layer or tensor used by two partitions unless they share a device (tied weights)."""
+    owner: dict[int, tuple[int, str]] = {}
+    for j, partition in enumerate(partitions):
+        named = [*partition.named_modules(remove_duplicate=False)]
+        named += [*partition.named_parameters(remove_duplicate=False)]
+        named += [*partition.named_buffers(remove_duplicate=False)]
+        for name, thing in named:
+            first = owner.setdefault(id(thing), (j, name))
+            if devices[first[0]] != devices[j]:
+                raise ValueError(
+                    f"{type(thing).__name__} {first[1]!r} of partition {first[0]} (on "
+                    f"{devices[first[0]]}) is also {name!r} of partition {j} (on {devices[j]}); "
+                    "a layer or parameter can be shared between partitions on the same device "
+                    "only: put those partitions on one device, or keep the tied layers in one "
+                    "partition"
+                )

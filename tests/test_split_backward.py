@@ -1,0 +1,150 @@
+"""The input/weight gradient split equals one backward, in the cases torch's own split got wrong."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from pipeline.split_backward import backward_input
+
+
+class WeightTwiceOnThePath(nn.Module):
+    """One layer applied twice in a row: its weight is reached from two anchors (torch #180952)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.linear(torch.tanh(self.linear(x)))
+
+
+class MultiOutputNode(nn.Module):
+    """chunk() is one node with two outputs, both on the path (torch #170277)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        a, b = self.linear(x).chunk(2, dim=1)
+        return torch.cat([a * b.sigmoid(), b], dim=1)
+
+
+class OutputOffTheInputPath(nn.Module):
+    """A second output that depends on a weight only, not on the input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.scale = nn.Parameter(torch.randn(8))
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        return self.linear(x), self.scale * 2
+
+
+class ViewOutput(nn.Module):
+    """The output is a view of an intermediate (torch #142229)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.linear(x).view(-1, 2, 4)
+
+
+class TiedLayers(nn.Module):
+    """Two layers sharing one weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.b.weight = self.a.weight
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+class OutputWithoutGradient(nn.Module):
+    """A second output that needs no gradient (torch #182182): a mask."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        y = self.linear(x)
+        return y, (y > 0).float().detach()
+
+
+MODELS: dict[str, Callable[[], nn.Module]] = {
+    "mlp": lambda: nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)),
+    "block": lambda: nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)),
+    "transformer layer": lambda: nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0),
+    "weight used twice on the path": WeightTwiceOnThePath,
+    "multi-output node": MultiOutputNode,
+    "output off the input path": OutputOffTheInputPath,
+    "view as output": ViewOutput,
+    "tied weights": TiedLayers,
+    "output without gradient": OutputWithoutGradient,
+}
+
+
+def outputs_of(module: nn.Module, x: Tensor) -> list[Tensor]:
+    out = module(x)
+    return [o for o in (out if isinstance(out, tuple) else (out,)) if o.requires_grad]
+
+
+@pytest.mark.parametrize("input_requires_grad", [True, False], ids=["input grad", "no input grad"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_input_then_weight_gradients_equal_one_backward(
+    name: str, input_requires_grad: bool
+) -> None:
+    torch.manual_seed(0)
+    module = MODELS[name]().double()
+    x = torch.randn(4, 8, dtype=torch.double, requires_grad=input_requires_grad)
+    params = list(module.parameters())
+    outputs = outputs_of(module, x)
+    grads = [torch.randn_like(o) for o in outputs]
+    wanted = params + ([x] if input_requires_grad else [])
+    expected = torch.autograd.grad(outputs, wanted, grads, allow_unused=True)
+
+    accumulated = [0] * len(params)
+    for k, p in enumerate(params):
+        p.register_post_accumulate_grad_hook(lambda _, k=k: accumulated.__setitem__(k, 1))
+    outputs = outputs_of(module, x)
+    input_grads, work = backward_input(outputs, grads, [x], params)
+    assert all(p.grad is None for p in params), "I must leave the weights alone"
+    work.run()
+    for p, e in zip(params, expected[: len(params)], strict=True):
+        if e is None:
+            assert p.grad is None
+        else:
+            torch.testing.assert_close(p.grad, e, rtol=0, atol=1e-12)
+    if input_requires_grad:
+        torch.testing.assert_close(input_grads[0], expected[-1], rtol=0, atol=1e-12)
+    else:
+        assert input_grads == [None]
+    # Each weight accumulates once, through its own AccumulateGrad: hooks fire.
+    assert accumulated == [int(p.grad is not None) for p in params]
+
+
+def test_a_scalar_loss_needs_no_gradient_and_unused_inputs_get_none() -> None:
+    module = nn.Linear(4, 4).double()
+    x = torch.randn(3, 4, dtype=torch.double, requires_grad=True)
+    unused = torch.randn(2, dtype=torch.double, requires_grad=True)
+    loss = module(x).square().sum()
+    grads, work = backward_input([loss], [None], [x, unused], module.parameters())
+    work.run()
+    reference = nn.Linear(4, 4).double()
+    reference.load_state_dict(module.state_dict())
+    xr = x.detach().requires_grad_()
+    reference(xr).square().sum().backward()
+    torch.testing.assert_close(grads[0], xr.grad)
+    assert grads[1] is None
+    torch.testing.assert_close(module.weight.grad, reference.weight.grad)
