@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor, nn
+
+from pipeline import Pipe
 
 
 def mlp(width: int = 8, depth: int = 6, dtype: torch.dtype = torch.float64) -> nn.Sequential:
@@ -21,3 +25,17 @@ def assert_close_dicts(actual: dict[str, Tensor], expected: dict[str, Tensor]) -
     assert actual.keys() == expected.keys()
     for name in expected:
         torch.testing.assert_close(actual[name], expected[name], msg=name)
+
+
+def cpu_pipe(
+    model: nn.Sequential, balance: list[int], chunks: int, checkpoint: str, **options: Any
+) -> Pipe:
+    """A Pipe of ``model`` with every partition on the CPU."""
+    return Pipe(
+        model,
+        balance,
+        devices=["cpu"] * len(balance),
+        chunks=chunks,
+        checkpoint=checkpoint,  # type: ignore[arg-type]
+        **options,
+    )

@@ -15,9 +15,8 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from pipeline import Pipe
 from pipeline.skip import pop, skippable, stash
-from tests.helpers import mlp
+from tests.helpers import cpu_pipe, mlp
 
 MODES = ["always", "except_last", "never"]
 ROWS = 7  # not divisible by 3 or 4: the last micro-batch is smaller
@@ -167,20 +166,6 @@ def assert_same_results(actual: Results, expected: Results) -> None:
             torch.testing.assert_close(actual[key], value, msg=key)
 
 
-# Pipes of this module, weakly: a failed test's traceback keeps its Pipes
-# alive, and the conftest check would then wait for their workers and fail
-# the teardown too. Pipes of a passing test are gone by then.
-def pipe_of(model: nn.Sequential, balance: list[int], chunks: int, checkpoint: str) -> Pipe:
-    pipe = Pipe(
-        model,
-        balance,
-        devices=["cpu"] * len(balance),
-        chunks=chunks,
-        checkpoint=checkpoint,  # type: ignore[arg-type]
-    )
-    return pipe
-
-
 @pytest.mark.parametrize("entry_point", ENTRY_POINTS, ids=lambda f: f.__name__)
 @pytest.mark.parametrize("model_name", list(MODELS))
 @pytest.mark.parametrize(("balance", "chunks"), SPLITS)
@@ -195,7 +180,7 @@ def test_entry_point_equals_the_plain_model(
     model = MODELS[model_name]()
     x = torch.randn(ROWS, WIDTH, dtype=torch.float64)
     expected = entry_point(copy.deepcopy(model), x)
-    actual = entry_point(pipe_of(model, balance, chunks, checkpoint), x)
+    actual = entry_point(cpu_pipe(model, balance, chunks, checkpoint), x)
     assert_same_results(actual, expected)
 
 
@@ -213,9 +198,9 @@ def test_entry_point_with_dropout_equals_the_pipe_without_checkpointing(
     model = dropout_mlp()
     x = torch.randn(ROWS, WIDTH, dtype=torch.float64)
     torch.manual_seed(1)
-    expected = entry_point(pipe_of(copy.deepcopy(model), balance, chunks, "never"), x)
+    expected = entry_point(cpu_pipe(copy.deepcopy(model), balance, chunks, "never"), x)
     torch.manual_seed(1)
-    actual = entry_point(pipe_of(model, balance, chunks, checkpoint), x)
+    actual = entry_point(cpu_pipe(model, balance, chunks, checkpoint), x)
     assert_same_results(actual, expected)
 
 
@@ -249,7 +234,7 @@ def test_first_float_output_without_gradient_equals_the_plain_model(
                 "mask.grad": mask_in.grad, **dot_grads(m)}  # fmt: skip
 
     expected = run(copy.deepcopy(model))
-    assert_same_results(run(pipe_of(model, balance, chunks, checkpoint)), expected)
+    assert_same_results(run(cpu_pipe(model, balance, chunks, checkpoint)), expected)
 
 
 class IndexedBlock(nn.Module):
@@ -285,7 +270,7 @@ def test_bool_and_integer_tensors_crossing_partitions_equal_the_plain_model(
                 **dot_grads(m)}  # fmt: skip
 
     expected = run(copy.deepcopy(model))
-    assert_same_results(run(pipe_of(model, balance, chunks, checkpoint)), expected)
+    assert_same_results(run(cpu_pipe(model, balance, chunks, checkpoint)), expected)
 
 
 def outcome(run: Callable[[], Tensor]) -> tuple[str, Any]:
@@ -299,7 +284,7 @@ def outcome(run: Callable[[], Tensor]) -> tuple[str, Any]:
 def test_inference_tensor_input_to_a_checkpointed_pipe_raises_torchs_error(
     checkpoint: str,
 ) -> None:
-    pipe = pipe_of(mlp(), [3, 3], 3, checkpoint)
+    pipe = cpu_pipe(mlp(), [3, 3], 3, checkpoint)
     with torch.inference_mode():
         x = torch.randn(ROWS, WIDTH, dtype=torch.float64)
     with pytest.raises(RuntimeError, match="Inference tensors cannot be saved for backward"):
@@ -314,7 +299,7 @@ def test_inference_tensor_input_without_checkpointing_behaves_as_the_plain_model
     with torch.inference_mode():
         x = torch.randn(ROWS, WIDTH, dtype=torch.float64)
     expected = outcome(lambda: copy.deepcopy(model)(x))
-    actual = outcome(lambda: pipe_of(model, balance, chunks, "never")(x))
+    actual = outcome(lambda: cpu_pipe(model, balance, chunks, "never")(x))
     assert actual[0] == expected[0]
     if expected[0] == "returned":
         torch.testing.assert_close(actual[1], expected[1])

@@ -18,7 +18,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils.parametrizations import spectral_norm
 
-from pipeline import DeferredBatchNorm, Pipe
+from pipeline import DeferredBatchNorm
+from tests.helpers import cpu_pipe
 
 MODES = ["always", "except_last", "never"]
 ROWS = 11  # 4+4+3 rows in 3 chunks, 3+3+3+2 in 4: no micro-batch of a single row
@@ -84,28 +85,6 @@ def batches(n: Norm, steps: int = STEPS) -> Batches:
     ]  # fmt: skip
 
 
-# Pipes of this module, weakly: a failed test's traceback keeps its Pipes
-# alive, and the conftest check would then wait for their workers and fail
-# the teardown too. Pipes of a passing test are gone by then.
-def pipe_of(
-    model: nn.Sequential,
-    balance: list[int],
-    chunks: int,
-    checkpoint: str,
-    *,
-    deferred_batch_norm: bool = False,
-) -> Pipe:
-    pipe = Pipe(
-        model,
-        balance,
-        devices=["cpu"] * len(balance),
-        chunks=chunks,
-        checkpoint=checkpoint,  # type: ignore[arg-type]
-        deferred_batch_norm=deferred_batch_norm,
-    )
-    return pipe
-
-
 def forward_loss(model: nn.Module, x: Tensor, w: Tensor, pieces: int) -> tuple[Tensor, Tensor]:
     """Run ``model`` on ``x`` in ``pieces`` consecutive calls; the output and the summed loss."""
     outs = [model(xp) for xp in x.chunk(pieces)]
@@ -155,7 +134,7 @@ def test_statistics_and_gradients_equal_the_plain_model_run_per_micro_batch(
 ) -> None:
     model, data = in_every_partition(NORMS[norm]), batches(NORMS[norm])
     expected = train(copy.deepcopy(model), data, pieces=chunks)
-    actual = train(pipe_of(model, balance, chunks, checkpoint), data)
+    actual = train(cpu_pipe(model, balance, chunks, checkpoint), data)
     assert_records_equal(actual, expected, ("output", "grads", "buffers"))
     if norm.startswith("BatchNorm"):
         tracked = actual[-1]["buffers"]["1.num_batches_tracked"]
@@ -171,8 +150,8 @@ def test_spectral_norm_in_a_checkpointed_partition_equals_the_pipe_without_check
     # saw, not from those later micro-batches left behind.
     n = NORMS["spectral_norm"]
     model, data = in_every_partition(n), batches(n)
-    expected = train(pipe_of(copy.deepcopy(model), balance, chunks, "never"), data)
-    actual = train(pipe_of(model, balance, chunks, checkpoint), data)
+    expected = train(cpu_pipe(copy.deepcopy(model), balance, chunks, "never"), data)
+    actual = train(cpu_pipe(model, balance, chunks, checkpoint), data)
     assert_records_equal(actual, expected, ("output", "grads", "buffers"))
     assert "1.parametrizations.weight.0._u" in actual[-1]["buffers"]
 
@@ -187,7 +166,7 @@ def test_deferred_statistics_equal_the_plain_model_on_whole_batches(
     # parameters are left alone (lr=0) and only the statistics compared.
     model, data = once(NORMS[norm]), batches(NORMS[norm])
     expected = train(copy.deepcopy(model), data, lr=0.0)
-    pipe = pipe_of(model, balance, chunks, checkpoint, deferred_batch_norm=True)
+    pipe = cpu_pipe(model, balance, chunks, checkpoint, deferred_batch_norm=True)
     actual = train(pipe, data, lr=0.0)
     assert_records_equal(actual, expected, ("buffers",))
     assert int(actual[-1]["buffers"]["2.num_batches_tracked"]) == STEPS
@@ -221,7 +200,7 @@ def test_failed_step_leaves_deferred_statistics_as_if_the_batch_was_skipped(
     n = NORMS["BatchNorm1d"]
     model, data = once(n, last=FailsWhenArmed()), batches(n)
     skipped = copy.deepcopy(model)
-    pipe = pipe_of(model, balance, 4, checkpoint, deferred_batch_norm=True)
+    pipe = cpu_pipe(model, balance, 4, checkpoint, deferred_batch_norm=True)
     failing = pipe[5]
     assert isinstance(failing, FailsWhenArmed)
     failing.armed = True
@@ -240,7 +219,7 @@ def test_users_module_outside_the_pipe_updates_statistics_like_batch_norm(
     n = NORMS["BatchNorm1d"]
     model, data = once(n), batches(n, steps=4)
     reference = copy.deepcopy(model)
-    pipe = pipe_of(model, [3, 3], 3, checkpoint, deferred_batch_norm=True)
+    pipe = cpu_pipe(model, [3, 3], 3, checkpoint, deferred_batch_norm=True)
     assert isinstance(model[2], DeferredBatchNorm) and model[2] is pipe[2]
     # The user's module called directly, a Pipe step, the module again, a Pipe step.
     for (x, w), (runner, pieces) in zip(
@@ -280,5 +259,5 @@ def test_recomputation_after_the_buffers_moved_on_equals_the_plain_model(
     chunks = 3
     model, data = in_every_partition(NORMS[norm]), batches(NORMS[norm], steps=2)
     expected = pattern(copy.deepcopy(model), chunks, data)
-    actual = pattern(pipe_of(model, [3, 3], chunks, checkpoint), 1, data)
+    actual = pattern(cpu_pipe(model, [3, 3], chunks, checkpoint), 1, data)
     assert_records_equal(actual, expected, ("output", "grads", "buffers"))
