@@ -9,7 +9,7 @@ action, the partition backward hooks are called with its index, on the
 worker: DataParallel starts that partition's all-reduces while others still
 compute.
 
-The first action to fail aborts the mailboxes, so every worker stops at its
+The first action to fail aborts the transport, so every worker stops at its
 next wait or action; the caller re-raises that failure, with a note naming
 the action. A Ctrl-C in the caller aborts them too.
 """
@@ -37,7 +37,7 @@ from pipeline.skip.layout import SkipLayout
 from pipeline.stage import StageRun
 from pipeline.stream import current_stream
 from pipeline.threadstate import ThreadState
-from pipeline.transport import AbortedError, Mailboxes
+from pipeline.transport import AbortedError, LocalTransport, Transport
 from pipeline.worker import Failure
 
 __all__ = ["StepReport", "StepRun", "checkpointed_tasks"]
@@ -46,7 +46,7 @@ LossFn = Any
 
 
 class StepRun:
-    """The state of one ``Pipe.step``: stages, mailboxes, losses."""
+    """The state of one ``Pipe.step``: stages, transport, losses."""
 
     def __init__(
         self,
@@ -75,7 +75,7 @@ class StepRun:
         self.compute_streams = [current_stream(d) for d in pipeline.devices]
         self.seeds = rng.StepSeeds()
         self.skip_layout = pipeline.skip_layout or SkipLayout([], pipeline.devices)
-        self.mailboxes = Mailboxes()
+        self.transport: Transport = LocalTransport(pipeline.devices)
         self.stage_runs = [StageRun(self, j) for j in range(self.stages)]
         self.losses: list[Tensor | None] = [None] * self.m
         self.outputs: list[Batch | None] = [None] * self.m
@@ -93,19 +93,19 @@ class StepRun:
                 if isinstance(result, Failure):
                     failures.append(result.exception)
         except BaseException:
-            self.mailboxes.abort()
+            self.transport.abort()
             raise
         if failures:
             raise next((f for f in failures if not isinstance(f, AbortedError)), failures[0])
 
     def _work(self, program: Program) -> None:
         for action in program:
-            if self.mailboxes.aborted:
+            if self.transport.aborted:
                 return
             try:
                 self.stage_runs[action.stage].act(action)
             except BaseException as exception:
-                self.mailboxes.abort()
+                self.transport.abort(exception)
                 if not isinstance(exception, AbortedError):
                     add_note(exception, f"(raised in action {action} of the schedule)")
                 raise

@@ -45,7 +45,7 @@ from pipeline.split_backward import WeightWork, backward_input
 from pipeline.stream import use_stream
 from pipeline.timeline.event import Kind as EventKind
 from pipeline.trace import span
-from pipeline.transport import Message, arrived, moved
+from pipeline.transport import Message
 
 if TYPE_CHECKING:
     from pipeline.runner import StepRun
@@ -129,7 +129,7 @@ class StageRun:
             batch = self.run.batches[i]
             leaves = [_leaf(x) if _needs_grad(x) else x for x in batch.leaves]
             return Batch.of(leaves, batch.spec), list(batch.leaves)
-        message = self._receive(("act", self.j, i))
+        message = self._receive(("act", self.j, i), self.j - 1)
         leaves = [
             _leaf(x) if wanted else x
             for x, wanted in zip(message.leaves, message.differentiable, strict=True)
@@ -233,9 +233,11 @@ class StageRun:
         if self.last:
             assert stashed.loss is not None
             return [stashed.loss], [None]
-        pairs = list(zip(stashed.outputs, self._receive(("grad", self.j, i)).leaves, strict=True))
+        grads = self._receive(("grad", self.j, i), self.j + 1).leaves
+        pairs = list(zip(stashed.outputs, grads, strict=True))
         for key, tensor in stashed.skips_out.items():
-            pairs.append((tensor, self._receive(("skip-grad", key, i)).leaves[0]))
+            popping = self.run.skip_layout.route(key).target
+            pairs.append((tensor, self._receive(("skip-grad", key, i), popping).leaves[0]))
         kept = [(o, g) for o, g in pairs if _needs_grad(o) and g is not None]
         return [o for o, _ in kept], [g for _, g in kept]
 
@@ -261,14 +263,10 @@ class StageRun:
     # Mail
 
     def _send(self, key: Hashable, message: Message, stage: int, i: int) -> None:
-        target = self.run.pipeline.devices[stage]
-        if target != self.device:
-            with span("copy", i, stage):
-                message = moved(message, target)
-        self.run.mailboxes.put(key, message)
+        self.run.transport.send(key, message, self.j, stage, i)
 
-    def _receive(self, key: Hashable) -> Message:
-        return arrived(self.run.mailboxes.get(key))
+    def _receive(self, key: Hashable, stage: int) -> Message:
+        return self.run.transport.receive(key, stage, self.j)
 
     # Contexts
 
@@ -314,12 +312,13 @@ class _StageTracker(SkipTracker):
             self.stage._send(("skip", key, i), message, route.target, i)
 
     def load(self, input: Carrier, key: SkipKey) -> Tensor:
-        if not self.stage.run.skip_layout.route(key).crosses_partitions:
+        route = self.stage.run.skip_layout.route(key)
+        if not route.crosses_partitions:
             return super().load(input, key)
         if self.recomputing:
             return cast(Tensor, _view(self.stashed.skips_in[key]))
         i = self.stashed.i
-        message = self.stage._receive(("skip", key, i))
+        message = self.stage._receive(("skip", key, i), route.source)
         tensor = message.leaves[0]
         leaf = _leaf(tensor) if message.differentiable[0] else tensor
         self.stashed.skips_in[key] = leaf

@@ -1,4 +1,4 @@
-"""Mailboxes: how the workers of an explicit schedule hand values to each other.
+"""Transports: how the stages of an explicit schedule hand values to each other.
 
 A stage's forward puts its output for micro-batch ``i`` in the next stage's
 mailbox; that stage's forward takes it when it runs, waiting if it is not
@@ -18,11 +18,21 @@ from __future__ import annotations
 import threading
 from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-__all__ = ["AbortedError", "Mailboxes", "Message", "arrived", "moved"]
+from pipeline.trace import span
+
+__all__ = [
+    "AbortedError",
+    "LocalTransport",
+    "Mailboxes",
+    "Message",
+    "Transport",
+    "arrived",
+    "moved",
+]
 
 
 class AbortedError(Exception):
@@ -101,3 +111,47 @@ def arrived(message: Message) -> Message:
     if message.event is not None:
         torch.cuda.current_stream().wait_event(message.event)
     return message
+
+
+class Transport(Protocol):
+    """Hands a stage's messages to another stage, keyed like ``("act", stage, i)``."""
+
+    def send(self, key: Hashable, message: Message, source: int, target: int, i: int) -> None:
+        """Deliver ``message`` from stage ``source`` to stage ``target`` (micro-batch ``i``)."""
+        ...
+
+    def receive(self, key: Hashable, source: int, target: int) -> Message:
+        """Take the message ``source`` sent to ``target`` under ``key``, waiting for it."""
+        ...
+
+    def abort(self, error: BaseException | None = None) -> None:
+        """Stop every waiting ``receive`` (the step failed)."""
+        ...
+
+    @property
+    def aborted(self) -> bool: ...
+
+
+class LocalTransport:
+    """Stages of one process: mailboxes, with device copies made by the sender."""
+
+    def __init__(self, devices: list[torch.device]) -> None:
+        self.devices = devices
+        self.mailboxes = Mailboxes()
+
+    def send(self, key: Hashable, message: Message, source: int, target: int, i: int) -> None:
+        device = self.devices[target]
+        if device != self.devices[source]:
+            with span("copy", i, target):
+                message = moved(message, device)
+        self.mailboxes.put(key, message)
+
+    def receive(self, key: Hashable, source: int, target: int) -> Message:
+        return arrived(self.mailboxes.get(key))
+
+    def abort(self, error: BaseException | None = None) -> None:
+        self.mailboxes.abort()
+
+    @property
+    def aborted(self) -> bool:
+        return self.mailboxes.aborted
