@@ -2,7 +2,7 @@
 
 from pipeline import skip
 from pipeline.batchnorm import DeferredBatchNorm
-from pipeline.distributed import DataParallel
+from pipeline.distributed import DataParallel, DistributedPipe
 from pipeline.microbatch import NoChunk
 from pipeline.migration import from_partitioned_state_dict
 from pipeline.phase import is_checkpointing, is_recomputing
@@ -13,6 +13,7 @@ __all__ = [
     "BalanceError",
     "DataParallel",
     "DeferredBatchNorm",
+    "DistributedPipe",
     "NoChunk",
     "Pipe",
     "PositionalSequential",

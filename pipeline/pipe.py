@@ -301,7 +301,6 @@ class Pipe(nn.Module):
                 bn.reset_accumulators()
         run = StepRun(
             self._pipeline,
-            programs,
             batches,
             targets,
             loss_fn,
@@ -311,11 +310,11 @@ class Pipe(nn.Module):
             keep_outputs=return_outputs,
         )
         begin_explicit_step(simulation.mean_idle_fraction)
-        run.run()
+        run.run(programs)
         if self.training:
             for bn in self._deferred_batch_norms:
                 bn.commit()
-        self.last_step = StepReport(schedule, simulation, run.peak_in_flight)
+        self.last_step = StepReport(schedule, simulation, list(run.peak_in_flight.values()))
         loss = torch.stack([cast(torch.Tensor, loss) for loss in run.losses]).sum()
         if return_outputs:
             return loss, gather([cast(Batch, out) for out in run.outputs])

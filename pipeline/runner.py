@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -51,7 +52,6 @@ class StepRun:
     def __init__(
         self,
         pipeline: Pipeline,
-        programs: list[Program],
         batches: list[Batch],
         targets: list[Batch],
         loss_fn: LossFn,
@@ -59,11 +59,19 @@ class StepRun:
         checkpointed: set[tuple[int, int]],
         hooks: list[Hook],
         keep_outputs: bool,
+        *,
+        transport: Transport | None = None,
+        stages: Iterable[int] | None = None,
     ) -> None:
+        """``batches`` feed stage 0 and ``targets`` the last stage, where those run.
+
+        ``scales[i]`` weighs micro-batch ``i``'s loss; ``transport`` and
+        ``stages`` (the stages this process runs) default to every stage of
+        ``pipeline`` in this process.
+        """
         self.pipeline = pipeline
-        self.programs = programs
         self.stages = len(pipeline.partitions)
-        self.m = len(batches)
+        self.m = len(scales)
         self.batches = batches
         self.targets = targets
         self.loss_fn = loss_fn
@@ -75,20 +83,21 @@ class StepRun:
         self.compute_streams = [current_stream(d) for d in pipeline.devices]
         self.seeds = rng.StepSeeds()
         self.skip_layout = pipeline.skip_layout or SkipLayout([], pipeline.devices)
-        self.transport: Transport = LocalTransport(pipeline.devices)
-        self.stage_runs = [StageRun(self, j) for j in range(self.stages)]
+        self.transport = transport if transport is not None else LocalTransport(pipeline.devices)
+        local = range(self.stages) if stages is None else stages
+        self.stage_runs = {j: StageRun(self, j) for j in local}
         self.losses: list[Tensor | None] = [None] * self.m
         self.outputs: list[Batch | None] = [None] * self.m
         self._hooks_lock = threading.Lock()
 
-    def run(self) -> None:
-        """Run every program on its worker; re-raise the first failure."""
+    def run(self, programs: list[Program]) -> None:
+        """Run each program on its worker thread; re-raise the first failure."""
         replies: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        for w, program in enumerate(self.programs):
+        for w, program in enumerate(programs):
             self.pipeline.workers[w].submit(partial(self._work, program), replies)
         failures: list[BaseException] = []
         try:
-            for _ in self.programs:
+            for _ in programs:
                 result = replies.get()
                 if isinstance(result, Failure):
                     failures.append(result.exception)
@@ -97,6 +106,14 @@ class StepRun:
             raise
         if failures:
             raise next((f for f in failures if not isinstance(f, AbortedError)), failures[0])
+
+    def run_here(self, program: Program) -> None:
+        """Run ``program`` on this thread (a process that runs one worker's stages)."""
+        try:
+            self._work(program)
+        except KeyboardInterrupt:
+            self.transport.abort()
+            raise
 
     def _work(self, program: Program) -> None:
         for action in program:
@@ -125,8 +142,9 @@ class StepRun:
                 hook(j)
 
     @property
-    def peak_in_flight(self) -> list[int]:
-        return [stage.peak_in_flight for stage in self.stage_runs]
+    def peak_in_flight(self) -> dict[int, int]:
+        """Per stage run here, the most micro-batches it held at once."""
+        return {j: stage.peak_in_flight for j, stage in self.stage_runs.items()}
 
 
 @dataclass(frozen=True)

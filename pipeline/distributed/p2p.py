@@ -1,0 +1,303 @@
+"""Point-to-point transport: stages in separate processes, messages as sends on a process group.
+
+The same stages and programs as in one process (``stage.py``) run with one
+or more stages per process; a message for a stage of another process is
+sent to it. A message carries its own description, so nothing is declared
+up front and shapes may change from step to step::
+
+    header  int64[3]   kind (data, abort, stop), description length, tensor count
+    description        pickled: key, structure, per leaf (shape, dtype) or value
+    tensors            each as its raw bytes
+
+Every process listens to each peer on a thread of its own, receiving in
+the order the peer sent and filing each message under its key; an action
+takes what it needs by key, waiting at most ``timeout`` seconds. Messages
+are therefore matched by key, not by order, and no schedule can make two
+processes wait for each other's receives. Sends are asynchronous; the step
+waits for them at its end.
+
+Faults: an action that fails tells every peer (an ``abort`` message), whose
+waiting actions then fail at once, naming the process and its action; a
+peer that dies breaks its connection, which fails the listener and the
+actions waiting on it; a peer that stalls makes them fail after
+``timeout`` seconds, naming the peer and what they waited for.
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+import time
+from collections.abc import Hashable, Iterable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from pipeline.distributed.process_group import collective_device
+from pipeline.transport import AbortedError, Message
+
+__all__ = ["P2PTransport", "PeerError"]
+
+_DATA, _ABORT, _STOP = 0, 1, 2
+
+
+class PeerError(RuntimeError):
+    """Another process of the pipeline failed, died or stalled."""
+
+
+class _Store:
+    """Messages by (step, key); the steps that were aborted, and why."""
+
+    def __init__(self) -> None:
+        self._values: dict[tuple[int, Hashable], Message] = {}
+        self._aborted: dict[int, BaseException] = {}
+        self._broken: BaseException | None = None
+        self._changed = threading.Condition()
+
+    def put(self, key: tuple[int, Hashable], message: Message) -> None:
+        with self._changed:
+            self._values[key] = message
+            self._changed.notify_all()
+
+    def get(self, key: tuple[int, Hashable], timeout: float, waiting_for: str) -> Message:
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while key not in self._values:
+                failure = self._aborted.get(key[0]) or self._broken
+                if failure is not None:
+                    raise AbortedError(f"gave up waiting for {waiting_for}: {failure}") from failure
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise PeerError(
+                        f"waited {timeout:g} s for {waiting_for}, in vain: that process is "
+                        "stalled or dead (raise the pipeline's timeout if its steps are slow)"
+                    )
+                self._changed.wait(left)
+            return self._values.pop(key)
+
+    def abort(self, step: int, error: BaseException) -> None:
+        with self._changed:
+            self._aborted.setdefault(step, error)
+            self._changed.notify_all()
+
+    def break_down(self, error: BaseException) -> None:
+        """A peer is gone: every wait, now and later, fails with ``error``."""
+        with self._changed:
+            self._broken = self._broken or error
+            self._changed.notify_all()
+
+    def is_aborted(self, step: int) -> bool:
+        with self._changed:
+            return step in self._aborted or self._broken is not None
+
+    def begin(self, step: int) -> None:
+        """Forget what earlier steps left (a failed step's messages)."""
+        with self._changed:
+            self._values = {k: v for k, v in self._values.items() if k[0] >= step}
+            self._aborted = {s: e for s, e in self._aborted.items() if s >= step}
+
+
+class P2PTransport:
+    """The transport of one process: local stages by mail, remote ones by sends on ``group``.
+
+    ``owner[s]`` is the group rank that runs stage ``s``; ``peers`` the group
+    ranks this one exchanges messages with. Call ``begin_step`` and
+    ``end_step`` around each step, and ``close`` once.
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        owner: list[int],
+        peers: Iterable[int],
+        devices: list[torch.device],
+        timeout: float,
+    ) -> None:
+        self.group = group
+        self.me = dist.get_rank(group)
+        self.owner = owner
+        self.peers = sorted(set(peers) - {self.me})
+        self.devices = devices
+        self.timeout = timeout
+        self.wire = collective_device(group)
+        self.step = 0
+        self._store = _Store()
+        self._send_locks = {peer: threading.Lock() for peer in self.peers}
+        self._pending: list[tuple[dist.Work, torch.Tensor]] = []
+        self._pending_lock = threading.Lock()
+        self._closing = False
+        self._listeners = [
+            threading.Thread(
+                target=self._listen, args=(peer,), name=f"pipe-p2p-from-{peer}", daemon=True
+            )
+            for peer in self.peers
+        ]
+        for listener in self._listeners:
+            listener.start()
+
+    # Steps
+
+    def begin_step(self) -> None:
+        self.step += 1
+        self._store.begin(self.step)
+
+    def end_step(self) -> None:
+        """Wait until this step's sends are done (their tensors may then be freed)."""
+        with self._pending_lock:
+            pending, self._pending = self._pending, []
+        for work, _ in pending:
+            try:
+                work.wait(timedelta(seconds=self.timeout))
+            except RuntimeError as error:
+                raise PeerError(f"a send of step {self.step} did not complete: {error}") from error
+
+    # Transport
+
+    def send(self, key: Hashable, message: Message, source: int, target: int, i: int) -> None:
+        peer = self.owner[target]
+        if peer == self.me:
+            self._store.put((self.step, key), message)
+            return
+        self._post(peer, _DATA, (self.step, key), message)
+
+    def receive(self, key: Hashable, source: int, target: int) -> Message:
+        peer = self.owner[source]
+        where = "this process" if peer == self.me else f"rank {peer}"
+        waiting_for = f"{_describe(key)} from stage {source} ({where})"
+        message = self._store.get((self.step, key), self.timeout, waiting_for)
+        device = self.devices[target]
+        return Message(
+            [x.to(device) if isinstance(x, torch.Tensor) else x for x in message.leaves],
+            message.spec,
+            message.differentiable,
+        )
+
+    def abort(self, error: BaseException | None = None) -> None:
+        reason = error if error is not None else AbortedError("interrupted")
+        self._store.abort(self.step, reason)
+        if isinstance(error, AbortedError | PeerError):
+            return  # not this process's own failure: the failing one tells the peers
+        summary = f"rank {self.me} failed: {type(reason).__name__}: {reason}"
+        for peer in self.peers:
+            try:
+                self._post(peer, _ABORT, self.step, Message([summary]))
+            except Exception:
+                continue
+
+    @property
+    def aborted(self) -> bool:
+        return self._store.is_aborted(self.step)
+
+    def close(self) -> None:
+        """Stop listening: tell every peer, which tells this process in turn."""
+        self._closing = True
+        for peer in self.peers:
+            try:
+                self._post(peer, _STOP, 0, Message([]))
+            except Exception:
+                continue
+        for listener in self._listeners:
+            listener.join(self.timeout)
+
+    # Wire
+
+    def _post(self, peer: int, kind: int, key: Any, message: Message) -> None:
+        tensors = [x for x in message.leaves if isinstance(x, torch.Tensor)]
+        shape = _shape_of(message)
+        description = pickle.dumps((key, shape, message.spec is not None, message.differentiable))
+        parts = [
+            torch.tensor([kind, len(description), len(tensors)], dtype=torch.int64),
+            torch.frombuffer(bytearray(description), dtype=torch.uint8),
+            *(_raw_bytes(t) for t in tensors),
+        ]
+        destination = dist.get_global_rank(self.group, peer)
+        with self._send_locks[peer]:
+            for part in parts:
+                on_wire = part.to(self.wire)
+                work = dist.isend(on_wire, dst=destination, group=self.group)
+                assert work is not None, "this process is in the group it sends on"
+                with self._pending_lock:
+                    self._pending.append((work, on_wire))
+
+    def _listen(self, peer: int) -> None:
+        source = dist.get_global_rank(self.group, peer)
+        while True:
+            try:
+                kind, key, message = self._receive_one(source)
+            except Exception as error:
+                if not self._closing:
+                    self._store.break_down(
+                        PeerError(f"lost the connection to rank {peer}: {error}")
+                    )
+                return
+            if kind == _STOP:
+                return
+            if kind == _ABORT:
+                self._store.abort(key, PeerError(str(message.leaves[0])))
+            else:
+                self._store.put(key, message)
+
+    def _receive_one(self, source: int) -> tuple[int, Any, Message]:
+        header = torch.empty(3, dtype=torch.int64, device=self.wire)
+        dist.recv(header, src=source, group=self.group)
+        kind, length, count = (int(v) for v in header.tolist())
+        raw = torch.empty(length, dtype=torch.uint8, device=self.wire)
+        dist.recv(raw, src=source, group=self.group)
+        key, shape, structured, differentiable = pickle.loads(bytes(raw.cpu().tolist()))
+        placeholders, spec = tree_flatten(shape) if structured else (shape, None)
+        values = []
+        for leaf in placeholders:
+            if not isinstance(leaf, _Tensor):
+                values.append(leaf)
+                continue
+            buffer = torch.empty(leaf.nbytes, dtype=torch.uint8, device=self.wire)
+            dist.recv(buffer, src=source, group=self.group)
+            values.append(buffer.view(getattr(torch, leaf.dtype)).reshape(leaf.shape))
+        assert sum(isinstance(v, torch.Tensor) for v in values) == count
+        return kind, key, Message(values, spec, differentiable)
+
+
+class _Tensor:
+    """Stands for a tensor in a message's description: what the receiver allocates."""
+
+    __slots__ = ("dtype", "nbytes", "shape")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.shape = tuple(tensor.shape)
+        self.dtype = str(tensor.dtype).removeprefix("torch.")
+        self.nbytes = tensor.nbytes
+
+    def __getstate__(self) -> tuple[tuple[int, ...], str, int]:
+        return self.shape, self.dtype, self.nbytes
+
+    def __setstate__(self, state: tuple[tuple[int, ...], str, int]) -> None:
+        self.shape, self.dtype, self.nbytes = state
+
+
+def _shape_of(message: Message) -> Any:
+    """The message's value (or list of leaves) with each tensor replaced by its description."""
+    leaves = [_Tensor(x) if isinstance(x, torch.Tensor) else x for x in message.leaves]
+    if message.spec is None:
+        return leaves
+    return tree_unflatten(leaves, message.spec)
+
+
+def _raw_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+_WHAT = {
+    "act": "the activation",
+    "grad": "the gradient",
+    "skip": "the skip tensor",
+    "skip-grad": "the skip tensor's gradient",
+}
+
+
+def _describe(key: Hashable) -> str:
+    if isinstance(key, tuple) and key and key[0] in _WHAT:
+        return f"{_WHAT[key[0]]} of micro-batch {key[-1]}"
+    return repr(key)

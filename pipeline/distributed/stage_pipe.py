@@ -1,0 +1,439 @@
+"""DistributedPipe: a pipeline whose stages are processes on a torch.distributed process group.
+
+The same ``nn.Sequential`` and ``balance`` as ``pipeline.Pipe``, and the same
+``step(input, target, loss_fn, schedule=...)``, but stage ``s`` runs in the
+process of group rank ``s % size`` (one stage per process, or ``v`` of them
+with the interleaved schedule), which keeps only the layers of its own
+stages: a model built on the ``meta`` device is materialised stage by stage,
+so no process ever holds the whole model. Each process runs its part of the
+schedule's programs on its own thread (``stage.py``, as ``Pipe.step`` does),
+exchanging activations, gradients and skip tensors with the others by
+point-to-point sends (``p2p.py``).
+
+Weights tied across stages (an embedding and the output head) live in each
+process that uses them, made equal at construction and kept equal by
+summing their gradients over those processes after each step, as Megatron's
+embedding group does. Wrapped in ``pipeline.DataParallel`` (over the replicas
+of the same stage), each stage's gradients are averaged across replicas as
+soon as its last backward ends: a pp x dp grid in one ``torchrun`` job.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from pipeline.actions import Program
+from pipeline.arguments import (
+    CallStyle,
+    CheckpointMode,
+    LossReduction,
+    check_balance,
+    check_call_style,
+    check_checkpoint,
+    check_chunks,
+    check_module,
+)
+from pipeline.batchnorm import DeferredBatchNorm
+from pipeline.completion import Hook
+from pipeline.distributed.p2p import P2PTransport
+from pipeline.distributed.process_group import collective_device, resolve_group
+from pipeline.microbatch import Batch, Value, check_input, gather, scatter, to_device
+from pipeline.pipe import PositionalSequential
+from pipeline.pipeline import Pipeline
+from pipeline.runner import StepRun, checkpointed_tasks
+from pipeline.schedules import Schedule, resolve_schedule
+from pipeline.simulate import Simulation, validate
+from pipeline.skip.layout import SkipLayout, inspect_skip_layout
+from pipeline.skip.verify import verify_skippables
+
+__all__ = ["DistributedPipe", "DistributedStepReport"]
+
+# Long enough for a slow step; a stalled or dead peer fails the others after it.
+DEFAULT_TIMEOUT_S = 300.0
+_LOSS_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+
+
+@dataclass(frozen=True)
+class DistributedStepReport:
+    """What this process ran in the last step: the schedule, its simulation, what it held."""
+
+    schedule: Schedule
+    simulation: Simulation
+    peak_in_flight: dict[int, int]
+
+
+class DistributedPipe(nn.Module):
+    """One process's stages of a pipeline over the processes of ``group``.
+
+    Every process of ``group`` builds it with the same module and balance::
+
+        dist.init_process_group("gloo")       # torchrun sets the environment
+        pipe = DistributedPipe(model, balance=[3, 3], chunks=8)
+        loss = pipe.step(x, y, F.cross_entropy, schedule="1f1b")  # every process
+        optimizer.step()                       # over pipe.parameters(): this stage's
+
+    Args:
+        module: the whole ``nn.Sequential`` (on the ``meta`` device, or any).
+            This process keeps the layers of its stages, moved to ``device``;
+            layers on ``meta`` are materialised there (``to_empty``, then each
+            submodule's ``reset_parameters``).
+        balance: layers per stage; ``len(balance)`` must be a multiple of the
+            group's size (stage ``s`` runs in group rank ``s % size``).
+        group: the processes of one pipeline (default: the default group).
+        device: this process's device (default: the current CUDA device with
+            NCCL, else the CPU).
+        chunks, checkpoint, deferred_batch_norm, call_style: as ``Pipe``'s.
+        timeout: seconds an action waits for a message before it fails,
+            naming the peer (a stalled or dead process).
+    """
+
+    def __init__(
+        self,
+        module: nn.Sequential,
+        balance: Sequence[int] | None = None,
+        *,
+        group: dist.ProcessGroup | None = None,
+        device: torch.device | str | None = None,
+        chunks: int = 1,
+        checkpoint: CheckpointMode = "except_last",
+        deferred_batch_norm: bool = False,
+        call_style: CallStyle = "tuple",
+        timeout: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
+        super().__init__()
+        check_module(module)
+        verify_skippables(module)
+        self.balance = check_balance(balance, len(module))
+        self.chunks = check_chunks(chunks)
+        self.checkpoint = check_checkpoint(checkpoint)
+        self.call_style = check_call_style(call_style)
+        if not timeout > 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        self.group = resolve_group(group)
+        self.size = dist.get_world_size(self.group)
+        self.rank = dist.get_rank(self.group)
+        n = len(self.balance)
+        if n % self.size:
+            raise ValueError(
+                f"balance has {n} stages for {self.size} processes; give a multiple of "
+                f"{self.size} stages (one per process, or several with the interleaved schedule)"
+            )
+        self.owner = [s % self.size for s in range(n)]
+        self.local_stages = [s for s in range(n) if self.owner[s] == self.rank]
+        self.device = torch.device(device) if device is not None else _default_device(self.group)
+        if deferred_batch_norm:
+            DeferredBatchNorm.convert(module)
+        layers = OrderedDict((name, layer) for name, layer in module._modules.items() if layer)
+        sequential = PositionalSequential if call_style == "positional" else nn.Sequential
+        every = _partitions(layers, self.balance, sequential)
+        skip_layout = inspect_skip_layout(every, [self.device] * n)
+        tied = _tied_parameters(every, self.owner)
+        self.partitions = [
+            _materialized(p, self.device) if self.owner[s] == self.rank else nn.Sequential()
+            for s, p in enumerate(every)
+        ]
+        for s in self.local_stages:
+            for name, layer in self.partitions[s]._modules.items():
+                self.add_module(name, layer)
+        self._pipeline = Pipeline(
+            self.partitions,
+            [self.device] * n,
+            [],
+            skip_layout,
+            positional=call_style == "positional",
+            deferred_batch_norm=deferred_batch_norm,
+        )
+        self._deferred_batch_norms = [m for m in self.modules() if isinstance(m, DeferredBatchNorm)]
+        self._ties = self._resolve_ties(tied)
+        self._tied_stages = {
+            s
+            for s in self.local_stages
+            for occurrences in tied.values()
+            for o in occurrences
+            if any(stage == s for stage, _ in o)
+        }
+        self._synchronize_ties()
+        peers = _peers(self.local_stages, self.owner, skip_layout)
+        self._transport = P2PTransport(self.group, self.owner, peers, [self.device] * n, timeout)
+        self._finalizer = weakref.finalize(self, self._transport.close)
+        self._completion_hooks: OrderedDict[int, Hook] = OrderedDict()
+        self._validated: dict[tuple[str, int], tuple[list[Program], Simulation]] = {}
+        self.last_step: DistributedStepReport | None = None
+
+    # Training
+
+    def step(
+        self,
+        input: Value | None,
+        target: Value | None,
+        loss_fn: Callable[[Value, Value], Tensor],
+        *,
+        schedule: str | Schedule = "1f1b",
+        loss_reduction: LossReduction = "mean",
+        return_outputs: bool = False,
+    ) -> Tensor | tuple[Tensor, Value | None]:
+        """Run a training step over every process; see ``Pipe.step``.
+
+        Every process of the group calls it. ``input`` is needed only where
+        stage 0 runs and ``target`` only where the last stage runs (pass
+        ``None`` elsewhere). Each process's gradients accumulate into its own
+        parameters' ``.grad``; the loss is returned on every process, on its
+        device (and the output, with ``return_outputs``, where the last stage
+        runs, ``None`` elsewhere).
+        """
+        if not self._finalizer.alive:
+            raise RuntimeError("this DistributedPipe is closed; create a new one to train")
+        if not torch.is_grad_enabled():
+            raise RuntimeError("DistributedPipe.step computes gradients, but grad mode is off")
+        chosen = resolve_schedule(schedule)
+        workers = chosen.workers(len(self.balance))
+        if workers != self.size:
+            raise ValueError(
+                f"{chosen!r} runs {len(self.balance)} stages on {workers} workers, but the "
+                f"group has {self.size} processes: use a schedule with one worker per process"
+            )
+        if loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+        first, last = 0 in self.local_stages, len(self.balance) - 1 in self.local_stages
+        batches = self._scatter(input, "input", needed=first)
+        rows = self._agree_on_rows(batches)
+        targets = self._scatter(target, "target", needed=last)
+        if last and [t.rows() for t in targets] != rows:
+            raise ValueError(
+                f"target splits into micro-batches of {[t.rows() for t in targets]} rows but the "
+                f"input into {rows}: give the target the input's batch size (dim 0)"
+            )
+        programs, simulation = self._programs(chosen, len(rows))
+        scales = [r / sum(rows) if loss_reduction == "mean" else 1.0 for r in rows]
+        if self.training:
+            for bn in self._deferred_batch_norms:
+                bn.reset_accumulators()
+        run = StepRun(
+            self._pipeline,
+            batches,
+            targets,
+            loss_fn,
+            scales,
+            checkpointed_tasks(programs, len(rows) if self.training else 0, self.checkpoint),
+            [self._stage_done],
+            keep_outputs=return_outputs,
+            transport=self._transport,
+            stages=self.local_stages,
+        )
+        self._transport.begin_step()
+        run.run_here(programs[self.rank])
+        self._transport.end_step()
+        self._sum_tied_gradients()
+        if self.training:
+            for bn in self._deferred_batch_norms:
+                bn.commit()
+        self.last_step = DistributedStepReport(chosen, simulation, run.peak_in_flight)
+        loss = self._loss_everywhere(run.losses if last else None)
+        if not return_outputs:
+            return loss
+        return loss, gather([cast(Batch, out) for out in run.outputs]) if last else None
+
+    def _scatter(self, value: Value | None, what: str, needed: bool) -> list[Batch]:
+        if not needed:
+            return []
+        if value is None:
+            raise ValueError(
+                f"this process runs stage {0 if what == 'input' else len(self.balance) - 1}, "
+                f"so its step() needs the {what}; pass it here (other processes may pass None)"
+            )
+        check_input(value)
+        return scatter(to_device(value, self.device), self.chunks)
+
+    def _agree_on_rows(self, batches: list[Batch]) -> list[int]:
+        """The micro-batches' sizes, as stage 0's process split them, known to every process."""
+        sizes = torch.zeros(self.chunks + 1, dtype=torch.int64)
+        if batches:
+            sizes[0] = len(batches)
+            sizes[1 : len(batches) + 1] = torch.tensor([b.rows() for b in batches])
+        sizes = sizes.to(collective_device(self.group))
+        dist.broadcast(sizes, group=self.group, group_src=self.owner[0])
+        m = int(sizes[0])
+        return [int(r) for r in sizes[1 : m + 1].tolist()]
+
+    def _programs(self, schedule: Schedule, m: int) -> tuple[list[Program], Simulation]:
+        key = (repr(schedule), m)
+        found = self._validated.get(key)
+        if found is None:
+            programs = schedule.programs(m, len(self.balance))
+            found = self._validated[key] = (programs, validate(programs, m, len(self.balance)))
+        return found
+
+    def _resolve_ties(
+        self, tied: dict[tuple[int, ...], list[list[tuple[int, str]]]]
+    ) -> dict[tuple[int, ...], tuple[dist.ProcessGroup, list[nn.Parameter]]]:
+        """This process's tied parameters, by the processes holding them, with their group."""
+        groups = _tie_groups(self.group, list(tied), self.rank)
+        found = {}
+        for holders, subgroup in groups.items():
+            params = []
+            for occurrences in tied[holders]:
+                stage, name = next((s, n) for s, n in occurrences if s in self.local_stages)
+                params.append(self.partitions[stage].get_parameter(name))
+            found[holders] = (subgroup, params)
+        return found
+
+    def _stage_done(self, j: int) -> None:
+        # A stage with tied weights is final only once their gradients are
+        # summed over the processes that hold them, after the step.
+        if j not in self._tied_stages:
+            for hook in self._completion_hooks.values():
+                hook(j)
+
+    def _sum_tied_gradients(self) -> None:
+        for group, params in self._ties.values():
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            for param, grad in zip(params, grads, strict=True):
+                dist.all_reduce(grad, group=group)
+                param.grad = grad
+        for j in sorted(self._tied_stages):
+            for hook in self._completion_hooks.values():
+                hook(j)
+
+    def _synchronize_ties(self) -> None:
+        """Tied weights start equal: the first process holding them sends its values."""
+        with torch.no_grad():
+            for group, params in self._ties.values():
+                for param in params:
+                    dist.broadcast(param, group=group, group_src=0)
+
+    def _loss_everywhere(self, losses: list[Tensor | None] | None) -> Tensor:
+        """The step's loss, sent by the last stage's process to the others, in its dtype."""
+        message = torch.zeros(2, dtype=torch.float64)
+        if losses is not None:
+            total = torch.stack([cast(Tensor, x) for x in losses]).sum()
+            message[0], message[1] = total.double(), _LOSS_DTYPES.index(total.dtype)
+        message = message.to(collective_device(self.group))
+        dist.broadcast(message, group=self.group, group_src=self.owner[-1])
+        value, dtype = message.tolist()
+        return torch.tensor(value, dtype=_LOSS_DTYPES[int(dtype)], device=self.device)
+
+    # Module protocol
+
+    def register_partition_backward_hook(self, hook: Hook) -> RemovableHandle:
+        """Call ``hook(j)`` once per step when stage ``j`` (one of this process's) is final."""
+        handle = RemovableHandle(self._completion_hooks)
+        self._completion_hooks[handle.id] = hook
+        return handle
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        """Load this process's layers from a whole model's state dict (other keys are skipped).
+
+        ``strict`` still requires every key of this process's layers.
+        """
+        own = set(self.state_dict())
+        mine = OrderedDict((k, v) for k, v in state_dict.items() if k in own)
+        return super().load_state_dict(mine, strict=strict, assign=assign)
+
+    def close(self) -> None:
+        """Stop listening to the peers (garbage collection and exit do it otherwise)."""
+        self._finalizer()
+
+    def __iter__(self) -> Iterator[nn.Module]:
+        for s in self.local_stages:
+            yield from self.partitions[s]
+
+
+def _default_device(group: dist.ProcessGroup) -> torch.device:
+    return collective_device(group)
+
+
+def _partitions(
+    layers: OrderedDict[str, nn.Module], balance: list[int], sequential: type[nn.Sequential]
+) -> list[nn.Sequential]:
+    items = list(layers.items())
+    bounds = [sum(balance[:j]) for j in range(len(balance) + 1)]
+    return [sequential(OrderedDict(items[a:b])) for a, b in itertools.pairwise(bounds)]
+
+
+def _materialized(partition: nn.Sequential, device: torch.device) -> nn.Sequential:
+    """``partition`` on ``device``; layers on ``meta`` get storage and their initial values."""
+    tensors = [*partition.parameters(), *partition.buffers()]
+    if not any(t.is_meta for t in tensors):
+        return partition.to(device)
+    partition.to_empty(device=device)
+    with torch.no_grad():
+        for module in partition.modules():
+            reset = getattr(module, "reset_parameters", None)
+            if callable(reset):
+                reset()
+    return partition
+
+
+def _tied_parameters(
+    partitions: list[nn.Sequential], owner: list[int]
+) -> dict[tuple[int, ...], list[list[tuple[int, str]]]]:
+    """Parameters used by stages of different processes, by the processes holding them.
+
+    Each parameter is listed as its (stage, name) occurrences, in registration
+    order: the same in every process, which builds the whole module.
+    """
+    occurrences: dict[int, list[tuple[int, str]]] = {}
+    for s, partition in enumerate(partitions):
+        for name, param in partition.named_parameters(remove_duplicate=False):
+            occurrences.setdefault(id(param), []).append((s, name))
+    tied: dict[tuple[int, ...], list[list[tuple[int, str]]]] = {}
+    for found in occurrences.values():
+        holders = tuple(sorted({owner[s] for s, _ in found}))
+        if len(holders) > 1:
+            tied.setdefault(holders, []).append(found)
+    return tied
+
+
+def _tie_groups(
+    group: dist.ProcessGroup, ties: list[tuple[int, ...]], rank: int
+) -> dict[tuple[int, ...], dist.ProcessGroup]:
+    """A process group per set of tied processes; those this process belongs to.
+
+    ``new_subgroups_by_enumeration`` is collective over the whole job, so the
+    groups of the other pipeline replicas (other ``group``s) are made too:
+    every process gathers every pipeline's ranks first.
+    """
+    if not ties:
+        return {}
+    pipelines = _every_pipeline(group)
+    found: dict[tuple[int, ...], dist.ProcessGroup] = {}
+    for holders in ties:
+        enumeration = [[ranks[h] for h in holders] for ranks in pipelines]
+        subgroup, _ = dist.new_subgroups_by_enumeration(enumeration)
+        if rank in holders:
+            assert subgroup is not None, "every process is in one of the enumerated groups"
+            found[holders] = subgroup
+    return found
+
+
+def _every_pipeline(group: dist.ProcessGroup) -> list[list[int]]:
+    """The global ranks of every pipeline (a process group like ``group``) in the job."""
+    device = collective_device(group)
+    mine = torch.tensor(dist.get_process_group_ranks(group), dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, mine)
+    return [list(t) for t in sorted({tuple(int(r) for r in t.tolist()) for t in gathered})]
+
+
+def _peers(local: list[int], owner: list[int], layout: SkipLayout) -> set[int]:
+    """The processes this one exchanges messages with: neighbours, and skip partners."""
+    n = len(owner)
+    peers = {owner[t] for s in local for t in (s - 1, s + 1) if 0 <= t < n}
+    for route in layout.routes():
+        if owner[route.source] in {owner[s] for s in local}:
+            peers.add(owner[route.target])
+        if owner[route.target] in {owner[s] for s in local}:
+            peers.add(owner[route.source])
+    return peers
