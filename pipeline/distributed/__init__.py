@@ -1,4 +1,4 @@
-"""Beyond one process: DataParallel across pipeline replicas, pipelines whose stages are processes."""
+"""Beyond one process: DataParallel over replicas, and pipelines whose stages are processes."""
 
 from pipeline.distributed.data_parallel import DataParallel
 from pipeline.distributed.p2p import PeerError
