@@ -117,8 +117,7 @@ class StepRun:
 
     def _work(self, program: Program) -> None:
         for action in program:
-            if self.transport.aborted:
-                return
+            self.transport.check()
             try:
                 self.stage_runs[action.stage].act(action)
             except BaseException as exception:

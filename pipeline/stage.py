@@ -210,7 +210,7 @@ class StageRun:
             found = [x.grad for x in targets]
         for (key, _), grad in zip(skips, found[len(inputs) :], strict=True):
             source = self.run.skip_layout.route(key).source
-            self._send(("skip-grad", key, i), Message([grad]), source, i)
+            self._send(self._skip_mail("skip-grad", key, i), Message([grad]), source, i)
         self._send_input_grads(i, stashed, found[: len(inputs)])
         stashed.outputs, stashed.loss, stashed.skips_out = [], None, {}
 
@@ -237,7 +237,8 @@ class StageRun:
         pairs = list(zip(stashed.outputs, grads, strict=True))
         for key, tensor in stashed.skips_out.items():
             popping = self.run.skip_layout.route(key).target
-            pairs.append((tensor, self._receive(("skip-grad", key, i), popping).leaves[0]))
+            received = self._receive(self._skip_mail("skip-grad", key, i), popping)
+            pairs.append((tensor, received.leaves[0]))
         kept = [(o, g) for o, g in pairs if _needs_grad(o) and g is not None]
         return [o for o, _ in kept], [g for _, g in kept]
 
@@ -267,6 +268,10 @@ class StageRun:
 
     def _receive(self, key: Hashable, stage: int) -> Message:
         return self.run.transport.receive(key, stage, self.j)
+
+    def _skip_mail(self, kind: str, key: SkipKey, i: int) -> tuple[str, int, int]:
+        """The mail key of a skip (or its gradient), meaningful in every process."""
+        return kind, self.run.skip_layout.number(key), i
 
     # Contexts
 
@@ -309,7 +314,7 @@ class _StageTracker(SkipTracker):
             i = self.stashed.i
             needs = _needs_grad(tensor) or (self.stashed.checkpointed and _floating(tensor))
             message = Message([_detached(tensor)], None, [needs])
-            self.stage._send(("skip", key, i), message, route.target, i)
+            self.stage._send(self.stage._skip_mail("skip", key, i), message, route.target, i)
 
     def load(self, input: Carrier, key: SkipKey) -> Tensor:
         route = self.stage.run.skip_layout.route(key)
@@ -318,7 +323,7 @@ class _StageTracker(SkipTracker):
         if self.recomputing:
             return cast(Tensor, _view(self.stashed.skips_in[key]))
         i = self.stashed.i
-        message = self.stage._receive(("skip", key, i), route.source)
+        message = self.stage._receive(self.stage._skip_mail("skip", key, i), route.source)
         tensor = message.leaves[0]
         leaf = _leaf(tensor) if message.differentiable[0] else tensor
         self.stashed.skips_in[key] = leaf

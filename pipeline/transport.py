@@ -35,7 +35,7 @@ __all__ = [
 ]
 
 
-class AbortedError(Exception):
+class AbortedError(RuntimeError):
     """Another action of the step failed; this one stopped waiting for its input."""
 
 
@@ -128,8 +128,9 @@ class Transport(Protocol):
         """Stop every waiting ``receive`` (the step failed)."""
         ...
 
-    @property
-    def aborted(self) -> bool: ...
+    def check(self) -> None:
+        """Raise ``AbortedError`` (with the reason) if the step was aborted."""
+        ...
 
 
 class LocalTransport:
@@ -152,6 +153,6 @@ class LocalTransport:
     def abort(self, error: BaseException | None = None) -> None:
         self.mailboxes.abort()
 
-    @property
-    def aborted(self) -> bool:
-        return self.mailboxes.aborted
+    def check(self) -> None:
+        if self.mailboxes.aborted:
+            raise AbortedError("stopped: another action of the step failed")

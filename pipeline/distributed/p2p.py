@@ -89,9 +89,12 @@ class _Store:
             self._broken = self._broken or error
             self._changed.notify_all()
 
-    def is_aborted(self, step: int) -> bool:
+    def check(self, step: int) -> None:
+        """Raise ``AbortedError`` with the reason if ``step`` was aborted or a peer is gone."""
         with self._changed:
-            return step in self._aborted or self._broken is not None
+            failure = self._aborted.get(step) or self._broken
+        if failure is not None:
+            raise AbortedError(f"stopped: {failure}") from failure
 
     def begin(self, step: int) -> None:
         """Forget what earlier steps left (a failed step's messages)."""
@@ -178,8 +181,8 @@ class P2PTransport:
     def abort(self, error: BaseException | None = None) -> None:
         reason = error if error is not None else AbortedError("interrupted")
         self._store.abort(self.step, reason)
-        if isinstance(error, AbortedError | PeerError):
-            return  # not this process's own failure: the failing one tells the peers
+        if isinstance(error, AbortedError):
+            return  # a peer's failure reached this process: that peer tells the others
         summary = f"rank {self.me} failed: {type(reason).__name__}: {reason}"
         for peer in self.peers:
             try:
@@ -187,9 +190,8 @@ class P2PTransport:
             except Exception:
                 continue
 
-    @property
-    def aborted(self) -> bool:
-        return self._store.is_aborted(self.step)
+    def check(self) -> None:
+        self._store.check(self.step)
 
     def close(self) -> None:
         """Stop listening: tell every peer, which tells this process in turn."""

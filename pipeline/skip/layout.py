@@ -50,6 +50,7 @@ class SkipLayout:
     def __init__(self, routes: Sequence[Route], devices: Sequence[torch.device]) -> None:
         self.devices = list(devices)
         self._routes = {route.key: route for route in routes}
+        self._numbers = {key: n for n, key in enumerate(self._routes)}
         moves: list[dict[int, list[Route]]] = [{} for _ in self.devices]
         for route in routes:
             if self.is_copied(route):
@@ -69,6 +70,15 @@ class SkipLayout:
                 f"skip {name!r} ({ns}) is not in this Pipe's skip layout; was its layer added "
                 "after the Pipe was built?"
             ) from None
+
+    def number(self, key: SkipKey) -> int:
+        """The skip's position in stash order: the same in every process built from one model.
+
+        Namespaces compare by identity, so a key means nothing to another
+        process; its number does.
+        """
+        self.route(key)
+        return self._numbers[key]
 
     def is_copied(self, route: Route) -> bool:
         """Whether the skip changes device, and so is moved by the fence."""

@@ -51,6 +51,7 @@ def run_group(
     directory: Path,
     scenarios: list[str],
     *,
+    script: Path = SCENARIOS,
     world_size: int = 2,
     backend: str = "gloo",
     numpy: bool = True,
@@ -67,7 +68,7 @@ def run_group(
     procs = []
     for rank in range(world_size):
         out, log = directory / f"rank{rank}.json", directory / f"rank{rank}.log"
-        cmd = [sys.executable, str(SCENARIOS), str(out), str(pg_timeout_s), *scenarios]
+        cmd = [sys.executable, str(script), str(out), str(pg_timeout_s), *scenarios]
         with log.open("w") as log_file:
             proc = subprocess.Popen(
                 cmd,
@@ -109,6 +110,7 @@ def group_runner(tmp_path_factory: pytest.TempPathFactory) -> GroupRunner:
     def launch(
         scenarios: list[str],
         *,
+        script: Path = SCENARIOS,
         world_size: int = 2,
         backend: str = "gloo",
         numpy: bool = True,
@@ -119,6 +121,7 @@ def group_runner(tmp_path_factory: pytest.TempPathFactory) -> GroupRunner:
         return run_group(
             directory,
             scenarios,
+            script=script,
             world_size=world_size,
             backend=backend,
             numpy=numpy,

@@ -1,0 +1,374 @@
+"""DistributedPipe scenarios: stages in separate processes, run by every rank of a gloo group.
+
+Started like scenarios.py (whose runner and helpers this reuses), by
+conftest.run_group with ``script=stage_scenarios.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Generator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from scenarios import (
+    breaks_group,
+    expect_error,
+    main,
+    rank,
+    scenario,
+    world,
+)
+from torch import Tensor, nn
+
+from pipeline import DataParallel, Pipe
+from pipeline.distributed import DistributedPipe, PeerError, load_shards, save_shard
+from pipeline.schedules import Interleaved1F1B
+from pipeline.skip import Namespace, pop, skippable, stash
+
+WIDTH = 8
+MODES = ("always", "except_last", "never")
+
+
+def block() -> nn.Module:
+    return nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh())
+
+
+def blocks(count: int, seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(*(block() for _ in range(count))).double()
+
+
+def batch(rows: int = 10, seed: int = 1) -> tuple[Tensor, Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, WIDTH, generator=gen, dtype=torch.double)
+    return x, torch.randn(rows, WIDTH, generator=gen, dtype=torch.double)
+
+
+def assert_grads_equal(pipe: nn.Module, plain: nn.Module, what: str) -> None:
+    reference = dict(plain.named_parameters())
+    names = [name for name, _ in pipe.named_parameters()]
+    assert names, f"{what}: this process holds no parameter"
+    for name, param in pipe.named_parameters():
+        assert param.grad is not None, f"{what}: {name} has no gradient"
+        torch.testing.assert_close(param.grad, reference[name].grad, msg=f"{what}: {name}")
+
+
+def schedules(stages: int) -> list[Any]:
+    """One stage per process runs the flat schedules; more stages run interleaved."""
+    if stages == world():
+        return ["gpipe", "1f1b", "zb-h1"]
+    return [Interleaved1F1B(virtual=stages // world())]
+
+
+def check_every_schedule_and_mode(stages: int) -> None:
+    plain = blocks(2 * stages)
+    x, y = batch()
+    expected = F.mse_loss(plain(x), y)
+    expected.backward()
+    for schedule in schedules(stages):
+        for mode in MODES:
+            chunks = 4 if isinstance(schedule, str) else 2 * world()
+            what = f"{schedule}, {mode}, {stages} stages on {world()} processes"
+            pipe = DistributedPipe(blocks(2 * stages), [2] * stages, chunks=chunks, checkpoint=mode)
+            ends = (0 in pipe.local_stages, stages - 1 in pipe.local_stages)
+            loss = pipe.step(
+                x if ends[0] else None, y if ends[1] else None, F.mse_loss, schedule=schedule
+            )
+            torch.testing.assert_close(loss, expected.detach(), msg=what)
+            assert_grads_equal(pipe, plain, what)
+            pipe.close()
+
+
+@scenario
+def every_schedule_and_mode_equals_the_plain_model() -> None:
+    check_every_schedule_and_mode(stages=world())
+
+
+@scenario
+def interleaved_stages_equal_the_plain_model() -> None:
+    check_every_schedule_and_mode(stages=2 * world())
+
+
+@skippable(stash=["skip"])
+class Stash(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: Tensor) -> Generator[Any, Any, Tensor]:
+        yield stash("skip", torch.tanh(self.linear(x)))
+        return x * 2
+
+
+@skippable(pop=["skip"])
+class Pop(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: Tensor) -> Generator[Any, Any, Tensor]:
+        skip = yield pop("skip")
+        return self.linear(x) * skip
+
+
+def skipping_model() -> nn.Sequential:
+    """A skip from the first stage to the last, and one into the middle (2 per stage)."""
+    torch.manual_seed(2)
+    outer, inner = Namespace("outer"), Namespace("inner")
+    layers: list[nn.Module] = [block() for _ in range(2 * world())]
+    layers[0] = nn.Sequential(Stash().isolate(outer), Stash().isolate(inner))
+    layers[-1] = nn.Sequential(block(), Pop().isolate(outer))
+    layers[2] = nn.Sequential(block(), Pop().isolate(inner))
+    return nn.Sequential(*layers).double()
+
+
+@scenario
+def skips_go_straight_to_non_adjacent_processes() -> None:
+    plain = skipping_model()
+    x, y = batch()
+    F.mse_loss(plain(x), y).backward()
+    for schedule in ("gpipe", "1f1b", "zb-h1"):
+        for mode in ("always", "never"):
+            pipe = DistributedPipe(skipping_model(), [2] * world(), chunks=3, checkpoint=mode)
+            pipe.step(x, y, F.mse_loss, schedule=schedule)
+            assert_grads_equal(pipe, plain, f"skips, {schedule}, {mode}")
+            pipe.close()
+
+
+@scenario
+def a_model_on_the_meta_device_is_materialised_stage_by_stage() -> None:
+    plain = blocks(2 * world(), seed=3)
+    with torch.device("meta"):
+        meta = blocks(2 * world(), seed=3)
+    pipe = DistributedPipe(meta, [2] * world(), chunks=2)
+    assert all(not p.is_meta for p in pipe.parameters())
+    assert all(
+        p.is_meta
+        for s, part in enumerate(pipe.partitions)
+        if s not in pipe.local_stages
+        for p in part.parameters()
+    )
+    assert not any(p.is_meta for p in pipe.parameters())
+    pipe.load_state_dict(plain.state_dict())
+    x, y = batch()
+    pipe.step(x, y, F.mse_loss)
+    F.mse_loss(plain(x), y).backward()
+    assert_grads_equal(pipe, plain, "from the meta device")
+    held = sum(p.numel() for p in pipe.parameters())
+    assert held < sum(p.numel() for p in plain.parameters())
+    pipe.close()
+
+
+class Embed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.token = nn.Embedding(11, WIDTH)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return self.token(tokens)
+
+
+class Head(nn.Module):
+    def __init__(self, embedding: nn.Embedding) -> None:
+        super().__init__()
+        self.embedding = embedding
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x @ self.embedding.weight.t()
+
+
+def tied_model() -> nn.Sequential:
+    torch.manual_seed(4)
+    embed = Embed()
+    layers = [embed, *(block() for _ in range(2 * world() - 2)), Head(embed.token)]
+    return nn.Sequential(*layers).double()
+
+
+@scenario
+def tied_weights_across_processes_stay_equal_and_train_like_the_plain_model() -> None:
+    plain = tied_model()
+    pipe = DistributedPipe(tied_model(), [2] * world(), chunks=2)
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(5)
+    for step in range(3):
+        tokens = torch.randint(0, 11, (6,), generator=gen)
+        targets = torch.randint(0, 11, (6,), generator=gen)
+        plain_opt.zero_grad()
+        F.cross_entropy(plain(tokens), targets).backward()
+        plain_opt.step()
+        opt.zero_grad()
+        pipe.step(tokens, targets, F.cross_entropy)
+        opt.step()
+        for name, param in pipe.named_parameters():
+            torch.testing.assert_close(
+                param, dict(plain.named_parameters())[name], msg=f"step {step}: {name}"
+            )
+    pipe.close()
+
+
+@scenario
+def a_checkpoint_loads_into_the_plain_model_a_pipe_and_another_balance() -> None:
+    model = blocks(2 * world(), seed=6)
+    pipe = DistributedPipe(model, [2] * world(), chunks=2)
+    x, y = batch()
+    pipe.step(x, y, F.mse_loss)
+    for param in pipe.parameters():
+        param.data.add_(torch.randn_like(param))  # weights of its own, not the initial ones
+    directory = Path(tempfile.gettempdir()) / f"stage-checkpoint-{os.environ['MASTER_PORT']}"
+    save_shard(pipe, directory)
+    dist.barrier()
+    state = load_shards(directory)
+    plain = blocks(2 * world(), seed=99)
+    plain.load_state_dict(state)
+    local = Pipe(blocks(2 * world(), seed=98), [2] * world(), devices=["cpu"] * world())
+    local.load_state_dict(state)
+    rebalanced = DistributedPipe(blocks(2 * world(), seed=97), [1, 2 * world() - 1], chunks=2)
+    rebalanced.load_state_dict(state)
+    for name, param in [*pipe.named_parameters(), *rebalanced.named_parameters()]:
+        torch.testing.assert_close(param, dict(plain.named_parameters())[name], msg=name)
+        torch.testing.assert_close(param, dict(local.named_parameters())[name], msg=name)
+    dist.barrier()
+    pipe.close()
+    rebalanced.close()
+    local.close()
+
+
+class RaiseAt(nn.Module):
+    """Raises in the forward of its ``call``-th call on the rank it is told."""
+
+    def __init__(self, on_rank: int) -> None:
+        super().__init__()
+        self.on_rank = on_rank
+        self.calls = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.calls += 1
+        if rank() == self.on_rank and self.calls == 2:
+            raise KeyError("bad batch")
+        return x
+
+
+@scenario
+def a_failing_process_makes_the_others_fail_at_once_naming_it() -> None:
+    model = blocks(2 * world(), seed=7)
+    model.append(RaiseAt(on_rank=world() - 1))
+    balance = [2] * (world() - 1) + [3]
+    pipe = DistributedPipe(model, balance, chunks=4, checkpoint="never", timeout=60)
+    x, y = batch()
+    start = time.monotonic()
+    if rank() == world() - 1:
+        expect_error(KeyError, lambda: pipe.step(x, y, F.mse_loss), "bad batch")
+    else:
+        expect_error(
+            RuntimeError,
+            lambda: pipe.step(x, y, F.mse_loss),
+            f"rank {world() - 1} failed: KeyError",
+        )
+    assert time.monotonic() - start < 30, "the failure took the timeout to reach this process"
+    plain = blocks(2 * world(), seed=7)
+    pipe.zero_grad()
+    pipe.step(x, y, F.mse_loss)  # the next step is right
+    F.mse_loss(plain(x), y).backward()
+    assert_grads_equal(pipe, plain, "the step after a failure")
+    pipe.close()
+
+
+def die_now(name: str) -> None:
+    """End this process at once, as a crash would, reporting ``name`` as done."""
+    Path(sys.argv[1]).write_text(json.dumps({name: "ok"}))
+    os._exit(0)
+
+
+@breaks_group
+@scenario
+def a_dead_process_makes_the_others_fail_naming_it() -> None:
+    class DieOnRank1(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            if rank() == 1:  # mid-step, telling no one
+                die_now("a_dead_process_makes_the_others_fail_naming_it")
+            return x
+
+    model = blocks(2 * world(), seed=8)
+    model.insert(2, DieOnRank1())
+    balance = [2, 3] + [2] * (world() - 2)
+    pipe = DistributedPipe(model, balance, chunks=2, checkpoint="never", timeout=60)
+    x, y = batch()
+    start = time.monotonic()
+    expect_error(RuntimeError, lambda: pipe.step(x, y, F.mse_loss), "rank 1")
+    assert time.monotonic() - start < 30
+
+
+@breaks_group
+@scenario
+def a_stalled_process_makes_the_others_fail_after_the_timeout() -> None:
+    class StallOnRank1(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            if rank() == 1:
+                time.sleep(8)
+            return x
+
+    model = blocks(2 * world(), seed=9)
+    model.insert(2, StallOnRank1())
+    balance = [2, 3] + [2] * (world() - 2)
+    pipe = DistributedPipe(model, balance, chunks=2, checkpoint="never", timeout=2)
+    x, y = batch()
+    if rank() != 1:
+        start = time.monotonic()
+        expect_error(PeerError, lambda: pipe.step(x, y, F.mse_loss), "waited 2 s for", "rank 1")
+        assert time.monotonic() - start < 6
+    else:
+        expect_error(RuntimeError, lambda: pipe.step(x, y, F.mse_loss), "rank 0")
+
+
+@scenario
+def a_pp_by_dp_grid_equals_single_process_training_on_the_full_batch() -> None:
+    # world 4: pipelines {0, 1} and {2, 3}; stage s of each is averaged with its twin.
+    pp, dp = 2, world() // 2
+    pipelines = [list(range(d * pp, (d + 1) * pp)) for d in range(dp)]
+    replicas = [[d * pp + s for d in range(dp)] for s in range(pp)]
+    pp_group, _ = dist.new_subgroups_by_enumeration(pipelines)
+    dp_group, _ = dist.new_subgroups_by_enumeration(replicas)
+    assert pp_group is not None and dp_group is not None
+    replica = rank() // pp
+    full = tied_model_for(pp)
+    model = DataParallel(
+        DistributedPipe(copy.deepcopy(full), [2] * pp, group=pp_group, chunks=2),
+        process_group=dp_group,
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    full_optimizer = torch.optim.SGD(full.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(10)
+    for _ in range(3):
+        tokens = torch.randint(0, 11, (8,), generator=gen)
+        targets = torch.randint(0, 11, (8,), generator=gen)
+        shard = slice(replica * 4, replica * 4 + 4)
+        optimizer.zero_grad()
+        model.step(tokens[shard], targets[shard], F.cross_entropy)
+        optimizer.step()
+        full_optimizer.zero_grad()
+        F.cross_entropy(full(tokens), targets).backward()
+        full_optimizer.step()
+        for name, param in model.module.named_parameters():
+            torch.testing.assert_close(param, dict(full.named_parameters())[name], msg=name)
+    model.module.close()
+
+
+def tied_model_for(stages: int) -> nn.Sequential:
+    torch.manual_seed(11)
+    embed = Embed()
+    layers = [embed, *(block() for _ in range(2 * stages - 2)), Head(embed.token)]
+    return nn.Sequential(*layers).double()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""DistributedPipe: stages in separate gloo processes on 127.0.0.1, each group bounded in time."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+if TYPE_CHECKING:
+    from conftest import GroupRunner, Outcomes
+
+STAGES = Path(__file__).with_name("stage_scenarios.py")
+
+# Scenarios that leave the group usable share one group per size.
+SHARED = [
+    "every_schedule_and_mode_equals_the_plain_model",
+    "interleaved_stages_equal_the_plain_model",
+    "skips_go_straight_to_non_adjacent_processes",
+    "a_model_on_the_meta_device_is_materialised_stage_by_stage",
+    "tied_weights_across_processes_stay_equal_and_train_like_the_plain_model",
+    "a_checkpoint_loads_into_the_plain_model_a_pipe_and_another_balance",
+    "a_failing_process_makes_the_others_fail_at_once_naming_it",
+]
+
+
+def check(outcomes: Outcomes, names: list[str]) -> None:
+    for rank, outcome in enumerate(outcomes):
+        for name in names:
+            assert outcome.get(name) == "ok", f"rank {rank}, {name}:\n{outcome.get(name)}"
+
+
+@pytest.fixture(scope="module")
+def two_processes(group_runner: GroupRunner) -> Outcomes:
+    return group_runner(SHARED, script=STAGES, world_size=2, wall_timeout_s=150)
+
+
+@pytest.mark.parametrize("name", SHARED)
+def test_two_stage_processes(two_processes: Outcomes, name: str) -> None:
+    check(two_processes, [name])
+
+
+def test_three_stage_processes_with_skips_over_the_middle_one(group_runner: GroupRunner) -> None:
+    names = [
+        "every_schedule_and_mode_equals_the_plain_model",
+        "skips_go_straight_to_non_adjacent_processes",
+        "tied_weights_across_processes_stay_equal_and_train_like_the_plain_model",
+    ]
+    check(group_runner(names, script=STAGES, world_size=3, wall_timeout_s=150), names)
+
+
+def test_a_pp_2_by_dp_2_grid(group_runner: GroupRunner) -> None:
+    names = ["a_pp_by_dp_grid_equals_single_process_training_on_the_full_batch"]
+    check(group_runner(names, script=STAGES, world_size=4, wall_timeout_s=150), names)
+
+
+@pytest.mark.parametrize(
+    "fault",
+    [
+        "a_dead_process_makes_the_others_fail_naming_it",
+        "a_stalled_process_makes_the_others_fail_after_the_timeout",
+    ],
+)
+def test_faults_end_in_errors_naming_the_process(group_runner: GroupRunner, fault: str) -> None:
+    check(group_runner([fault], script=STAGES, world_size=2, wall_timeout_s=60), [fault])
