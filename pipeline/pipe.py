@@ -33,7 +33,7 @@ from pipeline.batchnorm import DeferredBatchNorm
 from pipeline.completion import Hook
 from pipeline.microbatch import Batch, Value, check_input, gather, scatter, to_device
 from pipeline.pipeline import Pipeline
-from pipeline.runner import StepReport, StepRun, checkpointed_tasks
+from pipeline.runner import StepReport, StepRun, checkpoint_stop, checkpointed_tasks
 from pipeline.schedules import Schedule, resolve_schedule
 from pipeline.simulate import Simulation, validate
 from pipeline.skip.layout import inspect_skip_layout
@@ -192,17 +192,12 @@ class Pipe(nn.Module):
         batches = scatter(input, self.chunks)
         hooks = list(self._completion_hooks.values())
         rows = sum(b.rows() for b in batches)
-        self._pipeline.run(batches, self._checkpoint_stop(len(batches)), hooks, rows)
+        stop = checkpoint_stop(self.checkpoint, len(batches), self.training)
+        self._pipeline.run(batches, stop, hooks, rows)
         if self.training:
             for bn in self._deferred_batch_norms:
                 bn.commit()
         return gather(batches)
-
-    def _checkpoint_stop(self, m: int) -> int:
-        """Micro-batches with an index below this one are checkpointed."""
-        if not (self.training and torch.is_grad_enabled()):
-            return 0
-        return {"always": m, "except_last": m - 1, "never": 0}[self.checkpoint]
 
     def step(
         self,
@@ -305,7 +300,7 @@ class Pipe(nn.Module):
             targets,
             loss_fn,
             scales,
-            checkpointed_tasks(programs, self._checkpoint_stop(m), self.checkpoint),
+            checkpointed_tasks(programs, m, self.checkpoint, self.training),
             list(self._completion_hooks.values()),
             keep_outputs=return_outputs,
         )

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from pipeline import rng
@@ -41,7 +42,7 @@ from pipeline.threadstate import ThreadState
 from pipeline.transport import AbortedError, LocalTransport, Transport
 from pipeline.worker import Failure
 
-__all__ = ["StepReport", "StepRun", "checkpointed_tasks"]
+__all__ = ["StepReport", "StepRun", "checkpoint_stop", "checkpointed_tasks"]
 
 LossFn = Any
 
@@ -121,9 +122,9 @@ class StepRun:
             try:
                 self.stage_runs[action.stage].act(action)
             except BaseException as exception:
-                self.transport.abort(exception)
                 if not isinstance(exception, AbortedError):
                     add_note(exception, f"(raised in action {action} of the schedule)")
+                self.transport.abort(exception)
                 raise
 
     def record_loss(self, i: int, loss: Tensor, output: Batch) -> None:
@@ -160,8 +161,15 @@ class StepReport:
     peak_in_flight: list[int]
 
 
+def checkpoint_stop(mode: CheckpointMode, m: int, training: bool) -> int:
+    """Micro-batches with an index below this one are checkpointed (none outside training)."""
+    if not (training and torch.is_grad_enabled()):
+        return 0
+    return {"always": m, "except_last": m - 1, "never": 0}[mode]
+
+
 def checkpointed_tasks(
-    programs: list[Program], stop: int, mode: CheckpointMode
+    programs: list[Program], m: int, mode: CheckpointMode, training: bool
 ) -> set[tuple[int, int]]:
     """The (micro-batch, partition) tasks whose forward drops its activations.
 
@@ -171,6 +179,7 @@ def checkpointed_tasks(
     followed by its own backward (each one on the last partition with
     1F1B): those are spared.
     """
+    stop = checkpoint_stop(mode, m, training)
     tasks = {
         (a.microbatch, a.stage)
         for program in programs

@@ -104,28 +104,31 @@ class _Store:
 
 
 class P2PTransport:
-    """The transport of one process: local stages by mail, remote ones by sends on ``group``.
+    """The transport of one process: local stages by mail, remote ones by sends on ``wire``.
 
-    ``owner[s]`` is the group rank that runs stage ``s``; ``peers`` the group
-    ranks this one exchanges messages with. Call ``begin_step`` and
-    ``end_step`` around each step, and ``close`` once.
+    ``owner[s]`` is the rank in ``group`` that runs stage ``s``; ``peers`` the
+    ranks this one exchanges messages with. ``wire`` has the same processes
+    as ``group`` and carries nothing else (its receives wait between steps).
+    Call ``begin_step`` and ``end_step`` around each step, and ``close`` once.
     """
 
     def __init__(
         self,
         group: dist.ProcessGroup,
+        wire: dist.ProcessGroup,
         owner: list[int],
         peers: Iterable[int],
         devices: list[torch.device],
         timeout: float,
     ) -> None:
         self.group = group
+        self.wire_group = wire
         self.me = dist.get_rank(group)
         self.owner = owner
         self.peers = sorted(set(peers) - {self.me})
         self.devices = devices
         self.timeout = timeout
-        self.wire = collective_device(group)
+        self.wire = collective_device(wire)
         self.step = 0
         self._store = _Store()
         self._send_locks = {peer: threading.Lock() for peer in self.peers}
@@ -183,7 +186,9 @@ class P2PTransport:
         self._store.abort(self.step, reason)
         if isinstance(error, AbortedError):
             return  # a peer's failure reached this process: that peer tells the others
-        summary = f"rank {self.me} failed: {type(reason).__name__}: {reason}"
+        summary = " ".join(
+            [f"rank {self.me} failed: {type(reason).__name__}: {reason}", *_notes(reason)]
+        )
         for peer in self.peers:
             try:
                 self._post(peer, _ABORT, self.step, Message([summary]))
@@ -219,7 +224,7 @@ class P2PTransport:
         with self._send_locks[peer]:
             for part in parts:
                 on_wire = part.to(self.wire)
-                work = dist.isend(on_wire, dst=destination, group=self.group)
+                work = dist.isend(on_wire, dst=destination, group=self.wire_group)
                 assert work is not None, "this process is in the group it sends on"
                 with self._pending_lock:
                     self._pending.append((work, on_wire))
@@ -244,10 +249,10 @@ class P2PTransport:
 
     def _receive_one(self, source: int) -> tuple[int, Any, Message]:
         header = torch.empty(3, dtype=torch.int64, device=self.wire)
-        dist.recv(header, src=source, group=self.group)
+        dist.recv(header, src=source, group=self.wire_group)
         kind, length, count = (int(v) for v in header.tolist())
         raw = torch.empty(length, dtype=torch.uint8, device=self.wire)
-        dist.recv(raw, src=source, group=self.group)
+        dist.recv(raw, src=source, group=self.wire_group)
         key, shape, structured, differentiable = pickle.loads(bytes(raw.cpu().tolist()))
         placeholders, spec = tree_flatten(shape) if structured else (shape, None)
         values = []
@@ -256,7 +261,7 @@ class P2PTransport:
                 values.append(leaf)
                 continue
             buffer = torch.empty(leaf.nbytes, dtype=torch.uint8, device=self.wire)
-            dist.recv(buffer, src=source, group=self.group)
+            dist.recv(buffer, src=source, group=self.wire_group)
             values.append(buffer.view(getattr(torch, leaf.dtype)).reshape(leaf.shape))
         assert sum(isinstance(v, torch.Tensor) for v in values) == count
         return kind, key, Message(values, spec, differentiable)
@@ -285,6 +290,11 @@ def _shape_of(message: Message) -> Any:
     if message.spec is None:
         return leaves
     return tree_unflatten(leaves, message.spec)
+
+
+def _notes(error: BaseException) -> list[str]:
+    notes: list[str] = getattr(error, "__notes__", [])
+    return notes
 
 
 def _raw_bytes(tensor: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, cast
 
 import torch
@@ -60,6 +61,8 @@ __all__ = ["DistributedPipe", "DistributedStepReport"]
 
 # Long enough for a slow step; a stalled or dead peer fails the others after it.
 DEFAULT_TIMEOUT_S = 300.0
+# For the message group's blocking receives, which wait between steps too.
+_NEVER = timedelta(days=365)
 _LOSS_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 
 
@@ -154,7 +157,8 @@ class DistributedPipe(nn.Module):
             deferred_batch_norm=deferred_batch_norm,
         )
         self._deferred_batch_norms = [m for m in self.modules() if isinstance(m, DeferredBatchNorm)]
-        self._ties = self._resolve_ties(tied)
+        pipelines = _every_pipeline(self.group)
+        self._ties = self._resolve_ties(tied, pipelines)
         self._tied_stages = {
             s
             for s in self.local_stages
@@ -164,7 +168,9 @@ class DistributedPipe(nn.Module):
         }
         self._synchronize_ties()
         peers = _peers(self.local_stages, self.owner, skip_layout)
-        self._transport = P2PTransport(self.group, self.owner, peers, [self.device] * n, timeout)
+        self._transport = P2PTransport(
+            self.group, _wire_group(pipelines), self.owner, peers, [self.device] * n, timeout
+        )
         self._finalizer = weakref.finalize(self, self._transport.close)
         self._completion_hooks: OrderedDict[int, Hook] = OrderedDict()
         self._validated: dict[tuple[str, int], tuple[list[Program], Simulation]] = {}
@@ -224,7 +230,7 @@ class DistributedPipe(nn.Module):
             targets,
             loss_fn,
             scales,
-            checkpointed_tasks(programs, len(rows) if self.training else 0, self.checkpoint),
+            checkpointed_tasks(programs, len(rows), self.checkpoint, self.training),
             [self._stage_done],
             keep_outputs=return_outputs,
             transport=self._transport,
@@ -274,10 +280,10 @@ class DistributedPipe(nn.Module):
         return found
 
     def _resolve_ties(
-        self, tied: dict[tuple[int, ...], list[list[tuple[int, str]]]]
+        self, tied: dict[tuple[int, ...], list[list[tuple[int, str]]]], pipelines: list[list[int]]
     ) -> dict[tuple[int, ...], tuple[dist.ProcessGroup, list[nn.Parameter]]]:
         """This process's tied parameters, by the processes holding them, with their group."""
-        groups = _tie_groups(self.group, list(tied), self.rank)
+        groups = _tie_groups(pipelines, list(tied), self.rank)
         found = {}
         for holders, subgroup in groups.items():
             params = []
@@ -397,17 +403,13 @@ def _tied_parameters(
 
 
 def _tie_groups(
-    group: dist.ProcessGroup, ties: list[tuple[int, ...]], rank: int
+    pipelines: list[list[int]], ties: list[tuple[int, ...]], rank: int
 ) -> dict[tuple[int, ...], dist.ProcessGroup]:
     """A process group per set of tied processes; those this process belongs to.
 
     ``new_subgroups_by_enumeration`` is collective over the whole job, so the
-    groups of the other pipeline replicas (other ``group``s) are made too:
-    every process gathers every pipeline's ranks first.
+    groups of the other pipeline replicas are made too.
     """
-    if not ties:
-        return {}
-    pipelines = _every_pipeline(group)
     found: dict[tuple[int, ...], dist.ProcessGroup] = {}
     for holders in ties:
         enumeration = [[ranks[h] for h in holders] for ranks in pipelines]
@@ -418,8 +420,25 @@ def _tie_groups(
     return found
 
 
+def _wire_group(pipelines: list[list[int]]) -> dist.ProcessGroup:
+    """A group of this pipeline's processes for its messages alone.
+
+    Each process listens to its peers with a blocking receive between steps
+    too, for as long as the pipeline lives; a receive that times out closes
+    the connection (gloo), so this group never times out and must not be
+    the user's, whose collectives keep their own timeout. A stalled peer is
+    caught by the transport's own ``timeout`` instead.
+    """
+    wire, _ = dist.new_subgroups_by_enumeration(pipelines, timeout=_NEVER)
+    assert wire is not None, "every process is in one of the pipelines"
+    return cast(dist.ProcessGroup, wire)
+
+
 def _every_pipeline(group: dist.ProcessGroup) -> list[list[int]]:
-    """The global ranks of every pipeline (a process group like ``group``) in the job."""
+    """The global ranks of every pipeline (a process group like ``group``) in the job.
+
+    A collective over the whole job: every process builds its pipeline together.
+    """
     device = collective_device(group)
     mine = torch.tensor(dist.get_process_group_ranks(group), dtype=torch.int64, device=device)
     gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]

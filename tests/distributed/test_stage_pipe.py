@@ -40,6 +40,11 @@ def test_two_stage_processes(two_processes: Outcomes, name: str) -> None:
     check(two_processes, [name])
 
 
+def test_a_pause_longer_than_the_group_timeout(group_runner: GroupRunner) -> None:
+    names = ["a_pause_between_steps_longer_than_the_group_timeout_is_harmless"]
+    check(group_runner(names, script=STAGES, pg_timeout_s=3, wall_timeout_s=60), names)
+
+
 def test_three_stage_processes_with_skips_over_the_middle_one(group_runner: GroupRunner) -> None:
     names = [
         "every_schedule_and_mode_equals_the_plain_model",
@@ -47,6 +52,14 @@ def test_three_stage_processes_with_skips_over_the_middle_one(group_runner: Grou
         "tied_weights_across_processes_stay_equal_and_train_like_the_plain_model",
     ]
     check(group_runner(names, script=STAGES, world_size=3, wall_timeout_s=150), names)
+
+
+def test_four_stage_processes(group_runner: GroupRunner) -> None:
+    names = [
+        "every_schedule_and_mode_equals_the_plain_model",
+        "skips_go_straight_to_non_adjacent_processes",
+    ]
+    check(group_runner(names, script=STAGES, world_size=4, wall_timeout_s=150), names)
 
 
 def test_a_pp_2_by_dp_2_grid(group_runner: GroupRunner) -> None:
