@@ -28,6 +28,7 @@ from __future__ import annotations
 import pickle
 import threading
 import time
+from collections import Counter
 from collections.abc import Hashable, Iterable
 from datetime import timedelta
 from typing import Any
@@ -130,6 +131,8 @@ class P2PTransport:
         self.timeout = timeout
         self.wire = collective_device(wire)
         self.step = 0
+        self._received: dict[int, Counter[tuple[int, str]]] = {}
+        self._received_lock = threading.Lock()
         self._store = _Store()
         self._send_locks = {peer: threading.Lock() for peer in self.peers}
         self._pending: list[tuple[dist.Work, torch.Tensor]] = []
@@ -148,6 +151,8 @@ class P2PTransport:
 
     def begin_step(self) -> None:
         self.step += 1
+        with self._received_lock:
+            self._received = {s: c for s, c in self._received.items() if s >= self.step}
         self._store.begin(self.step)
 
     def end_step(self) -> None:
@@ -198,6 +203,11 @@ class P2PTransport:
     def check(self) -> None:
         self._store.check(self.step)
 
+    def received(self) -> dict[tuple[int, str], int]:
+        """The messages of this step that came from other processes: {(rank, kind): count}."""
+        with self._received_lock:
+            return dict(self._received.get(self.step, {}))
+
     def close(self) -> None:
         """Stop listening: tell every peer, which tells this process in turn."""
         self._closing = True
@@ -245,6 +255,8 @@ class P2PTransport:
             if kind == _ABORT:
                 self._store.abort(key, PeerError(str(message.leaves[0])))
             else:
+                with self._received_lock:
+                    self._received.setdefault(key[0], Counter())[peer, _kind(key[1])] += 1
                 self._store.put(key, message)
 
     def _receive_one(self, source: int) -> tuple[int, Any, Message]:
@@ -307,6 +319,10 @@ _WHAT = {
     "skip": "the skip tensor",
     "skip-grad": "the skip tensor's gradient",
 }
+
+
+def _kind(key: Hashable) -> str:
+    return key[0] if isinstance(key, tuple) and key and isinstance(key[0], str) else "other"
 
 
 def _describe(key: Hashable) -> str:

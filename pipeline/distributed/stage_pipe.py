@@ -68,11 +68,16 @@ _LOSS_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 
 @dataclass(frozen=True)
 class DistributedStepReport:
-    """What this process ran in the last step: the schedule, its simulation, what it held."""
+    """What this process ran in the last step.
+
+    ``received`` counts the messages that came from each peer, by kind
+    (``"act"``, ``"grad"``, ``"skip"``, ``"skip-grad"``): ``{(rank, kind): count}``.
+    """
 
     schedule: Schedule
     simulation: Simulation
     peak_in_flight: dict[int, int]
+    received: dict[tuple[int, str], int]
 
 
 class DistributedPipe(nn.Module):
@@ -243,7 +248,9 @@ class DistributedPipe(nn.Module):
         if self.training:
             for bn in self._deferred_batch_norms:
                 bn.commit()
-        self.last_step = DistributedStepReport(chosen, simulation, run.peak_in_flight)
+        self.last_step = DistributedStepReport(
+            chosen, simulation, run.peak_in_flight, self._transport.received()
+        )
         loss = self._loss_everywhere(run.losses if last else None)
         if not return_outputs:
             return loss

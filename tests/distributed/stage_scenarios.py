@@ -147,6 +147,22 @@ def skipping_model() -> nn.Sequential:
     return nn.Sequential(*layers).double()
 
 
+def skip_messages(received: dict[tuple[int, str], int]) -> dict[tuple[int, str], int]:
+    return {k: n for k, n in received.items() if k[1].startswith("skip")}
+
+
+def expected_skip_messages(chunks: int) -> dict[tuple[int, str], int]:
+    """The skip tensors (and their gradients) of skipping_model, straight between their ends."""
+    inner_pop, outer_pop = 1, world() - 1
+    expected: dict[tuple[int, str], int] = {}
+    if rank() in (inner_pop, outer_pop):
+        expected[0, "skip"] = chunks * ((rank() == inner_pop) + (rank() == outer_pop))
+    if rank() == 0:
+        expected[inner_pop, "skip-grad"] = chunks
+        expected[outer_pop, "skip-grad"] = expected.get((outer_pop, "skip-grad"), 0) + chunks
+    return expected
+
+
 @scenario
 def skips_go_straight_to_non_adjacent_processes() -> None:
     plain = skipping_model()
@@ -157,6 +173,8 @@ def skips_go_straight_to_non_adjacent_processes() -> None:
             pipe = DistributedPipe(skipping_model(), [2] * world(), chunks=3, checkpoint=mode)
             pipe.step(x, y, F.mse_loss, schedule=schedule)
             assert_grads_equal(pipe, plain, f"skips, {schedule}, {mode}")
+            assert pipe.last_step is not None
+            assert skip_messages(pipe.last_step.received) == expected_skip_messages(chunks=3)
             pipe.close()
 
 
