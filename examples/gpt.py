@@ -50,7 +50,10 @@ class Embed(nn.Module):
         self.token = nn.Embedding(vocab, width)
         self.position = nn.Embedding(context, width)
         self.dropout = nn.Dropout(dropout)
-        # Small, as in GPT-2: the head's logits start near uniform.
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Small, as in GPT-2: the head's logits start near uniform (also after ``meta``)."""
         nn.init.normal_(self.token.weight, std=0.02)
         nn.init.normal_(self.position.weight, std=0.02)
 
@@ -62,7 +65,7 @@ class Embed(nn.Module):
 class Block(nn.Module):
     """x + attention(norm(x)), then x + mlp(norm(x)); attention is causal."""
 
-    def __init__(self, width: int, heads: int, context: int, dropout: float) -> None:
+    def __init__(self, width: int, heads: int, dropout: float) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(width)
         self.attention = nn.MultiheadAttention(width, heads, dropout=dropout, batch_first=True)
@@ -70,15 +73,12 @@ class Block(nn.Module):
         self.mlp = nn.Sequential(
             nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width), nn.Dropout(dropout)
         )
-        mask = torch.triu(torch.ones(context, context, dtype=torch.bool), diagonal=1)
-        self.register_buffer("mask", mask, persistent=False)
 
     def forward(self, x: Tensor) -> Tensor:
         t = x.size(1)
+        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(diagonal=1)
         h = self.norm1(x)
-        attended, _ = self.attention(
-            h, h, h, attn_mask=self.mask[:t, :t], is_causal=True, need_weights=False
-        )
+        attended, _ = self.attention(h, h, h, attn_mask=mask, is_causal=True, need_weights=False)
         x = x + attended
         return x + self.mlp(self.norm2(x))
 
@@ -97,7 +97,7 @@ class Head(nn.Module):
 
 def build_model(vocab: int, args: argparse.Namespace) -> nn.Sequential:
     embed = Embed(vocab, args.width, args.context, args.dropout)
-    blocks = [Block(args.width, args.heads, args.context, args.dropout) for _ in range(args.layers)]
+    blocks = [Block(args.width, args.heads, args.dropout) for _ in range(args.layers)]
     return nn.Sequential(embed, *blocks, Head(embed.token, args.width))
 
 

@@ -44,12 +44,16 @@ def make_batch(
     return x, (x @ teacher).argmax(dim=1)
 
 
-def max_difference_from_rank0(model: nn.Module) -> float:
-    """The largest absolute weight difference between any replica and rank 0's."""
-    worst = torch.zeros(())
+def max_difference_from_rank0(model: nn.Module, group: dist.ProcessGroup | None = None) -> float:
+    """The largest absolute weight difference between any replica and the first of its group.
+
+    ``group`` holds the replicas of ``model`` (default: every process); the
+    result is the largest over every group, on every process.
+    """
+    worst = torch.zeros((), device=next(model.parameters()).device)
     for param in model.parameters():
         reference = param.detach().clone()
-        dist.broadcast(reference, src=0)
+        dist.broadcast(reference, group=group, group_src=0)
         worst = torch.maximum(worst, (param.detach() - reference).abs().max())
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     return worst.item()

@@ -141,6 +141,7 @@ class DistributedPipe(nn.Module):
         self.device = torch.device(device) if device is not None else _default_device(self.group)
         if deferred_batch_norm:
             DeferredBatchNorm.convert(module)
+        _meta_resets(module)  # every process refuses a model it could not materialise
         layers = OrderedDict((name, layer) for name, layer in module._modules.items() if layer)
         sequential = PositionalSequential if call_style == "positional" else nn.Sequential
         every = _partitions(layers, self.balance, sequential)
@@ -376,17 +377,53 @@ def _partitions(
 
 
 def _materialized(partition: nn.Sequential, device: torch.device) -> nn.Sequential:
-    """``partition`` on ``device``; layers on ``meta`` get storage and their initial values."""
-    tensors = [*partition.parameters(), *partition.buffers()]
-    if not any(t.is_meta for t in tensors):
-        return partition.to(device)
-    partition.to_empty(device=device)
+    """``partition`` on ``device``; layers on ``meta`` get storage and their initial values.
+
+    Every module with tensors on ``meta`` (its own or its children's) is
+    reset by its ``reset_parameters`` (or ``_reset_parameters``, as
+    ``nn.MultiheadAttention`` names it), children before their parents, so
+    that a parent's own initialisation of its children wins; layers not on
+    ``meta`` keep their values. A module holding tensors on ``meta`` with
+    neither method is refused: its values would be whatever the new storage
+    held.
+    """
+    resets = _meta_resets(partition)
+    partition._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t.to(device))
     with torch.no_grad():
-        for module in partition.modules():
-            reset = getattr(module, "reset_parameters", None)
-            if callable(reset):
-                reset()
+        for reset in reversed(resets):
+            reset()
     return partition
+
+
+def _meta_resets(module: nn.Module) -> list[Callable[[], None]]:
+    """The resets that give ``module``'s tensors on ``meta`` values, parents first.
+
+    Raises ``ValueError`` for a module holding tensors on ``meta`` without one.
+    """
+    resets = []
+    for name, child in module.named_modules():
+        reset = _reset_of(child)
+        if reset is None and any(t.is_meta for t in _tensors(child, recurse=False)):
+            raise ValueError(
+                f"layer {name} ({type(child).__name__}) holds tensors on the meta device but "
+                "has no reset_parameters() to give them values after materialisation: give it "
+                "one, or build the model on a real device"
+            )
+        if reset is not None and any(t.is_meta for t in _tensors(child, recurse=True)):
+            resets.append(reset)
+    return resets
+
+
+def _tensors(module: nn.Module, recurse: bool) -> list[Tensor]:
+    return [*module.parameters(recurse=recurse), *module.buffers(recurse=recurse)]
+
+
+def _reset_of(module: nn.Module) -> Callable[[], None] | None:
+    for name in ("reset_parameters", "_reset_parameters"):
+        reset = getattr(module, name, None)
+        if callable(reset):
+            return cast(Callable[[], None], reset)
+    return None
 
 
 def _tied_parameters(

@@ -200,6 +200,57 @@ def a_model_on_the_meta_device_is_materialised_stage_by_stage() -> None:
     pipe.close()
 
 
+class HalfInit(nn.Module):
+    """Initialises its child its own way: its reset must win over the child's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.constant_(self.linear.weight, 0.5)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.linear(x)
+
+
+class Scale(nn.Module):
+    """A parameter of its own and no reset_parameters: not materialisable from meta."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(WIDTH))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.scale
+
+
+@scenario
+def meta_layers_get_their_own_reset_and_real_layers_keep_their_values() -> None:
+    with torch.device("meta"):
+        model = nn.Sequential(*(HalfInit() for _ in range(2 * world())))
+    real = nn.Linear(WIDTH, WIDTH)
+    model[-1] = real
+    kept = real.weight.detach().clone()
+    pipe = DistributedPipe(model, [2] * world(), chunks=2)
+    for s in pipe.local_stages:
+        for layer in pipe.partitions[s]:
+            if layer is real:
+                assert torch.equal(real.weight, kept), "the real layer lost its values"
+            else:
+                assert torch.equal(layer.linear.weight, torch.full((WIDTH, WIDTH), 0.5))
+    pipe.close()
+    with torch.device("meta"):
+        unresettable = nn.Sequential(*(Scale() for _ in range(2 * world())))
+    expect_error(
+        ValueError,
+        lambda: DistributedPipe(unresettable, [2] * world()),
+        "layer 0 (Scale) holds tensors on the meta device",
+        "reset_parameters",
+    )
+
+
 class Embed(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -18,6 +18,7 @@ SHARED = [
     "interleaved_stages_equal_the_plain_model",
     "skips_go_straight_to_non_adjacent_processes",
     "a_model_on_the_meta_device_is_materialised_stage_by_stage",
+    "meta_layers_get_their_own_reset_and_real_layers_keep_their_values",
     "tied_weights_across_processes_stay_equal_and_train_like_the_plain_model",
     "a_checkpoint_loads_into_the_plain_model_a_pipe_and_another_balance",
     "a_failing_process_makes_the_others_fail_at_once_naming_it",
