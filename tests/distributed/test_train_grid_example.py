@@ -1,4 +1,4 @@
-"""examples/train_grid.py runs a pp=2 x dp=2 grid under torchrun and ends with identical replicas."""
+"""examples/train_grid.py: a pp=2 x dp=2 grid under torchrun ends with identical replicas."""
 
 from __future__ import annotations
 
