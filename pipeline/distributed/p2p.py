@@ -5,12 +5,17 @@ or more stages per process; a message for a stage of another process is
 sent to it. A message carries its own description, so nothing is declared
 up front and shapes may change from step to step::
 
-    header  int64[3]   kind (data, abort, stop), description length, tensor count
-    description        pickled: key, structure, per leaf (shape, dtype) or value
-    tensors            each as its raw bytes
+    envelope   1024 bytes  kind (data, abort, stop), description length, tensor
+                           count (int64 each), then the description if it fits
+    description            pickled: key, structure, per leaf (shape, dtype) or
+                           value; sent on its own only when it does not fit
+    tensors                each as its raw bytes
 
 Every process listens to each peer on a thread of its own, receiving in
-the order the peer sent and filing each message under its key; an action
+the order the peer sent and filing each message under its key. Once it
+knows a message's tensors it posts their receives and the next envelope's
+together, so the next message arrives while this one is filed (one wake-up
+of the listener per message, not one per part). An action
 takes what it needs by key, waiting at most ``timeout`` seconds. Messages
 are therefore matched by key, not by order, and no schedule can make two
 processes wait for each other's receives. Sends are asynchronous; the step
@@ -25,7 +30,9 @@ actions waiting on it; a peer that stalls makes them fail after
 
 from __future__ import annotations
 
+import ctypes
 import pickle
+import struct
 import threading
 import time
 from collections import Counter
@@ -43,6 +50,12 @@ from pipeline.transport import AbortedError, Message
 __all__ = ["P2PTransport", "PeerError"]
 
 _DATA, _ABORT, _STOP = 0, 1, 2
+_HEAD = struct.Struct("<qqq")  # kind, description length, tensor count
+_ENVELOPE_BYTES = 1024
+_INLINE_BYTES = _ENVELOPE_BYTES - _HEAD.size
+_TAG = 0
+
+_Receipt = tuple[dist.Work, torch.Tensor]
 
 
 class PeerError(RuntimeError):
@@ -127,6 +140,11 @@ class P2PTransport:
         self.me = dist.get_rank(group)
         self.owner = owner
         self.peers = sorted(set(peers) - {self.me})
+        # Sends and receives call the group's own methods, by rank in ``wire``.
+        self._wire_rank = {
+            peer: dist.get_group_rank(wire, dist.get_global_rank(group, peer))
+            for peer in self.peers
+        }
         self.devices = devices
         self.timeout = timeout
         self.wire = collective_device(wire)
@@ -180,8 +198,12 @@ class P2PTransport:
         waiting_for = f"{_describe(key)} from stage {source} ({where})"
         message = self._store.get((self.step, key), self.timeout, waiting_for)
         device = self.devices[target]
+        leaves = [
+            x.wait(self.timeout, f"{waiting_for}, mid-message") if isinstance(x, _Arriving) else x
+            for x in message.leaves
+        ]
         return Message(
-            [x.to(device) if isinstance(x, torch.Tensor) else x for x in message.leaves],
+            [x.to(device) if isinstance(x, torch.Tensor) else x for x in leaves],
             message.spec,
             message.differentiable,
         )
@@ -225,58 +247,93 @@ class P2PTransport:
         tensors = [x for x in message.leaves if isinstance(x, torch.Tensor)]
         shape = _shape_of(message)
         description = pickle.dumps((key, shape, message.spec is not None, message.differentiable))
-        parts = [
-            torch.tensor([kind, len(description), len(tensors)], dtype=torch.int64),
-            torch.frombuffer(bytearray(description), dtype=torch.uint8),
-            *(_raw_bytes(t) for t in tensors),
-        ]
-        destination = dist.get_global_rank(self.group, peer)
+        head = _HEAD.pack(kind, len(description), len(tensors))
+        inline = len(description) <= _INLINE_BYTES
+        envelope = bytearray(_ENVELOPE_BYTES)
+        envelope[: _HEAD.size + (len(description) if inline else 0)] = (
+            head + description if inline else head
+        )
+        parts = [torch.frombuffer(envelope, dtype=torch.uint8)]
+        if not inline:
+            parts.append(torch.frombuffer(bytearray(description), dtype=torch.uint8))
+        parts += [_raw_bytes(t) for t in tensors]
         with self._send_locks[peer]:
             for part in parts:
                 on_wire = part.to(self.wire)
-                work = dist.isend(on_wire, dst=destination, group=self.wire_group)
-                assert work is not None, "this process is in the group it sends on"
+                work = self.wire_group.send([on_wire], self._wire_rank[peer], _TAG)
                 with self._pending_lock:
                     self._pending.append((work, on_wire))
 
     def _listen(self, peer: int) -> None:
-        source = dist.get_global_rank(self.group, peer)
-        while True:
-            try:
-                kind, key, message = self._receive_one(source)
-            except Exception as error:
-                if not self._closing:
-                    self._store.break_down(
-                        PeerError(f"lost the connection to rank {peer}: {error}")
-                    )
-                return
-            if kind == _STOP:
-                return
-            if kind == _ABORT:
-                self._store.abort(key, PeerError(str(message.leaves[0])))
-            else:
+        source = self._wire_rank[peer]
+        try:
+            envelope = self._expect(torch.empty(_ENVELOPE_BYTES, dtype=torch.uint8), source)
+            while True:
+                kind, key, message, envelope = self._receive_one(source, envelope)
+                if kind == _STOP:
+                    return
+                if kind == _ABORT:
+                    self._store.abort(key, PeerError(str(message.leaves[0])))
+                    continue
                 with self._received_lock:
                     self._received.setdefault(key[0], Counter())[peer, _kind(key[1])] += 1
                 self._store.put(key, message)
+        except Exception as error:
+            if not self._closing:
+                self._store.break_down(PeerError(f"lost the connection to rank {peer}: {error}"))
 
-    def _receive_one(self, source: int) -> tuple[int, Any, Message]:
-        header = torch.empty(3, dtype=torch.int64, device=self.wire)
-        dist.recv(header, src=source, group=self.wire_group)
-        kind, length, count = (int(v) for v in header.tolist())
-        raw = torch.empty(length, dtype=torch.uint8, device=self.wire)
-        dist.recv(raw, src=source, group=self.wire_group)
-        key, shape, structured, differentiable = pickle.loads(bytes(raw.cpu().tolist()))
+    def _expect(self, buffer: torch.Tensor, source: int) -> _Receipt:
+        """Post the receive of ``buffer``'s next message from ``source``; wait for it later."""
+        on_wire = buffer.to(self.wire)
+        return self.wire_group.recv([on_wire], source, _TAG), on_wire
+
+    def _receive_one(self, source: int, envelope: _Receipt) -> tuple[int, Any, Message, _Receipt]:
+        """The message whose envelope was expected, and the next message's envelope, expected."""
+        head = _as_bytes(_waited(envelope))
+        kind, length, count = _HEAD.unpack_from(head)
+        if length <= _INLINE_BYTES:
+            description = head[_HEAD.size : _HEAD.size + length]
+        else:
+            received = self._expect(torch.empty(length, dtype=torch.uint8), source)
+            description = _as_bytes(_waited(received))
+        key, shape, structured, differentiable = pickle.loads(description)
         placeholders, spec = tree_flatten(shape) if structured else (shape, None)
-        values = []
-        for leaf in placeholders:
-            if not isinstance(leaf, _Tensor):
-                values.append(leaf)
-                continue
-            buffer = torch.empty(leaf.nbytes, dtype=torch.uint8, device=self.wire)
-            dist.recv(buffer, src=source, group=self.wire_group)
-            values.append(buffer.view(getattr(torch, leaf.dtype)).reshape(leaf.shape))
-        assert sum(isinstance(v, torch.Tensor) for v in values) == count
-        return kind, key, Message(values, spec, differentiable)
+        tensors = {
+            k: self._expect(torch.empty(leaf.nbytes, dtype=torch.uint8), source)
+            for k, leaf in enumerate(placeholders)
+            if isinstance(leaf, _Tensor)
+        }
+        assert len(tensors) == count, "the description lists the message's tensors"
+        if kind != _STOP:
+            envelope = self._expect(torch.empty(_ENVELOPE_BYTES, dtype=torch.uint8), source)
+        values = [
+            _Arriving(tensors[k], leaf) if k in tensors else leaf
+            for k, leaf in enumerate(placeholders)
+        ]
+        return kind, key, Message(values, spec, differentiable), envelope
+
+
+class _Arriving:
+    """A tensor of a message whose receive is posted: the action that takes it waits for it.
+
+    Waiting there, not on the listener, lets the listener expect the next
+    message at once and spares a hand-over between threads on the way.
+    """
+
+    __slots__ = ("description", "receipt")
+
+    def __init__(self, receipt: _Receipt, description: _Tensor) -> None:
+        self.receipt = receipt
+        self.description = description
+
+    def wait(self, timeout: float, waiting_for: str) -> torch.Tensor:
+        work, buffer = self.receipt
+        try:
+            work.wait(timedelta(seconds=timeout))
+        except RuntimeError as error:
+            raise PeerError(f"lost {waiting_for}: {error}") from error
+        leaf = self.description
+        return buffer.view(getattr(torch, leaf.dtype)).reshape(leaf.shape)
 
 
 class _Tensor:
@@ -307,6 +364,18 @@ def _shape_of(message: Message) -> Any:
 def _notes(error: BaseException) -> list[str]:
     notes: list[str] = getattr(error, "__notes__", [])
     return notes
+
+
+def _as_bytes(buffer: torch.Tensor) -> bytes:
+    """A uint8 tensor's contents (without NumPy, which this library does not need)."""
+    on_cpu = buffer.cpu()
+    return ctypes.string_at(on_cpu.data_ptr(), on_cpu.numel())
+
+
+def _waited(receipt: _Receipt) -> torch.Tensor:
+    work, buffer = receipt
+    work.wait()
+    return buffer
 
 
 def _raw_bytes(tensor: torch.Tensor) -> torch.Tensor:
