@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
+import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -217,14 +218,15 @@ class DistributedPipe(nn.Module):
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
         first, last = 0 in self.local_stages, len(self.balance) - 1 in self.local_stages
-        batches = self._scatter(input, "input", needed=first)
-        rows = self._agree_on_rows(batches)
-        targets = self._scatter(target, "target", needed=last)
-        if last and [t.rows() for t in targets] != rows:
-            raise ValueError(
-                f"target splits into micro-batches of {[t.rows() for t in targets]} rows but the "
-                f"input into {rows}: give the target the input's batch size (dim 0)"
-            )
+        refusal: ValueError | TypeError | None = None
+        batches: list[Batch] = []
+        targets: list[Batch] = []
+        try:
+            batches = self._scatter(input, "input", needed=first)
+            targets = self._scatter(target, "target", needed=last)
+        except (ValueError, TypeError) as error:
+            refusal = error
+        rows = self._agree(batches, targets, f"{chosen!r} {loss_reduction}", refusal)
         programs, simulation = self._programs(chosen, len(rows))
         scales = [r / sum(rows) if loss_reduction == "mean" else 1.0 for r in rows]
         if self.training:
@@ -268,16 +270,54 @@ class DistributedPipe(nn.Module):
         check_input(value)
         return scatter(to_device(value, self.device), self.chunks)
 
-    def _agree_on_rows(self, batches: list[Batch]) -> list[int]:
-        """The micro-batches' sizes, as stage 0's process split them, known to every process."""
-        sizes = torch.zeros(self.chunks + 1, dtype=torch.int64)
-        if batches:
-            sizes[0] = len(batches)
-            sizes[1 : len(batches) + 1] = torch.tensor([b.rows() for b in batches])
-        sizes = sizes.to(collective_device(self.group))
-        dist.broadcast(sizes, group=self.group, group_src=self.owner[0])
-        m = int(sizes[0])
-        return [int(r) for r in sizes[1 : m + 1].tolist()]
+    def _agree(
+        self,
+        batches: list[Batch],
+        targets: list[Batch],
+        choice: str,
+        refusal: ValueError | TypeError | None,
+    ) -> list[int]:
+        """The micro-batches' sizes, as stage 0's process split them, known to every process.
+
+        Before any work: if a process refused its arguments, every process
+        raises (that one its own error); so does every process if they chose
+        different schedules, or if the target and the input split differently.
+        """
+        n, m = self.size, self.chunks
+        message = torch.zeros(2 * n + 2 * (m + 1), dtype=torch.int64)
+        message[self.rank] = refusal is not None
+        message[n + self.rank] = zlib.crc32(choice.encode())
+        for offset, split in ((2 * n, batches), (2 * n + m + 1, targets)):
+            if split:
+                message[offset] = len(split)
+                message[offset + 1 : offset + 1 + len(split)] = torch.tensor(
+                    [b.rows() for b in split]
+                )
+        message = message.to(collective_device(self.group))
+        dist.all_reduce(message, group=self.group)
+        agreed = [int(v) for v in message.tolist()]
+        refused = [r for r in range(n) if agreed[r]]
+        if refusal is not None:
+            raise refusal
+        if refused:
+            raise ValueError(
+                f"rank {refused[0]} of the pipeline refused this step's arguments (its error "
+                "says why); no process ran anything"
+            )
+        if len(set(agreed[n : 2 * n])) > 1:
+            raise ValueError(
+                "the processes of the pipeline chose different schedules or loss reductions for "
+                "this step; every process must call step() with the same ones"
+            )
+        input_rows, target_rows = (
+            agreed[o + 1 : o + 1 + agreed[o]] for o in (2 * n, 2 * n + m + 1)
+        )
+        if input_rows != target_rows:
+            raise ValueError(
+                f"the target splits into micro-batches of {target_rows} rows but the input into "
+                f"{input_rows}: give the target the input's batch size (dim 0)"
+            )
+        return input_rows
 
     def _programs(self, schedule: Schedule, m: int) -> tuple[list[Program], Simulation]:
         key = (repr(schedule), m)
@@ -337,6 +377,15 @@ class DistributedPipe(nn.Module):
         return torch.tensor(value, dtype=_LOSS_DTYPES[int(dtype)], device=self.device)
 
     # Module protocol
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Refused: this process holds only some stages; ``step`` runs the whole model."""
+        raise RuntimeError(
+            "a DistributedPipe holds only this process's stages, so it cannot be called like "
+            "the model: train with pipe.step(input, target, loss_fn) on every process; to "
+            "evaluate or predict, save_shard() on every process and load_shards() into the "
+            "plain model or a pipeline.Pipe"
+        )
 
     def register_partition_backward_hook(self, hook: Hook) -> RemovableHandle:
         """Call ``hook(j)`` once per step when stage ``j`` (one of this process's) is final."""

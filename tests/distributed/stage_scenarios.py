@@ -326,6 +326,42 @@ def a_checkpoint_loads_into_the_plain_model_a_pipe_and_another_balance() -> None
     local.close()
 
 
+def noisy_model(dtype: torch.dtype) -> nn.Sequential:
+    """Dropout and BatchNorm in every stage."""
+    torch.manual_seed(14)
+    layers: list[nn.Module] = []
+    for _ in range(world()):
+        layers += [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.BatchNorm1d(WIDTH)), nn.Dropout(0.3)]
+    return nn.Sequential(*layers).to(dtype)
+
+
+@scenario
+def dropout_batch_norm_and_autocast_match_the_single_process_pipe() -> None:
+    for mode in MODES:
+        for autocast in (False, True):
+            what = f"{mode}, autocast {autocast}"
+            dtype = torch.float32 if autocast else torch.float64  # autocast leaves float64 be
+            x, y = (t.to(dtype) for t in batch(rows=12))
+            local = Pipe(noisy_model(dtype), [2] * world(), devices=["cpu"] * world(), chunks=3,
+                         checkpoint=mode, deferred_batch_norm=True)  # fmt: skip
+            pipe = DistributedPipe(noisy_model(dtype), [2] * world(), chunks=3, checkpoint=mode,
+                                   deferred_batch_norm=True)  # fmt: skip
+            computed: list[torch.dtype] = []
+            linear = pipe.partitions[pipe.local_stages[0]][0][0]
+            linear.register_forward_hook(lambda m, i, out, seen=computed: seen.append(out.dtype))
+            for model in (local, pipe):
+                torch.manual_seed(15)  # the step's seed, drawn on every process alike
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                    model.step(x, y, F.mse_loss)
+            assert set(computed) == {torch.bfloat16 if autocast else dtype}, what
+            assert_grads_equal(pipe, local, what)
+            reference = local.state_dict()
+            for key, value in pipe.state_dict().items():
+                torch.testing.assert_close(value, reference[key], msg=f"{what}: {key}")
+            local.close()
+            pipe.close()
+
+
 @scenario
 def a_pause_between_steps_longer_than_the_group_timeout_is_harmless() -> None:
     plain = blocks(2 * world(), seed=12)
@@ -339,6 +375,26 @@ def a_pause_between_steps_longer_than_the_group_timeout_is_harmless() -> None:
         param.grad = param.grad * 2 if param.grad is not None else None
     assert_grads_equal(pipe, plain, "two steps with a pause between them")
     dist.barrier()  # the user's group still works
+    pipe.close()
+
+
+@scenario
+def bad_arguments_are_refused_by_every_process_before_any_work() -> None:
+    expect_error(ValueError, lambda: DistributedPipe(blocks(3), [1, 1, 1]), "multiple of")
+    expect_error(ValueError, lambda: DistributedPipe(blocks(2), [1, 1], timeout=0), "timeout")
+    pipe = DistributedPipe(blocks(2 * world(), seed=13), [2] * world(), chunks=2)
+    x, y = batch()
+    expect_error(RuntimeError, lambda: pipe(x), "train with pipe.step", "load_shards")
+    message = expect_error(ValueError, lambda: pipe.step(None if rank() == 0 else x, y, F.mse_loss))
+    assert ("needs the input" if rank() == 0 else "rank 0 of the pipeline refused") in message
+    expect_error(ValueError, lambda: pipe.step(x, y[:-2], F.mse_loss), "target splits into")
+    mine = "gpipe" if rank() == 0 else "1f1b"
+    expect_error(ValueError, lambda: pipe.step(x, y, F.mse_loss, schedule=mine), "different")
+    assert all(p.grad is None for p in pipe.parameters()), "a refused step computed something"
+    pipe.step(x, y, F.mse_loss)
+    plain = blocks(2 * world(), seed=13)
+    F.mse_loss(plain(x), y).backward()
+    assert_grads_equal(pipe, plain, "the step after refused ones")
     pipe.close()
 
 

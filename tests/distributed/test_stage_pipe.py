@@ -22,6 +22,8 @@ SHARED = [
     "tied_weights_across_processes_stay_equal_and_train_like_the_plain_model",
     "a_checkpoint_loads_into_the_plain_model_a_pipe_and_another_balance",
     "a_failing_process_makes_the_others_fail_at_once_naming_it",
+    "bad_arguments_are_refused_by_every_process_before_any_work",
+    "dropout_batch_norm_and_autocast_match_the_single_process_pipe",
 ]
 
 
