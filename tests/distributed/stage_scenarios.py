@@ -362,6 +362,47 @@ def dropout_batch_norm_and_autocast_match_the_single_process_pipe() -> None:
             pipe.close()
 
 
+class Fork(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, dict[str, Any]]:
+        return self.linear(x), {"scale": torch.tanh(x), "times": 3}
+
+
+class Join(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, pair: tuple[Tensor, dict[str, Any]]) -> Tensor:
+        x, extra = pair
+        return self.linear(x * extra["scale"]) * extra["times"]
+
+
+def structured_model() -> nn.Sequential:
+    """Each stage ends in a Fork and the next begins with a Join: structures cross processes."""
+    torch.manual_seed(16)
+    layers: list[nn.Module] = [block(), Fork()]
+    for _ in range(world() - 1):
+        layers += [Join(), Fork()]
+    layers[-1] = block()
+    return nn.Sequential(*layers).double()
+
+
+@scenario
+def tuples_dicts_and_plain_values_cross_processes() -> None:
+    plain = structured_model()
+    x, y = batch()
+    F.mse_loss(plain(x), y).backward()
+    for schedule in ("gpipe", "1f1b", "zb-h1"):
+        pipe = DistributedPipe(structured_model(), [2] * world(), chunks=3, checkpoint="always")
+        pipe.step(x, y, F.mse_loss, schedule=schedule)
+        assert_grads_equal(pipe, plain, f"structures, {schedule}")
+        pipe.close()
+
+
 @scenario
 def a_pause_between_steps_longer_than_the_group_timeout_is_harmless() -> None:
     plain = blocks(2 * world(), seed=12)

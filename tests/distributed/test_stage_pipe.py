@@ -24,6 +24,7 @@ SHARED = [
     "a_failing_process_makes_the_others_fail_at_once_naming_it",
     "bad_arguments_are_refused_by_every_process_before_any_work",
     "dropout_batch_norm_and_autocast_match_the_single_process_pipe",
+    "tuples_dicts_and_plain_values_cross_processes",
 ]
 
 
@@ -53,6 +54,7 @@ def test_three_stage_processes_with_skips_over_the_middle_one(group_runner: Grou
         "every_schedule_and_mode_equals_the_plain_model",
         "skips_go_straight_to_non_adjacent_processes",
         "tied_weights_across_processes_stay_equal_and_train_like_the_plain_model",
+        "tuples_dicts_and_plain_values_cross_processes",
     ]
     check(group_runner(names, script=STAGES, world_size=3, wall_timeout_s=150), names)
 
