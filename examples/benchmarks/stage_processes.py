@@ -7,7 +7,8 @@ each, share one model: 8 blocks of Linear(1024, 1024) + ReLU, cut 4 + 4,
 
 - the plain model on the same micro-batches one after another, in process 0
   (the baseline of the speedups);
-- the single-process ``Pipe.step`` over two CPU partitions, in process 0;
+- the single-process ``Pipe.step`` (``gpipe``, ``1f1b``) over two CPU
+  partitions on two threads, in process 0;
 - ``DistributedPipe.step`` with ``gpipe``, ``1f1b`` and ``zb-h1``;
 - torch's ``PipelineStage`` with ``ScheduleGPipe`` and ``Schedule1F1B``;
 
@@ -152,7 +153,8 @@ def main() -> None:
     }
     checked: dict[str, nn.Module] = {}
     local = Pipe(mlp(), [8, 8], devices=["cpu", "cpu"], chunks=m, checkpoint="never")
-    candidates["Pipe.step 1f1b (threads)"] = (ours(local, x, y, "1f1b"), False)
+    for schedule in ("gpipe", "1f1b"):
+        candidates[f"Pipe.step {schedule} (threads)"] = (ours(local, x, y, schedule), False)
     pipes = [DistributedPipe(mlp(), [8, 8], chunks=m, checkpoint=mode) for mode in MODES]
     for pipe, mode in zip(pipes, MODES, strict=True):
         for schedule in ("gpipe", "1f1b", "zb-h1") if mode == "never" else ("1f1b",):
@@ -171,10 +173,11 @@ def main() -> None:
         candidates[name][0]()
         differences[name] = max_grad_difference(module, plain)
     if env.rank == 0:
-        ours(local, x, y, "1f1b")()
-        worst = max((a.grad - b.grad).abs().max().item() for a, b in
-                    zip(local.parameters(), plain.parameters(), strict=True))  # fmt: skip
-        differences["Pipe.step 1f1b (threads)"] = worst
+        for schedule in ("gpipe", "1f1b"):
+            ours(local, x, y, schedule)()
+            worst = max((a.grad - b.grad).abs().max().item() for a, b in
+                        zip(local.parameters(), plain.parameters(), strict=True))  # fmt: skip
+            differences[f"Pipe.step {schedule} (threads)"] = worst
     best = timed(candidates, args.rounds)
     baseline = best["plain micro-batches"]
     result: dict[str, Any] = {
