@@ -129,25 +129,25 @@ class P2PTransport:
     def __init__(
         self,
         group: dist.ProcessGroup,
-        wire: dist.ProcessGroup,
+        wires: tuple[dist.ProcessGroup, dist.ProcessGroup],
         owner: list[int],
         peers: Iterable[int],
         devices: list[torch.device],
         timeout: float,
     ) -> None:
         self.group = group
-        self.wire_group = wire
+        self.wires = wires
         self.me = dist.get_rank(group)
         self.owner = owner
         self.peers = sorted(set(peers) - {self.me})
-        # Sends and receives call the group's own methods, by rank in ``wire``.
+        # Sends and receives call the groups' own methods, by rank in the wires.
         self._wire_rank = {
-            peer: dist.get_group_rank(wire, dist.get_global_rank(group, peer))
+            peer: dist.get_group_rank(wires[0], dist.get_global_rank(group, peer))
             for peer in self.peers
         }
         self.devices = devices
         self.timeout = timeout
-        self.wire = collective_device(wire)
+        self.wire = collective_device(wires[0])
         self.step = 0
         self._received: dict[int, Counter[tuple[int, str]]] = {}
         self._received_lock = threading.Lock()
@@ -260,16 +260,15 @@ class P2PTransport:
         with self._send_locks[peer]:
             for part in parts:
                 on_wire = part.to(self.wire)
-                work = self.wire_group.send([on_wire], self._wire_rank[peer], _TAG)
+                work = self._wire(self.me, peer).send([on_wire], self._wire_rank[peer], _TAG)
                 with self._pending_lock:
                     self._pending.append((work, on_wire))
 
     def _listen(self, peer: int) -> None:
-        source = self._wire_rank[peer]
         try:
-            envelope = self._expect(torch.empty(_ENVELOPE_BYTES, dtype=torch.uint8), source)
+            envelope = self._expect(torch.empty(_ENVELOPE_BYTES, dtype=torch.uint8), peer)
             while True:
-                kind, key, message, envelope = self._receive_one(source, envelope)
+                kind, key, message, envelope = self._receive_one(peer, envelope)
                 if kind == _STOP:
                     return
                 if kind == _ABORT:
@@ -282,30 +281,38 @@ class P2PTransport:
             if not self._closing:
                 self._store.break_down(PeerError(f"lost the connection to rank {peer}: {error}"))
 
-    def _expect(self, buffer: torch.Tensor, source: int) -> _Receipt:
-        """Post the receive of ``buffer``'s next message from ``source``; wait for it later."""
-        on_wire = buffer.to(self.wire)
-        return self.wire_group.recv([on_wire], source, _TAG), on_wire
+    def _wire(self, sender: int, receiver: int) -> dist.ProcessGroup:
+        """The group for messages from ``sender`` to ``receiver``: one per direction.
 
-    def _receive_one(self, source: int, envelope: _Receipt) -> tuple[int, Any, Message, _Receipt]:
+        Each direction has its own connection, so a process's sends and its
+        receives from the same peer do not take turns on one socket.
+        """
+        return self.wires[0 if sender < receiver else 1]
+
+    def _expect(self, buffer: torch.Tensor, peer: int) -> _Receipt:
+        """Post the receive of ``buffer``'s next message from ``peer``; wait for it later."""
+        on_wire = buffer.to(self.wire)
+        return self._wire(peer, self.me).recv([on_wire], self._wire_rank[peer], _TAG), on_wire
+
+    def _receive_one(self, peer: int, envelope: _Receipt) -> tuple[int, Any, Message, _Receipt]:
         """The message whose envelope was expected, and the next message's envelope, expected."""
         head = _as_bytes(_waited(envelope))
         kind, length, count = _HEAD.unpack_from(head)
         if length <= _INLINE_BYTES:
             description = head[_HEAD.size : _HEAD.size + length]
         else:
-            received = self._expect(torch.empty(length, dtype=torch.uint8), source)
+            received = self._expect(torch.empty(length, dtype=torch.uint8), peer)
             description = _as_bytes(_waited(received))
         key, shape, structured, differentiable = pickle.loads(description)
         placeholders, spec = tree_flatten(shape) if structured else (shape, None)
         tensors = {
-            k: self._expect(torch.empty(leaf.nbytes, dtype=torch.uint8), source)
+            k: self._expect(torch.empty(leaf.nbytes, dtype=torch.uint8), peer)
             for k, leaf in enumerate(placeholders)
             if isinstance(leaf, _Tensor)
         }
         assert len(tensors) == count, "the description lists the message's tensors"
         if kind != _STOP:
-            envelope = self._expect(torch.empty(_ENVELOPE_BYTES, dtype=torch.uint8), source)
+            envelope = self._expect(torch.empty(_ENVELOPE_BYTES, dtype=torch.uint8), peer)
         values = [
             _Arriving(tensors[k], leaf) if k in tensors else leaf
             for k, leaf in enumerate(placeholders)

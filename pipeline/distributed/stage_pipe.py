@@ -176,7 +176,7 @@ class DistributedPipe(nn.Module):
         self._synchronize_ties()
         peers = _peers(self.local_stages, self.owner, skip_layout)
         self._transport = P2PTransport(
-            self.group, _wire_group(pipelines), self.owner, peers, [self.device] * n, timeout
+            self.group, _wire_groups(pipelines), self.owner, peers, [self.device] * n, timeout
         )
         self._finalizer = weakref.finalize(self, self._transport.close)
         self._completion_hooks: OrderedDict[int, Hook] = OrderedDict()
@@ -513,18 +513,21 @@ def _tie_groups(
     return found
 
 
-def _wire_group(pipelines: list[list[int]]) -> dist.ProcessGroup:
-    """A group of this pipeline's processes for its messages alone.
+def _wire_groups(pipelines: list[list[int]]) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """Two groups of this pipeline's processes for its messages alone, one per direction.
 
     Each process listens to its peers with a blocking receive between steps
     too, for as long as the pipeline lives; a receive that times out closes
-    the connection (gloo), so this group never times out and must not be
+    the connection (gloo), so these groups never time out and must not be
     the user's, whose collectives keep their own timeout. A stalled peer is
     caught by the transport's own ``timeout`` instead.
     """
-    wire, _ = dist.new_subgroups_by_enumeration(pipelines, timeout=_NEVER)
-    assert wire is not None, "every process is in one of the pipelines"
-    return cast(dist.ProcessGroup, wire)
+    wires = []
+    for _ in ("down", "up"):
+        wire, _ = dist.new_subgroups_by_enumeration(pipelines, timeout=_NEVER)
+        assert wire is not None, "every process is in one of the pipelines"
+        wires.append(cast(dist.ProcessGroup, wire))
+    return wires[0], wires[1]
 
 
 def _every_pipeline(group: dist.ProcessGroup) -> list[list[int]]:
