@@ -45,7 +45,7 @@ def test_two_stage_processes(two_processes: Outcomes, name: str) -> None:
 
 
 def test_a_pause_longer_than_the_group_timeout(group_runner: GroupRunner) -> None:
-    names = ["a_pause_between_steps_longer_than_the_group_timeout_is_harmless"]
+    names = ["a_pause_longer_than_the_group_timeout_and_new_shapes_are_harmless"]
     check(group_runner(names, script=STAGES, pg_timeout_s=3, wall_timeout_s=60), names)
 
 
