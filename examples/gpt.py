@@ -140,6 +140,19 @@ def one_step_gradients_match(
     return max(differences)
 
 
+def add_model_arguments(parser: argparse.ArgumentParser, context: int) -> None:
+    """The model's size, its checkpointing and the learning rate (shared with train_grid.py)."""
+    parser.add_argument(
+        "--checkpoint", default="except_last", choices=["always", "except_last", "never"]
+    )
+    parser.add_argument("--context", type=int, default=context)
+    parser.add_argument("--width", type=int, default=64)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--dropout", type=float, default=0.1)
+    parser.add_argument("--lr", type=float, default=3e-3)
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=150)
@@ -149,15 +162,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved", "zb-h1"]
     )
-    parser.add_argument(
-        "--checkpoint", default="except_last", choices=["always", "except_last", "never"]
-    )
-    parser.add_argument("--context", type=int, default=64)
-    parser.add_argument("--width", type=int, default=64)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--dropout", type=float, default=0.1)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    add_model_arguments(parser, context=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=25)
     return parser.parse_args(argv)

@@ -24,7 +24,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from gpt import Corpus, build_model, language_model_loss, load_text
+from gpt import Corpus, add_model_arguments, build_model, language_model_loss, load_text
 from torch.distributed.device_mesh import init_device_mesh
 from train_dp import max_difference_from_rank0
 
@@ -40,15 +40,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=16, help="sequences per replica per step")
     parser.add_argument("--chunks", type=int, default=4)
     parser.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "zb-h1"])
-    parser.add_argument(
-        "--checkpoint", default="except_last", choices=["always", "except_last", "never"]
-    )
-    parser.add_argument("--context", type=int, default=32)
-    parser.add_argument("--width", type=int, default=64)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--dropout", type=float, default=0.1)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    add_model_arguments(parser, context=32)
     parser.add_argument("--log-every", type=int, default=10)
     return parser.parse_args(argv)
 

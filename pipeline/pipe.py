@@ -33,7 +33,13 @@ from pipeline.batchnorm import DeferredBatchNorm
 from pipeline.completion import Hook
 from pipeline.microbatch import Batch, Value, check_input, gather, scatter, to_device
 from pipeline.pipeline import Pipeline
-from pipeline.runner import StepReport, StepRun, checkpoint_stop, checkpointed_tasks
+from pipeline.runner import (
+    StepReport,
+    StepRun,
+    checkpoint_stop,
+    checkpointed_tasks,
+    loss_scales,
+)
 from pipeline.schedules import Schedule, resolve_schedule
 from pipeline.simulate import Simulation, validate
 from pipeline.skip.layout import inspect_skip_layout
@@ -289,8 +295,7 @@ class Pipe(nn.Module):
             )
         m = len(batches)
         programs, simulation = self._programs(schedule, m, n)
-        total = sum(rows)
-        scales = [r / total if loss_reduction == "mean" else 1.0 for r in rows]
+        scales = loss_scales(rows, loss_reduction)
         if self.training:
             for bn in self._deferred_batch_norms:
                 bn.reset_accumulators()

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from pipeline import rng
 from pipeline.actions import Program
-from pipeline.arguments import CheckpointMode
+from pipeline.arguments import CheckpointMode, LossReduction
 from pipeline.completion import Hook
 from pipeline.microbatch import Batch
 from pipeline.pipeline import Pipeline, add_note
@@ -42,7 +42,7 @@ from pipeline.threadstate import ThreadState
 from pipeline.transport import AbortedError, LocalTransport, Transport
 from pipeline.worker import Failure
 
-__all__ = ["StepReport", "StepRun", "checkpoint_stop", "checkpointed_tasks"]
+__all__ = ["StepReport", "StepRun", "checkpoint_stop", "checkpointed_tasks", "loss_scales"]
 
 LossFn = Any
 
@@ -159,6 +159,16 @@ class StepReport:
     schedule: Schedule
     simulation: Simulation
     peak_in_flight: list[int]
+
+
+def loss_scales(rows: list[int], reduction: LossReduction) -> list[float]:
+    """What each micro-batch's loss is multiplied by, so the step's gradient is the batch's.
+
+    ``'mean'``: a micro-batch of r rows out of R counts r / R (uneven splits
+    included); ``'sum'``: each counts once.
+    """
+    total = sum(rows)
+    return [r / total if reduction == "mean" else 1.0 for r in rows]
 
 
 def checkpoint_stop(mode: CheckpointMode, m: int, training: bool) -> int:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from pipeline import Pipe
+from pipeline.skip import pop, skippable, stash
 
 
 def mlp(width: int = 8, depth: int = 6, dtype: torch.dtype = torch.float64) -> nn.Sequential:
@@ -39,3 +41,29 @@ def cpu_pipe(
         checkpoint=checkpoint,  # type: ignore[arg-type]
         **options,
     )
+
+
+@skippable(stash=["skip"])
+class Stash(nn.Module):
+    """Stashes a function of its input as "skip"; passes on twice the input."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x: Tensor) -> Generator[Any, Any, Tensor]:
+        yield stash("skip", torch.tanh(self.linear(x)))
+        return x * 2
+
+
+@skippable(pop=["skip"])
+class Pop(nn.Module):
+    """Pops "skip" and multiplies its own output by it."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x: Tensor) -> Generator[Any, Any, Tensor]:
+        skip = yield pop("skip")
+        return self.linear(x) * skip

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import threading
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -16,7 +16,8 @@ from torch import Tensor, nn
 from pipeline import DeferredBatchNorm, NoChunk, Pipe
 from pipeline.schedules import GPipe, Interleaved1F1B, OneFOneB, Programs, ZeroBubbleH1
 from pipeline.simulate import ProgramError
-from pipeline.skip import Namespace, pop, skippable, stash
+from pipeline.skip import Namespace
+from tests.helpers import Pop, Stash
 
 WIDTH = 4
 MODES = ("always", "except_last", "never")
@@ -26,28 +27,6 @@ SCHEDULES: dict[str, Callable[[], Any]] = {
     "interleaved": lambda: Interleaved1F1B(virtual=2),
     "zb-h1": ZeroBubbleH1,
 }
-
-
-@skippable(stash=["skip"])
-class Stash(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(WIDTH, WIDTH)
-
-    def forward(self, x: Tensor) -> Generator[Any, Any, Tensor]:
-        yield stash("skip", torch.tanh(self.linear(x)))
-        return x * 2
-
-
-@skippable(pop=["skip"])
-class Pop(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(WIDTH, WIDTH)
-
-    def forward(self, x: Tensor) -> Generator[Any, Any, Tensor]:
-        skip = yield pop("skip")
-        return self.linear(x) * skip
 
 
 def block() -> nn.Module:
@@ -66,8 +45,8 @@ def layered(n: int, layout: str) -> tuple[nn.Sequential, list[int]]:
     }[layout]
     for stash_at, pop_at in pairs:
         ns = Namespace()
-        layers[stash_at] = nn.Sequential(Stash().isolate(ns), layers[stash_at])
-        layers[pop_at] = nn.Sequential(layers[pop_at], Pop().isolate(ns))
+        layers[stash_at] = nn.Sequential(Stash(WIDTH).isolate(ns), layers[stash_at])
+        layers[pop_at] = nn.Sequential(layers[pop_at], Pop(WIDTH).isolate(ns))
     return nn.Sequential(*layers).double(), [2] * n
 
 

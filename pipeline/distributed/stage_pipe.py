@@ -52,7 +52,7 @@ from pipeline.distributed.process_group import collective_device, resolve_group
 from pipeline.microbatch import Batch, Value, check_input, gather, scatter, to_device
 from pipeline.pipe import PositionalSequential
 from pipeline.pipeline import Pipeline
-from pipeline.runner import StepRun, checkpointed_tasks
+from pipeline.runner import StepRun, checkpointed_tasks, loss_scales
 from pipeline.schedules import Schedule, resolve_schedule
 from pipeline.simulate import Simulation, validate
 from pipeline.skip.layout import SkipLayout, inspect_skip_layout
@@ -228,7 +228,7 @@ class DistributedPipe(nn.Module):
             refusal = error
         rows = self._agree(batches, targets, f"{chosen!r} {loss_reduction}", refusal)
         programs, simulation = self._programs(chosen, len(rows))
-        scales = [r / sum(rows) if loss_reduction == "mean" else 1.0 for r in rows]
+        scales = loss_scales(rows, loss_reduction)
         if self.training:
             for bn in self._deferred_batch_norms:
                 bn.reset_accumulators()

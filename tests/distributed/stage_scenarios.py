@@ -12,7 +12,6 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +32,8 @@ from torch import Tensor, nn
 from pipeline import DataParallel, Pipe
 from pipeline.distributed import DistributedPipe, PeerError, load_shards, save_shard
 from pipeline.schedules import Interleaved1F1B
-from pipeline.skip import Namespace, pop, skippable, stash
+from pipeline.skip import Namespace
+from tests.helpers import Pop, Stash
 
 WIDTH = 8
 MODES = ("always", "except_last", "never")
@@ -114,36 +114,14 @@ def interleaved_stages_equal_the_plain_model() -> None:
     check_every_schedule_and_mode(stages=2 * world())
 
 
-@skippable(stash=["skip"])
-class Stash(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(WIDTH, WIDTH)
-
-    def forward(self, x: Tensor) -> Generator[Any, Any, Tensor]:
-        yield stash("skip", torch.tanh(self.linear(x)))
-        return x * 2
-
-
-@skippable(pop=["skip"])
-class Pop(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(WIDTH, WIDTH)
-
-    def forward(self, x: Tensor) -> Generator[Any, Any, Tensor]:
-        skip = yield pop("skip")
-        return self.linear(x) * skip
-
-
 def skipping_model() -> nn.Sequential:
     """A skip from the first stage to the last, and one into the middle (2 per stage)."""
     torch.manual_seed(2)
     outer, inner = Namespace("outer"), Namespace("inner")
     layers: list[nn.Module] = [block() for _ in range(2 * world())]
-    layers[0] = nn.Sequential(Stash().isolate(outer), Stash().isolate(inner))
-    layers[-1] = nn.Sequential(block(), Pop().isolate(outer))
-    layers[2] = nn.Sequential(block(), Pop().isolate(inner))
+    layers[0] = nn.Sequential(Stash(WIDTH).isolate(outer), Stash(WIDTH).isolate(inner))
+    layers[-1] = nn.Sequential(block(), Pop(WIDTH).isolate(outer))
+    layers[2] = nn.Sequential(block(), Pop(WIDTH).isolate(inner))
     return nn.Sequential(*layers).double()
 
 
