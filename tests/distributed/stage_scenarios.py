@@ -432,6 +432,50 @@ class RaiseAt(nn.Module):
         return x
 
 
+class InterruptOnRank(nn.Module):
+    """A Ctrl-C in the forward of the second micro-batch, on the rank it is told."""
+
+    def __init__(self, on_rank: int) -> None:
+        super().__init__()
+        self.on_rank = on_rank
+        self.calls = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.calls += 1
+        if rank() == self.on_rank and self.calls == 2:
+            raise KeyboardInterrupt
+        return x
+
+
+@scenario
+def an_interrupted_process_stops_the_others_and_the_next_step_is_right() -> None:
+    model = blocks(2 * world(), seed=17)
+    model.insert(2, InterruptOnRank(on_rank=1))
+    balance = [2, 3] + [2] * (world() - 2)
+    pipe = DistributedPipe(model, balance, chunks=4, checkpoint="always", timeout=60)
+    x, y = batch()
+    if rank() == 1:
+        try:
+            pipe.step(x, y, F.mse_loss)
+        except KeyboardInterrupt:
+            pass
+        else:
+            raise AssertionError("the interruption did not reach the caller")
+    else:
+        expect_error(RuntimeError, lambda: pipe.step(x, y, F.mse_loss), "rank 1 failed")
+    pipe.zero_grad()
+    pipe.step(x, y, F.mse_loss)
+    plain = blocks(2 * world(), seed=17)
+    F.mse_loss(plain(x), y).backward()
+    reference = {name: p for name, p in plain.named_parameters()}
+    for name, param in pipe.named_parameters():
+        index, rest = name.split(".", 1)
+        shifted = f"{int(index) - (int(index) > 2)}.{rest}"  # InterruptOnRank is layer 2
+        assert param.grad is not None, name
+        torch.testing.assert_close(param.grad, reference[shifted].grad, msg=name)
+    pipe.close()
+
+
 @scenario
 def a_failing_process_makes_the_others_fail_at_once_naming_it() -> None:
     model = blocks(2 * world(), seed=7)

@@ -23,6 +23,7 @@ SHARED = [
     "a_checkpoint_loads_into_the_plain_model_a_pipe_and_another_balance",
     "a_failing_process_makes_the_others_fail_at_once_naming_it",
     "bad_arguments_are_refused_by_every_process_before_any_work",
+    "an_interrupted_process_stops_the_others_and_the_next_step_is_right",
     "dropout_batch_norm_and_autocast_match_the_single_process_pipe",
     "tuples_dicts_and_plain_values_cross_processes",
 ]
