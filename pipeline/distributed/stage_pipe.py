@@ -84,7 +84,9 @@ class DistributedStepReport:
 class DistributedPipe(nn.Module):
     """One process's stages of a pipeline over the processes of ``group``.
 
-    Every process of ``group`` builds it with the same module and balance::
+    Every process of ``group`` builds it with the same module and balance,
+    and every process of the job builds its own at the same point (each
+    pipeline makes process groups of its own, which is collective)::
 
         dist.init_process_group("gloo")       # torchrun sets the environment
         pipe = DistributedPipe(model, balance=[3, 3], chunks=8)
@@ -94,8 +96,9 @@ class DistributedPipe(nn.Module):
     Args:
         module: the whole ``nn.Sequential`` (on the ``meta`` device, or any).
             This process keeps the layers of its stages, moved to ``device``;
-            layers on ``meta`` are materialised there (``to_empty``, then each
-            submodule's ``reset_parameters``).
+            layers on ``meta`` get storage there and their modules'
+            ``reset_parameters`` (children first); a module holding tensors
+            on ``meta`` without one is refused.
         balance: layers per stage; ``len(balance)`` must be a multiple of the
             group's size (stage ``s`` runs in group rank ``s % size``).
         group: the processes of one pipeline (default: the default group).
