@@ -30,7 +30,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from pipeline.phase import is_recomputing
 
-__all__ = ["DeferredBatchNorm", "deferring_batch_norm"]
+__all__ = ["DeferredBatchNorm", "deferring_batch_norm", "statistics_of_one_pass"]
 
 _local = threading.local()
 
@@ -170,3 +170,18 @@ class DeferredBatchNorm(_BatchNorm):
         deferred._register_accumulators()
         deferred.train(bn.training)
         return deferred
+
+
+@contextmanager
+def statistics_of_one_pass(norms: list[DeferredBatchNorm], training: bool) -> Iterator[None]:
+    """Around a pass: its micro-batches' statistics, committed only if it completes.
+
+    A failed or interrupted pass commits nothing; the next pass starts afresh.
+    """
+    if training:
+        for bn in norms:
+            bn.reset_accumulators()
+    yield
+    if training:
+        for bn in norms:
+            bn.commit()

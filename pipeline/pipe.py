@@ -29,7 +29,7 @@ from pipeline.arguments import (
     normalize_device,
     resolve_devices,
 )
-from pipeline.batchnorm import DeferredBatchNorm
+from pipeline.batchnorm import DeferredBatchNorm, statistics_of_one_pass
 from pipeline.completion import Hook
 from pipeline.microbatch import Batch, Value, check_input, gather, scatter, to_device
 from pipeline.pipeline import Pipeline
@@ -191,18 +191,13 @@ class Pipe(nn.Module):
         return inputs[0]
 
     def _run(self, input: Value) -> Value:
-        if self.training:
-            for bn in self._deferred_batch_norms:
-                bn.reset_accumulators()
         input = to_device(input, self.devices[0])
         batches = scatter(input, self.chunks)
         hooks = list(self._completion_hooks.values())
         rows = sum(b.rows() for b in batches)
         stop = checkpoint_stop(self.checkpoint, len(batches), self.training)
-        self._pipeline.run(batches, stop, hooks, rows)
-        if self.training:
-            for bn in self._deferred_batch_norms:
-                bn.commit()
+        with statistics_of_one_pass(self._deferred_batch_norms, self.training):
+            self._pipeline.run(batches, stop, hooks, rows)
         return gather(batches)
 
     def step(
@@ -296,9 +291,6 @@ class Pipe(nn.Module):
         m = len(batches)
         programs, simulation = self._programs(schedule, m, n)
         scales = loss_scales(rows, loss_reduction)
-        if self.training:
-            for bn in self._deferred_batch_norms:
-                bn.reset_accumulators()
         run = StepRun(
             self._pipeline,
             batches,
@@ -310,10 +302,8 @@ class Pipe(nn.Module):
             keep_outputs=return_outputs,
         )
         begin_explicit_step(simulation.mean_idle_fraction)
-        run.run(programs)
-        if self.training:
-            for bn in self._deferred_batch_norms:
-                bn.commit()
+        with statistics_of_one_pass(self._deferred_batch_norms, self.training):
+            run.run(programs)
         self.last_step = StepReport(schedule, simulation, list(run.peak_in_flight.values()))
         loss = torch.stack([cast(torch.Tensor, loss) for loss in run.losses]).sum()
         if return_outputs:

@@ -45,7 +45,7 @@ from pipeline.arguments import (
     check_chunks,
     check_module,
 )
-from pipeline.batchnorm import DeferredBatchNorm
+from pipeline.batchnorm import DeferredBatchNorm, statistics_of_one_pass
 from pipeline.completion import Hook
 from pipeline.distributed.p2p import P2PTransport
 from pipeline.distributed.process_group import collective_device, resolve_group
@@ -142,7 +142,7 @@ class DistributedPipe(nn.Module):
             )
         self.owner = [s % self.size for s in range(n)]
         self.local_stages = [s for s in range(n) if self.owner[s] == self.rank]
-        self.device = torch.device(device) if device is not None else _default_device(self.group)
+        self.device = torch.device(device) if device is not None else collective_device(self.group)
         if deferred_batch_norm:
             DeferredBatchNorm.convert(module)
         _meta_resets(module)  # every process refuses a model it could not materialise
@@ -232,9 +232,6 @@ class DistributedPipe(nn.Module):
         rows = self._agree(batches, targets, f"{chosen!r} {loss_reduction}", refusal)
         programs, simulation = self._programs(chosen, len(rows))
         scales = loss_scales(rows, loss_reduction)
-        if self.training:
-            for bn in self._deferred_batch_norms:
-                bn.reset_accumulators()
         run = StepRun(
             self._pipeline,
             batches,
@@ -247,13 +244,11 @@ class DistributedPipe(nn.Module):
             transport=self._transport,
             stages=self.local_stages,
         )
-        self._transport.begin_step()
-        run.run_here(programs[self.rank])
-        self._transport.end_step()
-        self._sum_tied_gradients()
-        if self.training:
-            for bn in self._deferred_batch_norms:
-                bn.commit()
+        with statistics_of_one_pass(self._deferred_batch_norms, self.training):
+            self._transport.begin_step()
+            run.run_here(programs[self.rank])
+            self._transport.end_step()
+            self._sum_tied_gradients()
         self.last_step = DistributedStepReport(
             chosen, simulation, run.peak_in_flight, self._transport.received()
         )
@@ -414,10 +409,6 @@ class DistributedPipe(nn.Module):
     def __iter__(self) -> Iterator[nn.Module]:
         for s in self.local_stages:
             yield from self.partitions[s]
-
-
-def _default_device(group: dist.ProcessGroup) -> torch.device:
-    return collective_device(group)
 
 
 def _partitions(

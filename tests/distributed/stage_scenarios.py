@@ -417,40 +417,26 @@ def bad_arguments_are_refused_by_every_process_before_any_work() -> None:
     pipe.close()
 
 
-class RaiseAt(nn.Module):
-    """Raises in the forward of its ``call``-th call on the rank it is told."""
+class RaiseOnRank(nn.Module):
+    """Raises ``error`` in the forward of its second call, on the rank it is told."""
 
-    def __init__(self, on_rank: int) -> None:
+    def __init__(self, on_rank: int, error: BaseException) -> None:
         super().__init__()
         self.on_rank = on_rank
+        self.error = error
         self.calls = 0
 
     def forward(self, x: Tensor) -> Tensor:
         self.calls += 1
         if rank() == self.on_rank and self.calls == 2:
-            raise KeyError("bad batch")
-        return x
-
-
-class InterruptOnRank(nn.Module):
-    """A Ctrl-C in the forward of the second micro-batch, on the rank it is told."""
-
-    def __init__(self, on_rank: int) -> None:
-        super().__init__()
-        self.on_rank = on_rank
-        self.calls = 0
-
-    def forward(self, x: Tensor) -> Tensor:
-        self.calls += 1
-        if rank() == self.on_rank and self.calls == 2:
-            raise KeyboardInterrupt
+            raise self.error
         return x
 
 
 @scenario
 def an_interrupted_process_stops_the_others_and_the_next_step_is_right() -> None:
     model = blocks(2 * world(), seed=17)
-    model.insert(2, InterruptOnRank(on_rank=1))
+    model.insert(2, RaiseOnRank(on_rank=1, error=KeyboardInterrupt()))
     balance = [2, 3] + [2] * (world() - 2)
     pipe = DistributedPipe(model, balance, chunks=4, checkpoint="always", timeout=60)
     x, y = batch()
@@ -470,7 +456,7 @@ def an_interrupted_process_stops_the_others_and_the_next_step_is_right() -> None
     reference = {name: p for name, p in plain.named_parameters()}
     for name, param in pipe.named_parameters():
         index, rest = name.split(".", 1)
-        shifted = f"{int(index) - (int(index) > 2)}.{rest}"  # InterruptOnRank is layer 2
+        shifted = f"{int(index) - (int(index) > 2)}.{rest}"  # RaiseOnRank is layer 2
         assert param.grad is not None, name
         torch.testing.assert_close(param.grad, reference[shifted].grad, msg=name)
     pipe.close()
@@ -479,7 +465,7 @@ def an_interrupted_process_stops_the_others_and_the_next_step_is_right() -> None
 @scenario
 def a_failing_process_makes_the_others_fail_at_once_naming_it() -> None:
     model = blocks(2 * world(), seed=7)
-    model.append(RaiseAt(on_rank=world() - 1))
+    model.append(RaiseOnRank(on_rank=world() - 1, error=KeyError("bad batch")))
     balance = [2] * (world() - 1) + [3]
     pipe = DistributedPipe(model, balance, chunks=4, checkpoint="never", timeout=60)
     x, y = batch()
