@@ -30,9 +30,14 @@ SHARED = [
 
 
 def check(outcomes: Outcomes, names: list[str]) -> None:
-    for rank, outcome in enumerate(outcomes):
-        for name in names:
-            assert outcome.get(name) == "ok", f"rank {rank}, {name}:\n{outcome.get(name)}"
+    """Every rank ran every scenario; else every rank's failure, so the first cause shows."""
+    failures = [
+        f"rank {rank}, {name}:\n{outcome.get(name)}"
+        for name in names
+        for rank, outcome in enumerate(outcomes)
+        if outcome.get(name) != "ok"
+    ]
+    assert not failures, "\n".join(failures)
 
 
 @pytest.fixture(scope="module")
