@@ -30,6 +30,7 @@ actions waiting on it; a peer that stalls makes them fail after
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import pickle
 import struct
@@ -175,13 +176,16 @@ class P2PTransport:
 
     def end_step(self) -> None:
         """Wait until this step's sends are done (their tensors may then be freed)."""
+        try:
+            self._wait_for_sends()
+        except RuntimeError as error:
+            raise PeerError(f"a send of step {self.step} did not complete: {error}") from error
+
+    def _wait_for_sends(self) -> None:
         with self._pending_lock:
             pending, self._pending = self._pending, []
         for work, _ in pending:
-            try:
-                work.wait(timedelta(seconds=self.timeout))
-            except RuntimeError as error:
-                raise PeerError(f"a send of step {self.step} did not complete: {error}") from error
+            work.wait(timedelta(seconds=self.timeout))
 
     # Transport
 
@@ -238,6 +242,10 @@ class P2PTransport:
                 self._post(peer, _STOP, 0, Message([]))
             except Exception:
                 continue
+        # A send dropped before it is done may never arrive: the peer would
+        # wait for this STOP until its timeout.
+        with contextlib.suppress(RuntimeError):
+            self._wait_for_sends()
         for listener in self._listeners:
             listener.join(self.timeout)
 

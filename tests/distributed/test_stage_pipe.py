@@ -24,6 +24,7 @@ SHARED = [
     "a_failing_process_makes_the_others_fail_at_once_naming_it",
     "bad_arguments_are_refused_by_every_process_before_any_work",
     "an_interrupted_process_stops_the_others_and_the_next_step_is_right",
+    "a_pipe_closed_right_after_construction_lets_its_peers_close_at_once",
     "dropout_batch_norm_and_autocast_match_the_single_process_pipe",
     "tuples_dicts_and_plain_values_cross_processes",
 ]
