@@ -12,17 +12,20 @@ point-to-point sends (``p2p.py``).
 
 Weights tied across stages (an embedding and the output head) live in each
 process that uses them, made equal at construction and kept equal by
-summing their gradients over those processes after each step, as Megatron's
-embedding group does. Wrapped in ``pipeline.DataParallel`` (over the replicas
-of the same stage), each stage's gradients are averaged across replicas as
-soon as its last backward ends: a pp x dp grid in one ``torchrun`` job.
+summing each step's gradients of them over those processes, as Megatron's
+embedding group does. The processes compare the arguments that must agree
+(``stage_arguments.py``) when the pipe is built, and each step's before it
+runs, so that a mismatch or a refusal raises on every process.
+
+Wrapped in ``pipeline.DataParallel`` (over the replicas of the same stage),
+each stage's gradients are averaged across replicas as soon as its last
+backward ends: a pp x dp grid in one ``torchrun`` job.
 """
 
 from __future__ import annotations
 
 import itertools
 import weakref
-import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -35,20 +38,13 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from pipeline.actions import Program
-from pipeline.arguments import (
-    CallStyle,
-    CheckpointMode,
-    LossReduction,
-    check_balance,
-    check_call_style,
-    check_checkpoint,
-    check_chunks,
-    check_module,
-)
+from pipeline.arguments import CallStyle, CheckpointMode, LossReduction
 from pipeline.batchnorm import DeferredBatchNorm, statistics_of_one_pass
 from pipeline.completion import Hook
+from pipeline.distributed.agreement import camps, fingerprint, gather_rows, ranks_text, refused_text
 from pipeline.distributed.p2p import P2PTransport
 from pipeline.distributed.process_group import collective_device, resolve_group
+from pipeline.distributed.stage_arguments import StageArguments, check_alone, disagreement
 from pipeline.microbatch import Batch, Value, check_input, gather, scatter, to_device
 from pipeline.pipe import PositionalSequential
 from pipeline.pipeline import Pipeline
@@ -56,7 +52,6 @@ from pipeline.runner import StepRun, checkpointed_tasks, loss_scales
 from pipeline.schedules import Schedule, resolve_schedule
 from pipeline.simulate import Simulation, validate
 from pipeline.skip.layout import SkipLayout, inspect_skip_layout
-from pipeline.skip.verify import verify_skippables
 
 __all__ = ["DistributedPipe", "DistributedStepReport"]
 
@@ -123,29 +118,21 @@ class DistributedPipe(nn.Module):
         timeout: float = DEFAULT_TIMEOUT_S,
     ) -> None:
         super().__init__()
-        check_module(module)
-        verify_skippables(module)
-        self.balance = check_balance(balance, len(module))
-        self.chunks = check_chunks(chunks)
-        self.checkpoint = check_checkpoint(checkpoint)
-        self.call_style = check_call_style(call_style)
-        if not timeout > 0:
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         self.group = resolve_group(group)
         self.size = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
+        arguments, pipelines = self._agree_to_build(
+            module, balance, chunks, checkpoint, call_style, deferred_batch_norm, device, timeout
+        )
+        self.balance = arguments.balance
+        self.chunks = arguments.chunks
+        self.checkpoint = arguments.checkpoint
+        self.call_style = arguments.call_style
         n = len(self.balance)
-        if n % self.size:
-            raise ValueError(
-                f"balance has {n} stages for {self.size} processes; give a multiple of "
-                f"{self.size} stages (one per process, or several with the interleaved schedule)"
-            )
         self.owner = [s % self.size for s in range(n)]
         self.local_stages = [s for s in range(n) if self.owner[s] == self.rank]
-        self.device = torch.device(device) if device is not None else collective_device(self.group)
         if deferred_batch_norm:
             DeferredBatchNorm.convert(module)
-        _meta_resets(module)  # every process refuses a model it could not materialise
         layers = OrderedDict((name, layer) for name, layer in module._modules.items() if layer)
         sequential = PositionalSequential if call_style == "positional" else nn.Sequential
         every = _partitions(layers, self.balance, sequential)
@@ -167,7 +154,6 @@ class DistributedPipe(nn.Module):
             deferred_batch_norm=deferred_batch_norm,
         )
         self._deferred_batch_norms = [m for m in self.modules() if isinstance(m, DeferredBatchNorm)]
-        pipelines = _every_pipeline(self.group)
         self._ties = self._resolve_ties(tied, pipelines)
         self._tied_stages = {
             s
@@ -185,6 +171,51 @@ class DistributedPipe(nn.Module):
         self._completion_hooks: OrderedDict[int, Hook] = OrderedDict()
         self._validated: dict[tuple[str, int], tuple[list[Program], Simulation]] = {}
         self.last_step: DistributedStepReport | None = None
+
+    def _agree_to_build(
+        self,
+        module: nn.Sequential,
+        balance: Sequence[int] | None,
+        chunks: int,
+        checkpoint: CheckpointMode,
+        call_style: CallStyle,
+        deferred_batch_norm: bool,
+        device: torch.device | str | None,
+        timeout: float,
+    ) -> tuple[StageArguments, list[list[int]]]:
+        """The arguments, once every process of the job agrees to build; and every pipeline.
+
+        What one process can check alone is checked first but raised only
+        after the comparison, in which the others would otherwise wait: every
+        process of the job raises, or none does, before anything is built.
+        """
+        refusal: Exception | None = None
+        arguments: StageArguments | None = None
+        try:
+            arguments = check_alone(
+                module, balance, chunks, checkpoint, call_style, deferred_batch_norm, self.size
+            )
+            if not timeout > 0:
+                raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+            self.device = (
+                torch.device(device) if device is not None else collective_device(self.group)
+            )
+            _meta_resets(module)  # every process refuses a model it could not materialise
+        except Exception as error:
+            refusal, arguments = error, None
+        # Every process compares, a refusing one too: the others wait for it.
+        disagreed = disagreement(module, arguments, self.group)
+        problem = refusal or disagreed
+        pipelines, stopped = _every_pipeline(self.group, refused=problem is not None)
+        if problem is not None:
+            raise problem
+        if stopped:
+            raise ValueError(
+                f"the pipeline of (global) ranks {stopped} refused its arguments (its processes' "
+                "errors say why); no pipeline of the job was built"
+            )
+        assert arguments is not None, "built with no refusal and no disagreement"
+        return arguments, pipelines
 
     # Training
 
@@ -207,29 +238,22 @@ class DistributedPipe(nn.Module):
         device (and the output, with ``return_outputs``, where the last stage
         runs, ``None`` elsewhere).
         """
-        if not self._finalizer.alive:
-            raise RuntimeError("this DistributedPipe is closed; create a new one to train")
-        if not torch.is_grad_enabled():
-            raise RuntimeError("DistributedPipe.step computes gradients, but grad mode is off")
-        chosen = resolve_schedule(schedule)
-        workers = chosen.workers(len(self.balance))
-        if workers != self.size:
-            raise ValueError(
-                f"{chosen!r} runs {len(self.balance)} stages on {workers} workers, but the "
-                f"group has {self.size} processes: use a schedule with one worker per process"
-            )
-        if loss_reduction not in ("mean", "sum"):
-            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
         first, last = 0 in self.local_stages, len(self.balance) - 1 in self.local_stages
-        refusal: ValueError | TypeError | None = None
+        # A refusal is raised only after the agreement, which the other
+        # processes would otherwise wait in until their group's timeout.
+        refusal: Exception | None = None
+        chosen: Schedule | None = None
         batches: list[Batch] = []
         targets: list[Batch] = []
         try:
+            chosen = self._check_step(loss_fn, schedule, loss_reduction)
             batches = self._scatter(input, "input", needed=first)
             targets = self._scatter(target, "target", needed=last)
-        except (ValueError, TypeError) as error:
+        except Exception as error:
             refusal = error
-        rows = self._agree(batches, targets, f"{chosen!r} {loss_reduction}", refusal)
+        choice = None if chosen is None else f"{chosen!r} {loss_reduction}"
+        rows = self._agree(batches, targets, choice, refusal)
+        assert chosen is not None, "the agreement raises on every process if one refused"
         programs, simulation = self._programs(chosen, len(rows))
         scales = loss_scales(rows, loss_reduction)
         run = StepRun(
@@ -244,11 +268,14 @@ class DistributedPipe(nn.Module):
             transport=self._transport,
             stages=self.local_stages,
         )
-        with statistics_of_one_pass(self._deferred_batch_norms, self.training):
+
+        def run_here() -> None:
             self._transport.begin_step()
             run.run_here(programs[self.rank])
             self._transport.end_step()
-            self._sum_tied_gradients()
+
+        with statistics_of_one_pass(self._deferred_batch_norms, self.training):
+            self._summing_tied_gradients(run_here)
         self.last_step = DistributedStepReport(
             chosen, simulation, run.peak_in_flight, self._transport.received()
         )
@@ -256,6 +283,28 @@ class DistributedPipe(nn.Module):
         if not return_outputs:
             return loss
         return loss, gather([cast(Batch, out) for out in run.outputs]) if last else None
+
+    def _check_step(self, loss_fn: Any, schedule: str | Schedule, loss_reduction: Any) -> Schedule:
+        """The step's schedule, once this process's own arguments pass (as far as it can tell)."""
+        if not self._finalizer.alive:
+            raise RuntimeError("this DistributedPipe is closed; create a new one to train")
+        if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+            raise RuntimeError(
+                "DistributedPipe.step computes gradients, but grad mode is off here "
+                "(torch.no_grad() or inference mode)"
+            )
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable(output, target), got {loss_fn!r}")
+        if loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+        chosen = resolve_schedule(schedule)
+        workers = chosen.workers(len(self.balance))
+        if workers != self.size:
+            raise ValueError(
+                f"{chosen!r} runs {len(self.balance)} stages on {workers} workers, but the "
+                f"group has {self.size} processes: use a schedule with one worker per process"
+            )
+        return chosen
 
     def _scatter(self, value: Value | None, what: str, needed: bool) -> list[Batch]:
         if not needed:
@@ -272,8 +321,8 @@ class DistributedPipe(nn.Module):
         self,
         batches: list[Batch],
         targets: list[Batch],
-        choice: str,
-        refusal: ValueError | TypeError | None,
+        choice: str | None,
+        refusal: Exception | None,
     ) -> list[int]:
         """The micro-batches' sizes, as stage 0's process split them, known to every process.
 
@@ -281,35 +330,32 @@ class DistributedPipe(nn.Module):
         raises (that one its own error); so does every process if they chose
         different schedules, or if the target and the input split differently.
         """
-        n, m = self.size, self.chunks
-        message = torch.zeros(2 * n + 2 * (m + 1), dtype=torch.int64)
-        message[self.rank] = refusal is not None
-        message[n + self.rank] = zlib.crc32(choice.encode())
-        for offset, split in ((2 * n, batches), (2 * n + m + 1, targets)):
-            if split:
-                message[offset] = len(split)
-                message[offset + 1 : offset + 1 + len(split)] = torch.tensor(
-                    [b.rows() for b in split]
-                )
-        message = message.to(collective_device(self.group))
-        dist.all_reduce(message, group=self.group)
-        agreed = [int(v) for v in message.tolist()]
-        refused = [r for r in range(n) if agreed[r]]
+        m = self.chunks
+        # Every process's row has 2 + 2 (m + 1) entries, m being the chunks
+        # that every process agreed on when the pipe was built
+        # (stage_arguments.py): the rows cannot differ in length, which would
+        # make gloo abort a process.
+        row = [int(refusal is not None), 0 if choice is None else fingerprint(choice)]
+        for split in (batches, targets):
+            row += [len(split), *(b.rows() for b in split), *[0] * (m - len(split))]
+        rows = gather_rows(row, self.group)
         if refusal is not None:
             raise refusal
+        refused = [r for r, theirs in enumerate(rows) if theirs[0]]
         if refused:
             raise ValueError(
-                f"rank {refused[0]} of the pipeline refused this step's arguments (its error "
-                "says why); no process ran anything"
+                f"{refused_text(refused)} of the pipeline refused this step's arguments (its "
+                "error says why); no process ran anything"
             )
-        if len(set(agreed[n : 2 * n])) > 1:
+        choices = camps([theirs[1] for theirs in rows])
+        if len(choices) > 1:
             raise ValueError(
                 "the processes of the pipeline chose different schedules or loss reductions for "
-                "this step; every process must call step() with the same ones"
+                f"this step: {ranks_text(choices)} chose differently (this process, rank "
+                f"{self.rank}: {choice}); every process must call step() with the same ones"
             )
-        input_rows, target_rows = (
-            agreed[o + 1 : o + 1 + agreed[o]] for o in (2 * n, 2 * n + m + 1)
-        )
+        input_rows = _split_sizes(rows[self.owner[0]][2:])
+        target_rows = _split_sizes(rows[self.owner[-1]][3 + m :])
         if input_rows != target_rows:
             raise ValueError(
                 f"the target splits into micro-batches of {target_rows} rows but the input into "
@@ -346,12 +392,36 @@ class DistributedPipe(nn.Module):
             for hook in self._completion_hooks.values():
                 hook(j)
 
-    def _sum_tied_gradients(self) -> None:
-        for group, params in self._ties.values():
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-            for param, grad in zip(params, grads, strict=True):
-                dist.all_reduce(grad, group=group)
+    def _summing_tied_gradients(self, run_step: Callable[[], None]) -> None:
+        """Run the step, then sum its gradients of tied weights over the processes holding them.
+
+        Only this step's: ``.grad`` may hold earlier steps' too (gradient
+        accumulation, ``DataParallel.no_sync``), summed when they were made;
+        summing them again would count them once more per holder. They are
+        set aside while the step runs and get the sum added in place, so
+        that ``.grad`` stays the tensor it was (``DataParallel`` with
+        ``gradient_as_bucket_view`` made it a view into its bucket). A step
+        that fails leaves them as they were.
+        """
+        params = [p for _, tied in self._ties.values() for p in tied]
+        earlier = [p.grad for p in params]
+        for param in params:
+            param.grad = None
+        try:
+            run_step()
+            for group, tied in self._ties.values():
+                for param in tied:
+                    fresh = param.grad if param.grad is not None else torch.zeros_like(param)
+                    dist.all_reduce(fresh, group=group)
+                    param.grad = fresh
+        except BaseException:
+            for param, grad in zip(params, earlier, strict=True):
                 param.grad = grad
+            raise
+        with torch.no_grad():
+            for param, grad in zip(params, earlier, strict=True):
+                if grad is not None:
+                    param.grad = grad.add_(cast(Tensor, param.grad))
         for j in sorted(self._tied_stages):
             for hook in self._completion_hooks.values():
                 hook(j)
@@ -409,6 +479,11 @@ class DistributedPipe(nn.Module):
     def __iter__(self) -> Iterator[nn.Module]:
         for s in self.local_stages:
             yield from self.partitions[s]
+
+
+def _split_sizes(split: list[int]) -> list[int]:
+    """The micro-batches' sizes in an agreement row's part ``[count, size, size, ...]``."""
+    return split[1 : 1 + split[0]]
 
 
 def _partitions(
@@ -524,16 +599,23 @@ def _wire_groups(pipelines: list[list[int]]) -> tuple[dist.ProcessGroup, dist.Pr
     return wires[0], wires[1]
 
 
-def _every_pipeline(group: dist.ProcessGroup) -> list[list[int]]:
+def _every_pipeline(
+    group: dist.ProcessGroup, refused: bool
+) -> tuple[list[list[int]], list[int] | None]:
     """The global ranks of every pipeline (a process group like ``group``) in the job.
 
-    A collective over the whole job: every process builds its pipeline together.
+    A collective over the whole job: every process builds its pipeline
+    together. Also the global ranks of a pipeline that ``refused`` to be
+    built (a process of it says so), or None: then none is built.
     """
     device = collective_device(group)
-    mine = torch.tensor(dist.get_process_group_ranks(group), dtype=torch.int64, device=device)
+    ranks = dist.get_process_group_ranks(group)
+    mine = torch.tensor([*ranks, int(refused)], dtype=torch.int64, device=device)
     gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, mine)
-    return [list(t) for t in sorted({tuple(int(r) for r in t.tolist()) for t in gathered})]
+    rows = [[int(v) for v in t.tolist()] for t in gathered]
+    stopped = next((row[:-1] for row in rows if row[-1]), None)
+    return [list(p) for p in sorted({tuple(row[:-1]) for row in rows})], stopped
 
 
 def _peers(local: list[int], owner: list[int], layout: SkipLayout) -> set[int]:

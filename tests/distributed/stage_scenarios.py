@@ -6,6 +6,7 @@ conftest.run_group with ``script=stage_scenarios.py``.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -13,7 +14,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import scenarios
 import torch
@@ -276,6 +277,48 @@ def tied_weights_across_processes_stay_equal_and_train_like_the_plain_model() ->
     pipe.close()
 
 
+def is_tied(name: str) -> bool:
+    """Whether ``name`` is the tied embedding of tied_model (in the first or the last stage)."""
+    return name.endswith(("token.weight", "embedding.weight"))
+
+
+@scenario
+def tied_weights_accumulate_over_steps_like_the_plain_model() -> None:
+    plain = tied_model()
+    model = tied_model()
+    raiser = RaiseOnRank(on_rank=world() - 1, error=KeyError("bad batch"))
+    raiser.calls = 2  # disarmed: it raises when its count reaches 2
+    model.append(raiser)
+    balance = [2] * (world() - 1) + [3]
+    pipe = DistributedPipe(model, balance, chunks=2, checkpoint="never", timeout=60)
+    gen = torch.Generator().manual_seed(18)
+    kept: dict[str, Tensor] = {}
+    for step in range(3):  # no zero_grad: gradient accumulation
+        tokens = torch.randint(0, 11, (6,), generator=gen)
+        targets = torch.randint(0, 11, (6,), generator=gen)
+        F.cross_entropy(plain(tokens), targets).backward()
+        pipe.step(tokens, targets, F.cross_entropy)
+        assert_grads_equal(pipe, plain, f"{step + 1} accumulated steps")
+        for name, param in pipe.named_parameters():
+            if is_tied(name):  # accumulated into, as DataParallel's bucket views need
+                assert kept.setdefault(name, cast(Tensor, param.grad)) is param.grad, name
+    values = {name: grad.clone() for name, grad in kept.items()}
+    raiser.calls = 1  # armed: the next step fails in the last stage
+    if rank() == world() - 1:
+        expect_error(KeyError, lambda: pipe.step(tokens, targets, F.cross_entropy), "bad batch")
+    else:
+        expect_error(
+            RuntimeError,
+            lambda: pipe.step(tokens, targets, F.cross_entropy),
+            f"rank {world() - 1} failed",
+        )
+    for name, param in pipe.named_parameters():
+        if is_tied(name):
+            assert param.grad is kept[name], f"{name}: the failed step replaced .grad"
+            assert torch.equal(param.grad, values[name]), f"{name}: the failed step changed it"
+    pipe.close()
+
+
 @scenario
 def a_checkpoint_loads_into_the_plain_model_a_pipe_and_another_balance() -> None:
     model = blocks(2 * world(), seed=6)
@@ -408,12 +451,131 @@ def bad_arguments_are_refused_by_every_process_before_any_work() -> None:
     assert ("needs the input" if rank() == 0 else "rank 0 of the pipeline refused") in message
     expect_error(ValueError, lambda: pipe.step(x, y[:-2], F.mse_loss), "target splits into")
     mine = "gpipe" if rank() == 0 else "1f1b"
-    expect_error(ValueError, lambda: pipe.step(x, y, F.mse_loss, schedule=mine), "different")
+    expect_error(
+        ValueError,
+        lambda: pipe.step(x, y, F.mse_loss, schedule=mine),
+        "chose different schedules",
+        f"ranks [0] and ranks {list(range(1, world()))} chose differently",
+        f"this process, rank {rank()}: {'GPipe' if rank() == 0 else 'OneFOneB'}() mean",
+    )
     assert all(p.grad is None for p in pipe.parameters()), "a refused step computed something"
     pipe.step(x, y, F.mse_loss)
     plain = blocks(2 * world(), seed=13)
     F.mse_loss(plain(x), y).backward()
     assert_grads_equal(pipe, plain, "the step after refused ones")
+    pipe.close()
+
+
+def split_at_rank_1() -> str:
+    """How errors name the ranks when rank 1 alone was given another value."""
+    return f"ranks {[r for r in range(world()) if r != 1]} and ranks [1]"
+
+
+@scenario
+def arguments_that_differ_between_processes_are_refused_by_every_process_at_construction() -> None:
+    odd = rank() == 1  # the process given other arguments
+    wider = blocks(2 * world())
+    if odd:  # layer 1 a Linear wider inside
+        wider[1] = nn.Sequential(
+            nn.Linear(WIDTH, WIDTH + 1), nn.Tanh(), nn.Linear(WIDTH + 1, WIDTH)
+        ).double()
+    balance = [1, 3] + [2] * (world() - 2) if odd else [2] * world()
+    cases: list[tuple[dict[str, Any], list[str]]] = [
+        ({"balance": balance}, ["balance differs", f"has {balance}", "broadcast it"]),
+        (
+            {"module": wider},
+            [
+                "the model differs between the processes of the pipeline at layer 1",
+                f"has '1': Sequential, parameter 0.weight ({WIDTH + odd}, {WIDTH}) torch.float64",
+                "build the same model on every process",
+            ],
+        ),
+        ({"checkpoint": "always" if odd else "never"}, ["checkpoint differs"]),
+        ({"call_style": "positional" if odd else "tuple"}, ["call_style differs"]),
+        ({"deferred_batch_norm": odd}, ["deferred_batch_norm differs", f"has {odd}"]),
+    ]
+    for arguments, fragments in cases:
+        given = {"module": blocks(2 * world()), "balance": [2] * world(), **arguments}
+        expect_error(
+            ValueError,
+            lambda given=given: DistributedPipe(**given),
+            *fragments,
+            "between the processes of the pipeline",
+            split_at_rank_1(),
+            f"this process (rank {rank()})",
+        )
+    refused = ["timeout must be"] if odd else ["rank 1 of the pipeline refused its DistributedPipe"]
+    timeout = 0 if odd else 60
+    expect_error(ValueError, lambda: DistributedPipe(blocks(2), [1, 1], timeout=timeout), *refused)
+    pipe = DistributedPipe(blocks(2 * world(), seed=19), [2] * world(), chunks=2)
+    x, y = batch()
+    pipe.step(x, y, F.mse_loss)  # every process goes on
+    plain = blocks(2 * world(), seed=19)
+    F.mse_loss(plain(x), y).backward()
+    assert_grads_equal(pipe, plain, "after refused constructions")
+    pipe.close()
+
+
+@scenario
+def chunks_that_differ_on_one_process_are_refused_by_every_process_and_the_group_goes_on() -> None:
+    chunks = 2 if rank() == 1 else 4
+    expect_error(
+        ValueError,
+        lambda: DistributedPipe(blocks(2 * world()), [2] * world(), chunks=chunks),
+        "chunks differs between the processes of the pipeline",
+        split_at_rank_1(),
+        f"this process (rank {rank()}) has {chunks}",
+    )
+    pipe = DistributedPipe(blocks(2 * world(), seed=20), [2] * world(), chunks=4)
+    x, y = batch()
+    pipe.step(x, y, F.mse_loss)
+    plain = blocks(2 * world(), seed=20)
+    F.mse_loss(plain(x), y).backward()
+    assert_grads_equal(pipe, plain, "after chunks that differed")
+    dist.barrier()  # the user's group still works
+    pipe.close()
+
+
+@scenario
+def an_argument_refused_on_one_process_fails_every_process_within_seconds() -> None:
+    assert scenarios.PG_TIMEOUT_S >= 60, "the bound below must be far under the group's timeout"
+    odd = rank() == 1  # the process whose arguments are refused
+    pipe = DistributedPipe(blocks(2 * world(), seed=21), [2] * world(), chunks=2)
+    plain = blocks(2 * world(), seed=21)
+    x, y = batch()
+    F.mse_loss(plain(x), y).backward()
+
+    def step(
+        schedule: Any = "1f1b", loss_reduction: Any = "mean", loss_fn: Any = F.mse_loss
+    ) -> None:
+        pipe.step(x, y, loss_fn, schedule=schedule, loss_reduction=loss_reduction)
+
+    def without_grad() -> None:
+        with torch.no_grad():
+            step()
+
+    cases: list[tuple[str, Any, type[Exception], str]] = [
+        ("a schedule name with a typo", lambda: step("1F1B " if odd else "1f1b"), ValueError,
+         "schedule must be one of"),
+        ("a bad loss_reduction", lambda: step(loss_reduction="bogus" if odd else "mean"),
+         ValueError, "loss_reduction must be"),
+        ("grad mode off", without_grad if odd else step, RuntimeError, "grad mode is off"),
+        ("a loss_fn that is not callable", lambda: step(loss_fn="mse" if odd else F.mse_loss),
+         TypeError, "loss_fn must be callable"),
+        ("a schedule of one worker", lambda: step(Interleaved1F1B(world()) if odd else "1f1b"),
+         ValueError, "use a schedule with one worker per process"),
+    ]  # fmt: skip
+    for what, run, kind, fragment in cases:
+        start = time.monotonic()
+        if odd:
+            expect_error(kind, run, fragment)
+        else:
+            expect_error(ValueError, run, "rank 1 of the pipeline refused this step's arguments")
+        assert time.monotonic() - start < 15, f"{what}: the others waited for the group's timeout"
+        assert all(p.grad is None for p in pipe.parameters()), f"{what}: a refused step ran"
+        step()
+        assert_grads_equal(pipe, plain, f"the step after {what}")
+        pipe.zero_grad()
     pipe.close()
 
 
@@ -554,28 +716,50 @@ def a_pp_by_dp_grid_equals_single_process_training_on_the_full_batch() -> None:
     dp_group, _ = dist.new_subgroups_by_enumeration(replicas)
     assert pp_group is not None and dp_group is not None
     replica = rank() // pp
-    full = tied_model_for(pp)
-    model = DataParallel(
-        DistributedPipe(copy.deepcopy(full), [2] * pp, group=pp_group, chunks=2),
-        process_group=dp_group,
+    for as_view in (False, True):
+        full = tied_model_for(pp)
+        model = DataParallel(
+            DistributedPipe(copy.deepcopy(full), [2] * pp, group=pp_group, chunks=2),
+            process_group=dp_group,
+            gradient_as_bucket_view=as_view,
+        )
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        full_optimizer = torch.optim.SGD(full.parameters(), lr=0.1)
+        gen = torch.Generator().manual_seed(10)
+        for step in range(3):
+            # With bucket views, .grad stays the view into DataParallel's bucket.
+            optimizer.zero_grad(set_to_none=not as_view)
+            full_optimizer.zero_grad()
+            for accumulated in range(2):  # the first without averaging (no_sync)
+                tokens = torch.randint(0, 11, (8,), generator=gen)
+                targets = torch.randint(0, 11, (8,), generator=gen)
+                shard = slice(replica * 4, replica * 4 + 4)
+                with model.no_sync() if accumulated == 0 else contextlib.nullcontext():
+                    model.step(tokens[shard], targets[shard], F.cross_entropy)
+                F.cross_entropy(full(tokens), targets).backward()
+            assert_grads_equal(model.module, full, f"bucket views {as_view}, step {step}")
+            optimizer.step()
+            full_optimizer.step()
+            reference = dict(full.named_parameters(remove_duplicate=False))
+            for name, param in model.module.named_parameters():
+                torch.testing.assert_close(param, reference[name], msg=name)
+        model.module.close()
+
+
+@scenario
+def a_pipeline_refused_in_a_grid_stops_every_pipeline() -> None:
+    # world 4: pipelines {0, 1} and {2, 3}; rank 3 (rank 1 of the second) has another balance.
+    pipelines = [[0, 1], [2, 3]]
+    pp_group, _ = dist.new_subgroups_by_enumeration(pipelines)
+    balance = [1, 3] if rank() == 3 else [2, 2]
+    fragments = (
+        ["balance differs", "ranks [0] and ranks [1]"]
+        if rank() in pipelines[1]
+        else ["the pipeline of (global) ranks [2, 3] refused its arguments"]
     )
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    full_optimizer = torch.optim.SGD(full.parameters(), lr=0.1)
-    gen = torch.Generator().manual_seed(10)
-    for _ in range(3):
-        tokens = torch.randint(0, 11, (8,), generator=gen)
-        targets = torch.randint(0, 11, (8,), generator=gen)
-        shard = slice(replica * 4, replica * 4 + 4)
-        optimizer.zero_grad()
-        model.step(tokens[shard], targets[shard], F.cross_entropy)
-        optimizer.step()
-        full_optimizer.zero_grad()
-        F.cross_entropy(full(tokens), targets).backward()
-        full_optimizer.step()
-        reference = dict(full.named_parameters(remove_duplicate=False))
-        for name, param in model.module.named_parameters():
-            torch.testing.assert_close(param, reference[name], msg=name)
-    model.module.close()
+    expect_error(
+        ValueError, lambda: DistributedPipe(blocks(4), balance, group=pp_group), *fragments
+    )
 
 
 def tied_model_for(stages: int) -> nn.Sequential:

@@ -20,9 +20,13 @@ SHARED = [
     "a_model_on_the_meta_device_is_materialised_stage_by_stage",
     "meta_layers_get_their_own_reset_and_real_layers_keep_their_values",
     "tied_weights_across_processes_stay_equal_and_train_like_the_plain_model",
+    "tied_weights_accumulate_over_steps_like_the_plain_model",
     "a_checkpoint_loads_into_the_plain_model_a_pipe_and_another_balance",
     "a_failing_process_makes_the_others_fail_at_once_naming_it",
     "bad_arguments_are_refused_by_every_process_before_any_work",
+    "arguments_that_differ_between_processes_are_refused_by_every_process_at_construction",
+    "chunks_that_differ_on_one_process_are_refused_by_every_process_and_the_group_goes_on",
+    "an_argument_refused_on_one_process_fails_every_process_within_seconds",
     "an_interrupted_process_stops_the_others_and_the_next_step_is_right",
     "a_pipe_closed_right_after_construction_lets_its_peers_close_at_once",
     "dropout_batch_norm_and_autocast_match_the_single_process_pipe",
@@ -43,7 +47,8 @@ def check(outcomes: Outcomes, names: list[str]) -> None:
 
 @pytest.fixture(scope="module")
 def two_processes(group_runner: GroupRunner) -> Outcomes:
-    return group_runner(SHARED, script=STAGES, world_size=2, wall_timeout_s=150)
+    # A group timeout far above the bound within which a refusal must reach every process.
+    return group_runner(SHARED, script=STAGES, world_size=2, pg_timeout_s=60, wall_timeout_s=150)
 
 
 @pytest.mark.parametrize("name", SHARED)
@@ -75,7 +80,10 @@ def test_four_stage_processes(group_runner: GroupRunner) -> None:
 
 
 def test_a_pp_2_by_dp_2_grid(group_runner: GroupRunner) -> None:
-    names = ["a_pp_by_dp_grid_equals_single_process_training_on_the_full_batch"]
+    names = [
+        "a_pipeline_refused_in_a_grid_stops_every_pipeline",
+        "a_pp_by_dp_grid_equals_single_process_training_on_the_full_batch",
+    ]
     check(group_runner(names, script=STAGES, world_size=4, wall_timeout_s=150), names)
 
 
