@@ -165,7 +165,9 @@ class Pipe(nn.Module):
         """Run the input through the pipeline; the output is on the last device.
 
         One input (a tensor, or a structure holding tensors) with the
-        ``'tuple'`` call style; any number with ``'positional'``.
+        ``'tuple'`` call style; any number with ``'positional'``. Interrupted
+        (Ctrl-C), the call raises once the tasks under way have ended, so none
+        writes a buffer (BatchNorm statistics) afterwards.
         """
         if torch.compiler.is_compiling():
             raise RuntimeError(_COMPILE_MESSAGE)
@@ -232,6 +234,12 @@ class Pipe(nn.Module):
 
             loss = pipe.step(x, y, nn.functional.cross_entropy, schedule="1f1b")
             optimizer.step()
+
+        Interrupted (Ctrl-C, any exception in the caller), ``step`` raises once
+        the workers have ended the action they were in: after that, nothing
+        writes into ``.grad``, the parameters or the buffers. The gradients
+        may hold part of the interrupted step's, as after an interrupted
+        ``loss.backward()``: zero them before the next step.
         """
         self._check_step(loss_fn, loss_reduction)
         chosen = resolve_schedule(schedule)

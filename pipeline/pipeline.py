@@ -8,7 +8,9 @@ Each clock cycle has two phases, both issued from the caller's thread:
 - compute: hand every task of the cycle to its partition's worker thread and
   collect the results. A task that raises does not stop the others of its
   cycle; once all have answered, the first exception is re-raised here with
-  its original traceback and a note naming the task.
+  its original traceback and a note naming the task. An interrupt (Ctrl-C)
+  is re-raised once the cycle's tasks have ended too, so that none of them
+  writes a buffer (BatchNorm statistics) after the call has raised.
 
 A task runs its partition under the caller's thread state, on the
 partition's compute stream, with its random draws seeded (``rng.py``), and
@@ -18,7 +20,6 @@ checkpoint stop.
 
 from __future__ import annotations
 
-import queue
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -42,9 +43,9 @@ from pipeline.skip.step import start_step
 from pipeline.stream import Stream, current_stream, new_stream, use_stream
 from pipeline.threadstate import ThreadState
 from pipeline.trace import span, traced
-from pipeline.worker import Failure, Worker
+from pipeline.worker import Failure, Replies, Worker, add_note
 
-__all__ = ["Pipeline", "add_note", "call_partition"]
+__all__ = ["Pipeline", "call_partition"]
 
 
 class Pipeline:
@@ -125,9 +126,6 @@ class _Step:
         self.seeds = rng.StepSeeds()
         self.completions = self._completions(completion_hooks)
         self.skips = start_step(pipeline.skip_layout, len(batches))
-        # This call's own answers: if it is interrupted, answers still to
-        # come go to a queue nobody holds, and are freed with it.
-        self.replies: queue.SimpleQueue[Any] = queue.SimpleQueue()
 
     def _completions(self, hooks: list[Hook]) -> list[PartitionCompletion | None]:
         """A completion counter per partition whose inputs all carry gradients."""
@@ -164,11 +162,11 @@ class _Step:
 
     def compute(self, schedule: list[tuple[int, int]]) -> None:
         workers = self.pipeline.workers
+        replies = Replies()
         for i, j in schedule:
-            workers[j].submit(partial(self._task, i, j), self.replies)
+            workers[j].submit(partial(self._task, i, j), replies)
         failure: Failure | None = None
-        for _ in schedule:
-            result = self.replies.get()
+        for result in replies.collect(len(schedule)):
             if isinstance(result, Failure):
                 failure = failure or result
             else:
@@ -244,13 +242,6 @@ class _Step:
             self.completions[j] = None
             return
         batch[carrier] = Arrival.apply(batch[carrier], completion)
-
-
-def add_note(exception: BaseException, note: str) -> None:
-    """Add ``note`` to ``exception``'s notes (shown under its traceback; Python 3.11+)."""
-    method = getattr(exception, "add_note", None)  # Python 3.11+
-    if method is not None and note not in getattr(exception, "__notes__", ()):
-        method(note)
 
 
 def _carrier(batch: Batch) -> int | None:

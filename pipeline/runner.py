@@ -11,13 +11,14 @@ compute.
 
 The first action to fail aborts the transport, so every worker stops at its
 next wait or action; the caller re-raises that failure, with a note naming
-the action. A Ctrl-C in the caller aborts them too.
+the action. A Ctrl-C (any exception) in the caller aborts them too, and is
+re-raised once every worker has answered: the action a worker is in runs to
+its end first, so none writes into ``.grad`` after the step has raised.
 """
 
 from __future__ import annotations
 
 import itertools
-import queue
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ from pipeline.actions import Program
 from pipeline.arguments import CheckpointMode, LossReduction
 from pipeline.completion import Hook
 from pipeline.microbatch import Batch
-from pipeline.pipeline import Pipeline, add_note
+from pipeline.pipeline import Pipeline
 from pipeline.schedules import Schedule
 from pipeline.simulate import Simulation
 from pipeline.skip.layout import SkipLayout
@@ -40,7 +41,7 @@ from pipeline.stage import StageRun
 from pipeline.stream import current_stream
 from pipeline.threadstate import ThreadState
 from pipeline.transport import AbortedError, LocalTransport, Transport
-from pipeline.worker import Failure
+from pipeline.worker import Failure, Replies, add_note
 
 __all__ = ["StepReport", "StepRun", "checkpoint_stop", "checkpointed_tasks", "loss_scales"]
 
@@ -92,19 +93,16 @@ class StepRun:
         self._hooks_lock = threading.Lock()
 
     def run(self, programs: list[Program]) -> None:
-        """Run each program on its worker thread; re-raise the first failure."""
-        replies: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        """Run each program on its worker thread; re-raise the first failure.
+
+        An interrupt aborts the transport and is re-raised once every worker
+        has answered (``Replies.collect``).
+        """
+        replies = Replies()
         for w, program in enumerate(programs):
             self.pipeline.workers[w].submit(partial(self._work, program), replies)
-        failures: list[BaseException] = []
-        try:
-            for _ in programs:
-                result = replies.get()
-                if isinstance(result, Failure):
-                    failures.append(result.exception)
-        except BaseException:
-            self.transport.abort()
-            raise
+        results = replies.collect(len(programs), interrupted=self.transport.abort)
+        failures = [result.exception for result in results if isinstance(result, Failure)]
         if failures:
             raise next((f for f in failures if not isinstance(f, AbortedError)), failures[0])
 

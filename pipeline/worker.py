@@ -5,10 +5,11 @@ lifetime, so that partitions run at once even when they share a device (two
 CPU partitions overlap; a Python thread releases the GIL inside torch ops).
 A worker takes tasks from its inbox and answers each with exactly one
 result, a value or the exception it raised, so the driver never waits for
-an answer that will not come. Each task comes with the queue to answer on,
-which belongs to the call that submitted it: a caller interrupted while
-waiting (Ctrl-C in a notebook) drops its queue, and the answers still to
-come are garbage as soon as they are put there; no other call ever sees them.
+an answer that will not come. Each task comes with the ``Replies`` of the
+call that submitted it, so no other call ever sees its answers. The caller
+collects every answer even when it is interrupted (Ctrl-C in a notebook):
+the interrupt is re-raised once the tasks have ended, so no task of a call
+still touches the model when the call has raised.
 """
 
 from __future__ import annotations
@@ -18,10 +19,9 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Failure", "Replies", "Worker", "stop_workers"]
+__all__ = ["Failure", "Replies", "Worker", "add_note", "stop_workers"]
 
 Task = Callable[[], Any]
-Replies = queue.SimpleQueue[Any]
 
 
 class Failure:
@@ -31,6 +31,64 @@ class Failure:
 
     def __init__(self, exception: BaseException) -> None:
         self.exception = exception
+
+
+class Replies:
+    """The answers to one call's tasks, kept here as the workers put them.
+
+    An answer is stored here by the worker, not handed over through a queue,
+    so an interrupt in the caller cannot lose one on the way: ``collect``
+    counts what has arrived and uses the queue only to sleep until the next
+    arrival.
+    """
+
+    def __init__(self) -> None:
+        self._answers: list[Any] = []
+        self._arrivals: queue.SimpleQueue[None] = queue.SimpleQueue()
+
+    def put(self, answer: Any) -> None:
+        """Keep ``answer`` (a task's value or its ``Failure``) and wake the caller."""
+        self._answers.append(answer)
+        self._arrivals.put(None)
+
+    def collect(self, count: int, interrupted: Callable[[], object] = lambda: None) -> list[Any]:
+        """Wait for ``count`` answers; return them in the order they came.
+
+        An exception raised in the caller while it waits (Ctrl-C, any
+        ``BaseException``) does not end the wait: ``interrupted()`` is called,
+        to make the tasks stop early, and the exception is re-raised once
+        every task has answered, so no task of the call runs on after the
+        caller regained control. Each task answers once the work it is in has
+        ended, so the wait lasts no longer than that. Further interrupts while
+        it waits are noted on the first, which is the one raised.
+        """
+        interrupts: list[BaseException] = []
+        stopping = False
+        while True:
+            # The whole wait is in the try, so that an interrupt between two
+            # arrivals is caught as well as one in the middle of a wait.
+            try:
+                while len(self._answers) < count:
+                    if interrupts and not stopping:
+                        # Set before the call: a second interrupt inside it must not
+                        # make it run at every arrival; if it is cut short, the tasks
+                        # merely run to their end.
+                        stopping = True
+                        interrupted()
+                    self._arrivals.get()
+                break
+            except BaseException as exception:
+                interrupts.append(exception)
+        if interrupts:
+            first = interrupts[0]
+            for later in interrupts[1:]:
+                add_note(
+                    first,
+                    f"(a further {later!r} came while the workers ended the work they were in; "
+                    "it was held back so that none runs on once this one is raised)",
+                )
+            raise first
+        return self._answers
 
 
 class Worker:
@@ -65,6 +123,13 @@ def _work(inbox: queue.SimpleQueue[tuple[Task, Replies] | None]) -> None:
         del task
         replies.put(result)
         del replies, result
+
+
+def add_note(exception: BaseException, note: str) -> None:
+    """Add ``note`` to ``exception``'s notes (shown under its traceback; Python 3.11+)."""
+    method = getattr(exception, "add_note", None)  # Python 3.11+
+    if method is not None and note not in getattr(exception, "__notes__", ()):
+        method(note)
 
 
 def stop_workers(workers: list[Worker], timeout: float = 10.0) -> None:

@@ -1,14 +1,16 @@
-"""No lock, thread or answer outlives an interruption; two threads may share a Pipe."""
+"""No lock, thread, answer or late write outlives an interruption; two threads may share a Pipe."""
 
 from __future__ import annotations
 
 import gc
 import random
 import signal
+import sys
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -18,6 +20,9 @@ from torch import Tensor, nn
 from pipeline import Pipe
 from pipeline.skip import discard_stashed, pop, skippable, stash
 from pipeline.skip.tracker import current_tracker
+from pipeline.transport import LocalTransport
+from pipeline.worker import Replies
+from tests.helpers import assert_close_dicts, grads
 
 
 def finishes(call: Callable[[], object], timeout: float = 20.0) -> bool:
@@ -214,3 +219,260 @@ def test_a_failed_plain_run_keeps_at_most_one_stash_per_skip_until_discarded() -
     gc.collect()
     assert current_tracker().tensors == {}
     assert all(ref() is None for ref in down.refs)
+
+
+class Gate:
+    """Holds the first pass through a gated layer, once armed, until it is released."""
+
+    def __init__(self) -> None:
+        self.armed = False
+        self.entered = threading.Event()  # a pass is held
+        self.release = threading.Event()
+        self.finished = threading.Event()  # the held pass is done
+        self.released_in_time = True
+
+    @contextmanager
+    def passage(self) -> Iterator[None]:
+        if not self.armed:
+            yield
+            return
+        self.armed = False
+        self.entered.set()
+        self.released_in_time = self.release.wait(30)
+        yield
+        self.finished.set()
+
+
+class GatedIdentity(torch.autograd.Function):
+    """The identity, whose backward goes through the gate."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, gate: Gate) -> Tensor:
+        ctx.gate = gate
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        with ctx.gate.passage():
+            return grad, None
+
+
+class GatedBackward(nn.Module):
+    """A linear map whose backward is held at the gate on its input's path or its weight's.
+
+    With zb-h1 the input's path runs in the I action, the weight's in W.
+    """
+
+    def __init__(self, gate: Gate, path: str) -> None:
+        super().__init__()
+        self.gate, self.path = gate, path
+        self.weight = nn.Parameter(torch.randn(4, 4, dtype=torch.float64))
+
+    def forward(self, x: Tensor) -> Tensor:
+        weight = self.weight
+        if self.path == "input":
+            x = GatedIdentity.apply(x, self.gate)
+        else:
+            weight = GatedIdentity.apply(weight, self.gate)
+        return x @ weight.T
+
+
+class GatedForward(nn.Module):
+    def __init__(self, gate: Gate) -> None:
+        super().__init__()
+        self.gate = gate
+
+    def forward(self, x: Tensor) -> Tensor:
+        with self.gate.passage():
+            return x * 2
+
+
+class Sigints:
+    """SIGINT raises KeyboardInterrupt, as Python's default handler does, and is counted."""
+
+    def __init__(self) -> None:
+        self.handled = threading.Semaphore(0)
+
+    def handle(self, signum: int, frame: Any) -> None:
+        self.handled.release()
+        signal.default_int_handler(signum, frame)
+
+    def press(self) -> None:
+        """Ctrl-C: a real SIGINT to the main thread (which wakes a blocked wait); wait until
+        the main thread has handled it."""
+        main = threading.main_thread().ident or 0
+        deadline = time.monotonic() + 30
+        signal.pthread_kill(main, signal.SIGINT)
+        # A SIGINT that comes just before the main thread blocks waits for its next
+        # wake-up: send it again (pending ones are handled once) until it is handled.
+        while not self.handled.acquire(timeout=5):
+            assert time.monotonic() < deadline, "the main thread did not handle SIGINT"
+            signal.pthread_kill(main, signal.SIGINT)
+
+
+@pytest.fixture
+def sigints() -> Iterator[Sigints]:
+    sigints = Sigints()
+    previous = signal.signal(signal.SIGINT, sigints.handle)
+    yield sigints
+    signal.signal(signal.SIGINT, previous)
+
+
+def wait_until(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + 30
+    while not condition():
+        assert time.monotonic() < deadline, f"gave up waiting until {what}"
+        time.sleep(0.001)
+
+
+def main_thread_waits_for_answers() -> bool:
+    frame = sys._current_frames().get(threading.main_thread().ident or 0)
+    return frame is not None and frame.f_code is Replies.collect.__code__
+
+
+class CtrlC(threading.Thread):
+    """Presses Ctrl-C while the gate holds a pass; then opens the gate.
+
+    The first press comes once the main thread waits for its workers'
+    answers, a second one, if ``again_after`` is given, once that event is
+    set. The gate opens once the main thread has raised (``raised``) or has
+    gone back to waiting: a call that raised before its workers were done is
+    seen as such.
+    """
+
+    def __init__(
+        self, gate: Gate, sigints: Sigints, again_after: threading.Event | None = None
+    ) -> None:
+        super().__init__(daemon=True)
+        self.gate, self.sigints, self.again_after = gate, sigints, again_after
+        self.raised = threading.Event()
+        self.errors: list[BaseException] = []
+
+    def run(self) -> None:
+        try:
+            assert self.gate.entered.wait(30), "no pass reached the gate"
+            wait_until(main_thread_waits_for_answers, "the main thread waits for answers")
+            self._press()
+            if self.again_after is not None:
+                assert self.again_after.wait(30), "the first interrupt was not acted on"
+                self._press()
+        except BaseException as exception:
+            self.errors.append(exception)
+        finally:
+            self.gate.release.set()
+
+    def _press(self) -> None:
+        self.sigints.press()
+        wait_until(
+            lambda: self.raised.is_set() or main_thread_waits_for_answers(),
+            "the main thread raised or went back to waiting",
+        )
+
+
+def interrupted(
+    call: Callable[[], object],
+    gate: Gate,
+    ctrl_c: CtrlC,
+    when_raised: Callable[[], object] = lambda: None,
+) -> KeyboardInterrupt:
+    """Run ``call``, which ``ctrl_c`` interrupts at the gate; check that it raised only once
+    the held pass was done. ``when_raised`` runs right after the raise."""
+    gate.armed = True
+    ctrl_c.start()
+    try:
+        with pytest.raises(KeyboardInterrupt) as raised:
+            call()
+        done_when_raised = gate.finished.is_set()
+        ctrl_c.raised.set()
+        when_raised()
+        ctrl_c.join(60)
+    except KeyboardInterrupt:
+        pytest.fail("an interrupt reached the test after the call had raised")
+    assert not ctrl_c.is_alive() and ctrl_c.errors == [] and gate.released_in_time
+    assert done_when_raised, "the call raised while a worker still ran the held pass"
+    return raised.value
+
+
+def gated_model(gate: Gate, path: str) -> nn.Sequential:
+    torch.manual_seed(0)
+    first, last = nn.Linear(4, 4).double(), nn.Linear(4, 4).double()
+    return nn.Sequential(first, GatedBackward(gate, path), nn.Tanh(), last)
+
+
+STEP_X = torch.randn(4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+STEP_Y = torch.randn(4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+
+
+def interrupted_step(
+    sigints: Sigints, schedule: str, path: str, again_after: threading.Event | None = None
+) -> None:
+    """A step interrupted while partition 1 is held in backward leaves nothing in ``.grad``
+    after ``zero_grad``, and the next step's gradients are a clean step's."""
+    gate = Gate()
+    pipe = Pipe(gated_model(gate, path), [1, 3], devices=["cpu"] * 2, chunks=2)
+    raised = interrupted(
+        lambda: pipe.step(STEP_X, STEP_Y, nn.functional.mse_loss, schedule=schedule),
+        gate,
+        CtrlC(gate, sigints, again_after),
+        when_raised=lambda: pipe.zero_grad(set_to_none=True),
+    )
+    assert [p.grad for p in pipe.parameters()] == [None] * 5
+    if again_after is not None:
+        notes = getattr(raised, "__notes__", [])
+        assert any("a further KeyboardInterrupt()" in note for note in notes)
+    pipe.step(STEP_X, STEP_Y, nn.functional.mse_loss, schedule=schedule)
+    plain = gated_model(Gate(), path)
+    nn.functional.mse_loss(plain(STEP_X), STEP_Y).backward()
+    assert_close_dicts(grads(pipe), grads(plain))
+
+
+@pytest.mark.parametrize(
+    ("schedule", "path"),
+    [("1f1b", "weight"), ("zb-h1", "input"), ("zb-h1", "weight")],
+    ids=["1f1b-B", "zb-h1-I", "zb-h1-W"],
+)
+def test_ctrl_c_in_step_raises_after_the_action_under_way_and_leaves_grad_alone(
+    sigints: Sigints, schedule: str, path: str
+) -> None:
+    interrupted_step(sigints, schedule, path)
+
+
+def test_a_second_ctrl_c_does_not_make_step_return_early(
+    sigints: Sigints, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    aborted = threading.Event()
+    abort = LocalTransport.abort
+
+    def observed_abort(self: LocalTransport, error: BaseException | None = None) -> None:
+        abort(self, error)
+        aborted.set()
+
+    # Pressed again once the step has acted on the first interrupt (aborted the
+    # transport): the second comes while the step waits for the held pass.
+    monkeypatch.setattr(LocalTransport, "abort", observed_abort)
+    interrupted_step(sigints, "1f1b", "weight", again_after=aborted)
+
+
+def test_ctrl_c_in_a_forward_raises_after_the_tasks_under_way(sigints: Sigints) -> None:
+    gate = Gate()
+    norm = nn.BatchNorm1d(4).double()
+    pipe = Pipe(
+        nn.Sequential(nn.Linear(4, 4).double(), GatedForward(gate), norm),
+        [1, 2],
+        devices=["cpu"] * 2,
+        chunks=2,
+    )
+    at_raise: list[Tensor] = []
+    interrupted(
+        lambda: pipe(STEP_X),
+        gate,
+        CtrlC(gate, sigints),
+        when_raised=lambda: at_raise.extend(b.clone() for b in norm.buffers()),
+    )
+    # The held micro-batch went through the BatchNorm before the call raised, the
+    # other one never reached it.
+    assert int(at_raise[2]) == 1
+    pipe.eval()
+    pipe(STEP_X)  # runs after anything left on the workers; eval updates no statistics
+    for now, then in zip(norm.buffers(), at_raise, strict=True):
+        assert torch.equal(now, then)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import queue
 import statistics
 import time
 from collections.abc import Callable
@@ -34,7 +33,7 @@ from torch import nn
 
 import pipeline
 from pipeline.trace import span, traced
-from pipeline.worker import Worker, stop_workers
+from pipeline.worker import Replies, Worker, stop_workers
 
 LAYERS = 16
 PARTITIONS = 4
@@ -77,12 +76,12 @@ def per_task_overhead(times: dict[str, float], who: str) -> dict[str, float]:
 def handoff_round_trip(calls: int = 2000) -> float:
     """Median microseconds to run an empty task on a worker thread and get its answer."""
     worker = Worker("handoff-probe")
-    replies: queue.SimpleQueue[object] = queue.SimpleQueue()
     times = []
     for _ in range(calls):
         start = time.perf_counter()
+        replies = Replies()
         worker.submit(int, replies)
-        replies.get()
+        replies.collect(1)
         times.append(time.perf_counter() - start)
     stop_workers([worker])
     return statistics.median(times) * 1e6
