@@ -24,25 +24,32 @@ from typing import Any
 
 import torch
 from torch import Tensor, fx, nn
-from torch.export import Dim, ExportedProgram, ShapesCollection
+from torch.export import Dim, ExportedProgram
 from torch.export.graph_signature import InputKind
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import TreeSpec, tree_map
 
 from pipeline.split.errors import SplitError
 from pipeline.split.opaque import BlockCall, opaque_blocks
-from pipeline.split.where import failure_location
+from pipeline.split.where import WRAPPED, argument_names, failure_location
 
 __all__ = ["Captured", "capture", "modes_set"]
 
 
 @dataclass
 class Captured:
-    """The exported program of one call, and the record of each block call in it."""
+    """The exported program of one call, the record of each block call, the arguments' names."""
 
     program: ExportedProgram
     calls: list[BlockCall]
     training: bool
+    names: list[str]
+
+    @property
+    def spec(self) -> TreeSpec:
+        """The structure of the call's ``(args, kwargs)``."""
+        spec: TreeSpec = self.program.call_spec.in_spec.child(0)
+        return spec
 
     def inputs(self) -> list[fx.Node]:
         """The placeholders of the model's arguments (constants too), in order."""
@@ -57,7 +64,7 @@ class Captured:
         for spec in self.program.graph_signature.input_specs:
             target = spec.target
             if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER) and target is not None:
-                owner, _, attribute = target.rpartition(".")
+                owner, _, attribute = target.removeprefix(WRAPPED + ".").rpartition(".")
                 state[placeholders[spec.arg.name]] = (model.get_submodule(owner), attribute)
             elif spec.kind == InputKind.CONSTANT_TENSOR and target is not None:
                 constant = self.program.constants[target]
@@ -83,17 +90,29 @@ def capture(
     with opaque_blocks(blocks) as calls, _quiet():
         try:
             program = torch.export.export(
-                model,
-                args,
-                kwargs,
-                strict=False,
-                dynamic_shapes=_every_dim(args, kwargs),  # type: ignore[arg-type]
+                _Call(model), (args, kwargs), strict=False, dynamic_shapes=_every_dim(args, kwargs)
             )
         except Exception as error:
             refusal = _refusal(error, model, names)
             # torch.export's own error stays attached; one of split's own says it all.
             raise refusal from (None if refusal is _find(error, SplitError) else error)
-    return Captured(program, calls, model.training)
+    return Captured(program, calls, model.training, argument_names(model, args, kwargs))
+
+
+class _Call(nn.Module):
+    """Calls the model on ``(args, kwargs)``.
+
+    torch.export matches dynamic shapes to a forward's parameters, and fails
+    on values in a ``**kwargs`` (transformers' ``return_dict=False``); two
+    plain parameters take any call. Names drop the prefix (``where.WRAPPED``).
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.add_module(WRAPPED, model)
+
+    def forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return getattr(self, WRAPPED)(*args, **kwargs)
 
 
 @contextmanager
@@ -123,12 +142,13 @@ def _quiet() -> Iterator[None]:
         logger.setLevel(level)
 
 
-def _every_dim(args: tuple[Any, ...], kwargs: dict[str, Any]) -> ShapesCollection:
-    shapes = ShapesCollection()
-    for leaf in tree_leaves((args, kwargs)):
-        if isinstance(leaf, Tensor):
-            shapes[leaf] = dict.fromkeys(range(leaf.dim()), Dim.AUTO)
-    return shapes
+def _every_dim(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    """``Dim.AUTO`` for every dimension of every tensor argument."""
+
+    def dims(value: Any) -> Any:
+        return dict.fromkeys(range(value.dim()), Dim.AUTO) if isinstance(value, Tensor) else None
+
+    return tree_map(dims, args), tree_map(dims, kwargs)
 
 
 def _refusal(error: Exception, model: nn.Module, names: dict[nn.Module, str]) -> SplitError:

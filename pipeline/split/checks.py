@@ -24,7 +24,7 @@ from torch.export.graph_signature import InputKind
 from pipeline.split.build import BLOCK_OP, GRAD_REGION
 from pipeline.split.capture import Captured
 from pipeline.split.errors import SplitError
-from pipeline.split.where import describe_module, node_location, node_module
+from pipeline.split.where import WRAPPED, describe_module, node_location, node_module
 
 __all__ = ["check_calls", "check_hooks", "check_inputs", "check_mutations", "check_regions"]
 
@@ -34,7 +34,7 @@ def check_inputs(captured: Captured) -> None:
     for spec in captured.program.graph_signature.input_specs:
         if spec.kind in (InputKind.CUSTOM_OBJ, InputKind.TOKEN):
             raise SplitError(
-                f"the captured model uses {spec.kind.name.lower()} {spec.target!r} (a "
+                f"the captured model uses {spec.kind.name.lower()} {spec.target} (a "
                 "TorchScript object or an effectful op), which a piece cannot run; keep the "
                 "module that uses it inside a block (name it in points)"
             )
@@ -118,10 +118,11 @@ def check_mutations(captured: Captured, piece_of: dict[fx.Node, int]) -> None:
         spec.arg.name: (spec.kind, spec.target)
         for spec in captured.program.graph_signature.input_specs
     }
+    arguments = dict(zip(captured.inputs(), captured.names, strict=True))
     nodes = [node for node in captured.program.graph.nodes if node.op == "call_function"]
     for node in nodes:
         for argument in _written(node):
-            _refuse_change(node, bases.get(argument, argument), kinds, piece_of)
+            _refuse_change(node, bases.get(argument, argument), kinds, arguments, piece_of)
         aliased = _aliased(node)
         if aliased is not None:
             bases[node] = bases.get(aliased, aliased)
@@ -160,15 +161,17 @@ def _refuse_change(
     node: fx.Node,
     base: fx.Node,
     kinds: dict[str, tuple[InputKind, str | None]],
+    arguments: dict[fx.Node, str],
     piece_of: dict[fx.Node, int],
 ) -> None:
     if base.op == "placeholder":
         kind, target = kinds[base.name]
+        name = (target or "").removeprefix(WRAPPED + ".")
         what = {
-            InputKind.USER_INPUT: f"its argument {base.name!r}",
-            InputKind.PARAMETER: f"parameter {target!r}",
-            InputKind.BUFFER: f"buffer {target!r}",
-        }.get(kind, f"constant {target!r}")
+            InputKind.USER_INPUT: f"its argument {arguments.get(base)!r}",
+            InputKind.PARAMETER: f"parameter {name!r}",
+            InputKind.BUFFER: f"buffer {name!r}",
+        }.get(kind, f"constant {name!r}")
         raise SplitError(
             f"{_at(node)} changes {what} in place, which a piece cannot do the same way (it "
             "would change it again when recomputed, or change a copy on another device): "

@@ -45,17 +45,11 @@ import torch
 from torch import Tensor, nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import (
-    SequenceKey,
-    TreeSpec,
-    keystr,
-    tree_flatten,
-    tree_flatten_with_path,
-    tree_unflatten,
-)
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from pipeline.split.dims import Dimension, bind, dimension, expected
 from pipeline.split.errors import SplitError
+from pipeline.split.where import argument_names
 
 __all__ = ["TENSOR", "BlockCall", "Result", "opaque_blocks"]
 
@@ -294,7 +288,7 @@ def _argument_leaf(record: BlockCall, path: str, leaf: Any) -> Any:
         return leaf
     raise SplitError(
         f"block {record.name} ({type(record.module).__name__}) is called with a "
-        f"{type(leaf).__name__} ({path}); a split block may take tensors, sizes and constants "
+        f"{type(leaf).__name__} (as {path}); a split block may take tensors, sizes and constants "
         "(None, bools, numbers, strings) only, since pieces pass nothing else between them. "
         "For a transformers model pass use_cache=False (a cache object is passed to every layer)"
     )
@@ -305,27 +299,13 @@ def _opaque_call(record_of: tuple[nn.Module, str], *args: Any, **kwargs: Any) ->
     calls = _calls()
     leaves, spec = tree_flatten((args, kwargs))
     record = BlockCall(module, name, spec, [])
-    paths = _leaf_paths(args, kwargs)
+    paths = argument_names(_eager(module), args, kwargs)
     record.leaves = [_argument_leaf(record, p, v) for p, v in zip(paths, leaves, strict=True)]
     calls.append(record)
     tensors = [leaf for leaf in leaves if isinstance(leaf, Tensor)]
     sizes = [leaf for leaf in leaves if isinstance(leaf, torch.SymInt)]
     outputs = torch.ops.pipegrad.block(len(calls) - 1, tensors, sizes)
     return record.output(outputs)
-
-
-def _leaf_paths(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str]:
-    """Where each leaf of ``(args, kwargs)`` sits: "positional argument 0", "keyword mask[1]"."""
-    return [_describe_path(path) for path, _ in tree_flatten_with_path((args, kwargs))[0]]
-
-
-def _describe_path(path: tuple[Any, ...]) -> str:
-    which, first, *rest = path
-    if isinstance(which, SequenceKey) and which.idx == 0:
-        where = f"positional argument {first.idx}"
-    else:
-        where = f"keyword {first.key}"
-    return where + keystr(tuple(rest))
 
 
 @contextmanager

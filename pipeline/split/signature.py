@@ -43,12 +43,16 @@ class Signature:
         self,
         spec: TreeSpec,
         inputs: Sequence[fx.Node],
+        names: Sequence[str],
         example: Sequence[Any],
         ranges: dict[str, tuple[int, int | None]],
     ) -> None:
         self.spec = spec
         self.ranges = ranges
-        self.leaves = [_leaf(node, value) for node, value in zip(inputs, example, strict=True)]
+        self.leaves = [
+            _leaf(node, name, value)
+            for node, name, value in zip(inputs, names, example, strict=True)
+        ]
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Signature:
         return self  # immutable, and it refers to no module
@@ -111,11 +115,11 @@ class Signature:
             raise ValueError(f"{where} is {size}; the split model accepts {bound} there{why}")
 
 
-def _leaf(node: fx.Node, value: Any) -> _Tensor | _Constant:
+def _leaf(node: fx.Node, name: str, value: Any) -> _Tensor | _Constant:
     fake = node.meta.get("val")
     if not isinstance(value, Tensor) or not isinstance(fake, Tensor):
-        return _Constant(node.name, value)
-    return _Tensor(node.name, value.dtype, [dimension(size) for size in fake.shape])
+        return _Constant(name, value)
+    return _Tensor(name, value.dtype, [dimension(size) for size in fake.shape])
 
 
 def _checked(leaf: _Tensor, value: Any) -> Tensor:

@@ -82,9 +82,10 @@ def split(
         found.dropouts_follow_mode,
     )
     signature = Signature(
-        captured.program.call_spec.in_spec,
+        captured.spec,
         captured.inputs(),
-        tree_flatten((args, in_order(kwargs, captured.program.call_spec.in_spec)))[0],
+        captured.names,
+        tree_flatten((args, in_order(kwargs, captured.spec)))[0],
         _ranges(captured, found),
     )
     namespace = Namespace(f"split {type(model).__name__}")
@@ -113,7 +114,7 @@ def _piece(
     owners = {module: names[module] for module, _ in built.fetched}
     return Piece(
         j,
-        calls[0].name if calls else ("the start" if j == 0 else "after the last block"),
+        "the start" if j == 0 else calls[0].name if calls else "after the last block",
         built,
         [(call.name, call.module) for call in calls],
         [(name, module) for module, name in owners.items()],

@@ -76,7 +76,7 @@ def _one_row(
     captured: Captured, args: tuple[Any, ...], kwargs: dict[str, Any], batch: set[str]
 ) -> tuple[Any, Any]:
     """The example with every batch dimension (wherever it shows) cut to one row."""
-    leaves, spec = tree_flatten((args, in_order(kwargs, captured.program.call_spec.in_spec)))
+    leaves, spec = tree_flatten((args, in_order(kwargs, captured.spec)))
     cut = []
     for node, leaf in zip(captured.inputs(), leaves, strict=True):
         fake = node.meta.get("val")

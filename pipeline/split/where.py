@@ -2,15 +2,28 @@
 
 from __future__ import annotations
 
+import inspect
 import linecache
 import os
 import re
 from types import TracebackType
+from typing import Any
 
 import torch
 from torch import fx, nn
+from torch.utils._pytree import SequenceKey, keystr, tree_flatten_with_path
 
-__all__ = ["describe_module", "failure_location", "node_location", "node_module"]
+__all__ = [
+    "WRAPPED",
+    "argument_names",
+    "describe_module",
+    "failure_location",
+    "node_location",
+    "node_module",
+]
+
+# The capture calls the model as a child of this name (``capture.py``); names drop it.
+WRAPPED = "model"
 
 _FRAME = re.compile(
     r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<function>\S+)\n +(?P<code>.*)'
@@ -32,7 +45,35 @@ def node_module(node: fx.Node) -> str:
         return ""
     name, _ = list(stack.values())[-1]
     # A module's second call is recorded as 'name@1'.
-    return str(name).split("@")[0]
+    name = str(name).split("@")[0]
+    return "" if name == WRAPPED else name.removeprefix(WRAPPED + ".")
+
+
+def argument_names(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str]:
+    """A name for each leaf of ``(args, kwargs)``: its parameter's name, then where inside it.
+
+    ``input_ids``, ``past_key_values``, ``inputs[1]``, ``mask['causal']``.
+    """
+    positional: list[str] = []
+    extra = "argument"
+    try:
+        for parameter in inspect.signature(module.forward).parameters.values():
+            if parameter.kind in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD):
+                positional.append(parameter.name)
+            elif parameter.kind == parameter.VAR_POSITIONAL:
+                extra = parameter.name
+    except (TypeError, ValueError):
+        pass
+    names = []
+    for path, _ in tree_flatten_with_path((args, kwargs))[0]:
+        which, first, *rest = path
+        if isinstance(which, SequenceKey) and which.idx == 0 and isinstance(first, SequenceKey):
+            index = first.idx
+            where = positional[index] if index < len(positional) else f"{extra}[{index}]"
+        else:
+            where = str(getattr(first, "key", first))
+        names.append(where + keystr(tuple(rest)))
+    return names
 
 
 def node_location(node: fx.Node) -> str:

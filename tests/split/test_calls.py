@@ -83,6 +83,31 @@ def test_free_sizes_vary_and_fixed_ones_are_checked() -> None:
         seq(x)
 
 
+class Options(nn.Module):
+    """Takes flags in **kwargs, as transformers' models take return_dict."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(4) for _ in range(2))
+
+    def forward(self, x: Tensor, **options: bool) -> Tensor | tuple[Tensor, Tensor]:
+        h = x
+        for block in self.blocks:
+            h = block(h)
+        return (h, x) if options.get("both") else h
+
+
+def test_flags_in_keyword_arguments() -> None:
+    model = Options()
+    seq = pipeline.split(model, (torch.randn(3, 4),), {"both": True})
+    x = torch.randn(5, 4)
+    out = seq(x, both=True)
+    assert isinstance(out, tuple)
+    torch.testing.assert_close(out, model(x, both=True))
+    with pytest.raises(ValueError, match=r"both is False, but the model was split with True"):
+        seq(x, both=False)
+
+
 def test_a_size_of_one_that_takes_another_path_is_refused_at_call_time() -> None:
     model = OneRowDiffers()
     seq = pipeline.split(model, (torch.randn(3, 4),))

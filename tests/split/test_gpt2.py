@@ -153,5 +153,5 @@ def test_dropout_is_replayed_by_recomputation(dropout_split) -> None:
 def test_a_cache_is_refused_with_what_to_do() -> None:
     model = gpt2(use_cache=True)
     ids, mask, _ = tokens(2, 6)
-    with pytest.raises(ValueError, match=r"DynamicCache.*use_cache=False"):
+    with pytest.raises(ValueError, match=r"DynamicCache \(as past_key_values\).*use_cache=False"):
         pipeline.split(model, (ids,), {"attention_mask": mask})
