@@ -7,6 +7,7 @@ from pipeline.microbatch import NoChunk
 from pipeline.migration import from_partitioned_state_dict
 from pipeline.phase import is_checkpointing, is_recomputing
 from pipeline.pipe import BalanceError, Pipe, PositionalSequential
+from pipeline.split import split
 from pipeline.trace import Trace, trace
 
 __all__ = [
@@ -22,5 +23,6 @@ __all__ = [
     "is_checkpointing",
     "is_recomputing",
     "skip",
+    "split",
     "trace",
 ]

@@ -31,6 +31,7 @@ from pipeline.arguments import (
 )
 from pipeline.batchnorm import DeferredBatchNorm, statistics_of_one_pass
 from pipeline.completion import Hook
+from pipeline.layers import named_layers, register_names
 from pipeline.microbatch import Batch, Value, check_input, gather, scatter, to_device
 from pipeline.pipeline import Pipeline
 from pipeline.runner import (
@@ -114,11 +115,9 @@ class Pipe(nn.Module):
         self.devices = resolve_devices(devices, len(balance))
         if deferred_batch_norm:
             DeferredBatchNorm.convert(module)
-        # _modules, unlike named_children(), keeps a layer listed twice.
-        layers = OrderedDict(
-            (name, layer) for name, layer in module._modules.items() if layer is not None
-        )
-        self._register_layers(layers)
+        layers = named_layers(module)
+        # The Sequential's names are this module's, so state_dict() keys equal the plain model's.
+        register_names(self, module)
         sequential = PositionalSequential if call_style == "positional" else nn.Sequential
         self.partitions = _split(layers, balance, self.devices, sequential)
         self.skip_layout = inspect_skip_layout(self.partitions, self.devices)
@@ -140,17 +139,6 @@ class Pipe(nn.Module):
         self._completion_hooks: OrderedDict[int, Hook] = OrderedDict()
         self._validated: dict[tuple[str, int, int], tuple[list[Program], Simulation]] = {}
         self.last_step: StepReport | None = None
-
-    def _register_layers(self, layers: OrderedDict[str, nn.Module]) -> None:
-        # Layers are this module's direct children under their Sequential
-        # names, so state_dict() keys equal the plain model's.
-        for name, layer in layers.items():
-            if hasattr(self, name):
-                raise ValueError(
-                    f"layer name {name!r} clashes with a Pipe attribute; rename the layer in "
-                    "the nn.Sequential"
-                )
-            self.add_module(name, layer)
 
     @property
     def checkpoint(self) -> CheckpointMode:

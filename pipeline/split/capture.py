@@ -1,0 +1,186 @@
+"""Capture: ``model(*args, **kwargs)`` as a torch.export graph in which each block is one node.
+
+``torch.export`` in non-strict mode runs the model's Python code on fake
+tensors and records the aten ops it calls. That traces what plain
+``torch.fx`` symbolic tracing cannot (transformers' ``**kwargs`` forwards,
+code that asks a tensor for its shape), keeps the names of parameters and
+buffers, and makes every dimension of every input symbolic (``Dim.AUTO``),
+so the graph holds for any batch size and sequence length that took the same
+path through the code; a dimension the code fixes stays fixed, and the
+input check of the first piece says so at call time (``signature.py``).
+
+The blocks are not traced into: each of their calls is one opaque node
+(``opaque.py``). What cannot be captured raises ``SplitError`` naming the
+module and the line, and saying what to do.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, fx, nn
+from torch.export import Dim, ExportedProgram
+from torch.export.graph_signature import InputKind
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+from torch.utils._pytree import TreeSpec, tree_map
+
+from pipeline.split.errors import SplitError
+from pipeline.split.opaque import BlockCall, opaque_blocks
+from pipeline.split.where import WRAPPED, argument_names, failure_location
+
+__all__ = ["Captured", "capture", "modes_set"]
+
+
+@dataclass
+class Captured:
+    """The exported program of one call, the record of each block call, the arguments' names."""
+
+    program: ExportedProgram
+    calls: list[BlockCall]
+    training: bool
+    names: list[str]
+
+    @property
+    def spec(self) -> TreeSpec:
+        """The structure of the call's ``(args, kwargs)``."""
+        spec: TreeSpec = self.program.call_spec.in_spec.child(0)
+        return spec
+
+    def inputs(self) -> list[fx.Node]:
+        """The placeholders of the model's arguments (constants too), in order."""
+        specs = self.program.graph_signature.input_specs
+        placeholders = self._placeholders()
+        return [placeholders[s.arg.name] for s in specs if s.kind == InputKind.USER_INPUT]
+
+    def state(self, model: nn.Module) -> dict[fx.Node, tuple[nn.Module, str] | Tensor]:
+        """Where each other placeholder comes from: (module, attribute), or a lifted constant."""
+        placeholders = self._placeholders()
+        state: dict[fx.Node, tuple[nn.Module, str] | Tensor] = {}
+        for spec in self.program.graph_signature.input_specs:
+            target = spec.target
+            if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER) and target is not None:
+                owner, _, attribute = target.removeprefix(WRAPPED + ".").rpartition(".")
+                state[placeholders[spec.arg.name]] = (model.get_submodule(owner), attribute)
+            elif spec.kind == InputKind.CONSTANT_TENSOR and target is not None:
+                constant = self.program.constants[target]
+                assert isinstance(constant, Tensor)
+                state[placeholders[spec.arg.name]] = constant
+        return state
+
+    def _placeholders(self) -> dict[str, fx.Node]:
+        return {node.name: node for node in self.program.graph.nodes if node.op == "placeholder"}
+
+
+def capture(
+    model: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    blocks: dict[nn.Module, str],
+    names: dict[nn.Module, str],
+) -> Captured:
+    """Export ``model(*args, **kwargs)`` with every dimension dynamic and ``blocks`` opaque.
+
+    ``blocks`` and ``names`` map modules to their names in the model.
+    """
+    with opaque_blocks(blocks) as calls, _quiet():
+        try:
+            program = torch.export.export(
+                _Call(model), (args, kwargs), strict=False, dynamic_shapes=_every_dim(args, kwargs)
+            )
+        except Exception as error:
+            refusal = _refusal(error, model, names)
+            # torch.export's own error stays attached; one of split's own says it all.
+            raise refusal from (None if refusal is _find(error, SplitError) else error)
+    return Captured(program, calls, model.training, argument_names(model, args, kwargs))
+
+
+class _Call(nn.Module):
+    """Calls the model on ``(args, kwargs)``.
+
+    torch.export matches dynamic shapes to a forward's parameters, and fails
+    on values in a ``**kwargs`` (transformers' ``return_dict=False``); two
+    plain parameters take any call. Names drop the prefix (``where.WRAPPED``).
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.add_module(WRAPPED, model)
+
+    def forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return getattr(self, WRAPPED)(*args, **kwargs)
+
+
+@contextmanager
+def modes_set(model: nn.Module, training: bool) -> Iterator[None]:
+    """Every module of ``model`` in training mode (or eval), each put back as it was after."""
+    saved = [(module, module.training) for module in model.modules()]
+    model.train(training)
+    try:
+        yield
+    finally:
+        for module, mode in saved:
+            module.training = mode
+
+
+@contextmanager
+def _quiet() -> Iterator[None]:
+    """Keep torch.export's notes on the dimensions it fixes (the example's 1s) out of the log.
+
+    The sizes a capture fixes are checked at call time, with a message.
+    """
+    logger = logging.getLogger("torch._export")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _every_dim(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    """``Dim.AUTO`` for every dimension of every tensor argument."""
+
+    def dims(value: Any) -> Any:
+        return dict.fromkeys(range(value.dim()), Dim.AUTO) if isinstance(value, Tensor) else None
+
+    return tree_map(dims, args), tree_map(dims, kwargs)
+
+
+def _refusal(error: Exception, model: nn.Module, names: dict[nn.Module, str]) -> SplitError:
+    """``error`` of torch.export as a ``SplitError`` that says where and what to do."""
+    cause = _find(error, SplitError)
+    if isinstance(cause, SplitError):
+        return cause
+    module, line = failure_location(error, names)
+    where = f"{module} at {line}" if module else f"{line}"
+    if _find(error, GuardOnDataDependentSymNode) is not None or "data-dependent" in str(error):
+        return SplitError(
+            f"cannot capture {where}: the code branches on the value of a tensor (or makes a "
+            "shape from one), which a captured graph cannot follow. Keep that code inside a "
+            "block that runs as itself: add the module that runs it to points (a module named "
+            "in points is called as it is, not captured), or compute the value without "
+            "looking at tensor contents"
+        )
+    first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return SplitError(
+        f"cannot capture {type(model).__name__}(...) on these inputs: torch.export failed at "
+        f"{where} with {type(error).__name__}: {first}. Add the module that runs that line to "
+        "points so that it runs as itself, or check that the model runs on these inputs"
+    )
+
+
+def _find(error: BaseException, kind: type[BaseException]) -> Any:
+    """``error`` or the first exception of ``kind`` it was raised from (None if none)."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        if isinstance(current, kind):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None

@@ -1,0 +1,90 @@
+"""SplitModel: the nn.Sequential that ``pipeline.split`` returns, with the model's own names.
+
+Its layers (``len``, iteration, indexing, what a Pipe and ``balance``
+split) are the pieces. Its registered children are the model's own
+children, and its parameters and buffers the model's own, so that every
+name and attribute path is the model's::
+
+    seq = pipeline.split(gpt2, (ids,), {"attention_mask": mask})
+    len(seq)                      # 14 pieces: embeddings, 12 blocks, head
+    seq[3]                        # Piece(3: from transformer.h.2, ...)
+    seq.state_dict().keys()       # transformer.wte.weight, ..., lm_head.weight
+    seq.transformer.h[2] is gpt2.transformer.h[2]    # the same modules
+
+Tied parameters stay one parameter, a transformers checkpoint loads into
+it, and ``seq(*args, **kwargs)`` returns what ``model(*args, **kwargs)`` does.
+The layers a Pipe splits are asked for through ``pipeline.layers``.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator
+from typing import Any, NoReturn, overload
+
+from torch import nn
+
+from pipeline.split.piece import Piece
+
+__all__ = ["SplitModel"]
+
+
+class SplitModel(nn.Sequential):
+    """A model cut into pieces: an ``nn.Sequential`` of pieces with the model's names."""
+
+    def __init__(self, model: nn.Module, pieces: list[Piece]) -> None:
+        nn.Module.__init__(self)
+        for name, child in model._modules.items():
+            self.add_module(name, child)
+        for name, parameter in model._parameters.items():
+            self.register_parameter(name, parameter)
+        for name, buffer in model._buffers.items():
+            persistent = name not in model._non_persistent_buffers_set
+            self.register_buffer(name, buffer, persistent=persistent)
+        self.training = model.training
+        self._split_pieces = list(pieces)
+        self._split_of = type(model).__name__
+
+    def named_layers(self) -> OrderedDict[str, nn.Module]:
+        """The pieces by layer name (``'0'``, ``'1'``, ...): what a Pipe partitions."""
+        return OrderedDict((str(i), piece) for i, piece in enumerate(self._split_pieces))
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        first, *rest = self._split_pieces
+        value = first(*args, **kwargs)
+        for piece in rest:
+            value = piece(value)
+        return value
+
+    def __len__(self) -> int:
+        return len(self._split_pieces)
+
+    def __iter__(self) -> Iterator[nn.Module]:
+        return iter(self._split_pieces)
+
+    @overload
+    def __getitem__(self, index: int) -> nn.Module: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> nn.Sequential: ...
+
+    def __getitem__(self, index: int | slice) -> nn.Module:
+        """Piece ``index``; a slice gives a plain ``nn.Sequential`` of those pieces."""
+        if isinstance(index, slice):
+            items = list(self.named_layers().items())[index]
+            return nn.Sequential(OrderedDict(items))
+        return self._split_pieces[index]
+
+    def __repr__(self) -> str:
+        lines = [f"SplitModel({self._split_of}, {len(self)} pieces):"]
+        lines += [f"  ({i}): {piece!r}" for i, piece in enumerate(self._split_pieces)]
+        return "\n".join(lines)
+
+    def _fixed(self, *args: Any, **kwargs: Any) -> NoReturn:
+        raise TypeError(
+            "the pieces of a split model are fixed (each one knows what the others send it); "
+            "call pipeline.split again with other points to change them"
+        )
+
+    __setitem__ = __delitem__ = append = extend = insert = pop = _fixed
+    __add__ = __iadd__ = __mul__ = __rmul__ = __imul__ = _fixed

@@ -1,0 +1,221 @@
+"""Program: a piece's glue as steps run on real tensors, its blocks called as themselves.
+
+A piece does not keep the captured graph (its nodes hold fake tensors and
+reach the whole model); it keeps steps that name what they read by slot::
+
+    slot 0  input_ids                       (received)
+    slot 1  Fetch  transformer.wte.weight   (read from the module at each call)
+    slot 2  Op     aten.embedding(1, 0)
+    slot 3  Block  transformer.h.0 (2, mask=None)  -> the module itself is called
+    slot 4  Op     getitem(3, 0)
+
+An op step calls the aten op, so autograd records it as it would the model's
+own code, and the pipeline's per-op random seeding sees every random op. A
+block step rebuilds the block's arguments from its ``BlockCall`` record and
+calls the module: its hooks fire, a compiled block runs compiled, randomness
+inside it is the pipeline's. Two things captured as constants follow the
+piece instead: the capture's device becomes the device the piece runs on
+(``HERE``), and a dropout's ``train`` flag becomes its module's mode at run
+time (``Training``). A slot is emptied after its last use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+from torch import Tensor, nn
+
+from pipeline.split.opaque import BlockCall
+
+__all__ = ["HERE", "Block", "Fetch", "Grad", "Op", "Program", "Slot", "Step", "Training"]
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where a step reads a value that an earlier step (or the piece's input) put."""
+
+    index: int
+
+
+class _Here:
+    """The device the piece runs on, where the capture had its own device."""
+
+    def __repr__(self) -> str:
+        return "HERE"
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Here:
+        return self
+
+
+HERE = _Here()
+
+
+class Training:
+    """A dropout's ``train`` flag: the mode of the module that called it, at run time.
+
+    The model itself is not part of a split model (its children are), so the
+    model's own mode is the one its children agree on (``seq.train()``,
+    ``pipe.eval()`` set them all); where they disagree, some were set one by
+    one, and the model's own flag is what its code reads, as in eager mode.
+    """
+
+    __slots__ = ("children", "module")
+
+    def __init__(self, module: nn.Module, children: Sequence[nn.Module]) -> None:
+        self.module = module
+        self.children = list(children)
+
+    def __repr__(self) -> str:
+        return f"Training({type(self.module).__name__})"
+
+    def value(self) -> bool:
+        if not self.children:
+            return self.module.training
+        modes = {child.training for child in self.children}
+        return modes.pop() if len(modes) == 1 else self.module.training
+
+
+class Step:
+    """One node of the graph: reads slots, writes slot ``out``, then empties ``frees``."""
+
+    out: int
+    frees: tuple[int, ...] = ()
+
+    def run(self, env: list[Any], here: torch.device) -> Any:
+        raise NotImplementedError
+
+
+class Fetch(Step):
+    """A parameter or buffer, read from its module at every call (so moves and loads show).
+
+    The code around it was captured for its dtype: a changed one is refused.
+    """
+
+    def __init__(self, out: int, module: nn.Module, attribute: str, dtype: torch.dtype) -> None:
+        self.out, self.module, self.attribute, self.dtype = out, module, attribute, dtype
+
+    def run(self, env: list[Any], here: torch.device) -> Any:
+        tensor = getattr(self.module, self.attribute)
+        if tensor.dtype != self.dtype:
+            raise RuntimeError(
+                f"{self.attribute!r} of {type(self.module).__name__} is {tensor.dtype}, but the "
+                f"model was split with it in {self.dtype}, and the code around it was captured "
+                "for that dtype: split the model again after changing dtypes"
+            )
+        return tensor
+
+
+class Op(Step):
+    """A call of a torch op (or of a Python function on sizes) with its captured arguments."""
+
+    def __init__(self, out: int, target: Callable[..., Any], args: Any, kwargs: Any) -> None:
+        self.out, self.target, self.args, self.kwargs = out, target, args, kwargs
+
+    def run(self, env: list[Any], here: torch.device) -> Any:
+        return self.target(*load(self.args, env, here), **load(self.kwargs, env, here))
+
+    def __repr__(self) -> str:
+        return f"Op({self.target})"
+
+
+class Block(Step):
+    """A call of a block module, as the captured call made it."""
+
+    def __init__(self, out: int, call: BlockCall, tensors: Any, sizes: Any) -> None:
+        self.out, self.call, self.tensors, self.sizes = out, call, tensors, sizes
+
+    def run(self, env: list[Any], here: torch.device) -> Any:
+        return self.call.call(load(self.tensors, env, here), load(self.sizes, env, here))
+
+
+class Grad(Step):
+    """A region of the model's code under ``torch.no_grad()`` (or ``enable_grad``)."""
+
+    def __init__(self, out: int, enabled: bool, body: Program, inputs: Any) -> None:
+        self.out, self.enabled, self.body, self.inputs = out, enabled, body, inputs
+
+    def run(self, env: list[Any], here: torch.device) -> Any:
+        with torch.set_grad_enabled(self.enabled):
+            return self.body.call(load(self.inputs, env, here), here)
+
+
+class Program:
+    """Steps run in order on an environment of ``slots`` values; ``results`` are returned."""
+
+    def __init__(self, steps: list[Step], slots: int, inputs: int, results: Any) -> None:
+        self.steps = steps
+        self.slots = slots
+        self.inputs = inputs
+        self.results = results
+        self._free_dead_slots()
+
+    def run(self, env: list[Any], here: torch.device) -> None:
+        """Run every step on ``env`` (its first ``inputs`` slots filled)."""
+        for step in self.steps:
+            env[step.out] = step.run(env, here)
+            for slot in step.frees:
+                env[slot] = None
+
+    def call(self, inputs: Sequence[Any], here: torch.device) -> Any:
+        """Run on ``inputs`` and return ``results`` with their values."""
+        env: list[Any] = [None] * self.slots
+        env[: len(inputs)] = inputs
+        self.run(env, here)
+        return load(self.results, env, here)
+
+    def _free_dead_slots(self) -> None:
+        kept = set(_slots_in(self.results))
+        last: dict[int, Step] = {}
+        for step in self.steps:
+            for slot in _slots_in(_reads(step)):
+                last[slot] = step
+        for slot, step in last.items():
+            if slot not in kept:
+                step.frees = (*step.frees, slot)
+
+
+def load(template: Any, env: list[Any], here: torch.device) -> Any:
+    """``template`` with each slot replaced by its value, ``HERE`` by the device, flags resolved."""
+    kind = type(template)
+    if kind is Slot:
+        return env[cast(Slot, template).index]
+    if kind is tuple or kind is list:
+        return kind(load(item, env, here) for item in template)
+    if kind is dict:
+        return {key: load(item, env, here) for key, item in template.items()}
+    if template is HERE:
+        return here
+    if kind is Training:
+        return cast(Training, template).value()
+    return template
+
+
+def _reads(step: Step) -> Any:
+    if isinstance(step, Op):
+        return (step.args, step.kwargs)
+    if isinstance(step, Block):
+        return (step.tensors, step.sizes)
+    if isinstance(step, Grad):
+        return step.inputs
+    return ()
+
+
+def _slots_in(template: Any) -> list[int]:
+    if isinstance(template, Slot):
+        return [template.index]
+    if isinstance(template, tuple | list):
+        return [slot for item in template for slot in _slots_in(item)]
+    if isinstance(template, dict):
+        return [slot for item in template.values() for slot in _slots_in(item)]
+    return []
+
+
+def first_device(values: Sequence[Any]) -> torch.device | None:
+    """The device of the first tensor among ``values`` (None if there is none)."""
+    for value in values:
+        if isinstance(value, Tensor):
+            return value.device
+    return None

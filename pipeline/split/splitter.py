@@ -1,0 +1,198 @@
+"""split(): capture a model on example inputs, check it, cut it into pieces, build them.
+
+See ``docs/split.md`` for the guide. The steps, each in its own file:
+
+  points.py     which modules start pieces, which are kept whole
+  capture.py    torch.export of the call, blocks opaque (opaque.py)
+  checks.py     what the pieces could not do the same way: refused
+  variants.py   a second capture: one graph for both modes? for one row? (compare.py)
+  cut.py        which piece computes what, and how values travel
+  build.py      each piece's program (program.py), then its Piece (piece.py)
+  model.py      the SplitModel holding the pieces under the model's names
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, fx, nn
+from torch.utils._pytree import tree_flatten
+
+from pipeline.skip.namespace import Namespace
+from pipeline.split.build import BLOCK_OP, DROPPED, Sources, build_piece, training_of
+from pipeline.split.capture import Captured, capture
+from pipeline.split.checks import (
+    check_calls,
+    check_hooks,
+    check_inputs,
+    check_mutations,
+    check_regions,
+)
+from pipeline.split.cut import PieceNodes, cut
+from pipeline.split.model import SplitModel
+from pipeline.split.piece import ModeCheck, Piece
+from pipeline.split.points import kept_whole, resolve_points
+from pipeline.split.signature import Signature, in_order
+from pipeline.split.variants import Variants, variants
+from pipeline.split.where import describe_module, node_module
+
+__all__ = ["split"]
+
+
+def split(
+    model: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any] | None = None,
+    *,
+    points: Sequence[str] | None = None,
+) -> SplitModel:
+    """``pipeline.split``: see its docstring (``pipeline/split/__init__.py``)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"split takes an nn.Module, got {type(model).__name__}")
+    if isinstance(model, SplitModel):
+        raise TypeError("this model is split already; split the original model again")
+    if not isinstance(args, tuple):
+        raise TypeError(
+            f"args must be a tuple of the model's positional arguments, e.g. (x,), got "
+            f"{type(args).__name__}"
+        )
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise TypeError(f"kwargs must be a dict of keyword arguments, got {type(kwargs).__name__}")
+    kwargs = dict(kwargs or {})
+    names = {module: name for name, module in model.named_modules()}
+    starts, default = resolve_points(model, points)
+    blocks = kept_whole(model, starts)
+    check_hooks(model, blocks)
+    captured = capture(model, args, kwargs, blocks, names)
+    check_inputs(captured)
+    check_regions(captured)
+    check_calls(captured, starts)
+    pieces = cut(captured.program.graph, captured.inputs(), _boundaries(captured, starts, default))
+    check_mutations(captured, pieces.piece_of)
+    found = variants(model, args, kwargs, blocks, names, captured)
+    sources = Sources(
+        model,
+        captured.program.graph_module,
+        captured.calls,
+        captured.state(model),
+        _device(model, args, kwargs),
+        found.dropouts_follow_mode,
+    )
+    signature = Signature(
+        captured.spec,
+        captured.inputs(),
+        captured.names,
+        tree_flatten((args, in_order(kwargs, captured.spec)))[0],
+        _ranges(captured, found),
+    )
+    namespace = Namespace(f"split {type(model).__name__}")
+    built = [
+        _piece(j, nodes, len(pieces.pieces), captured, sources, names, found, namespace, signature)
+        for j, nodes in enumerate(pieces.pieces)
+    ]
+    return SplitModel(model, built)
+
+
+def _piece(
+    j: int,
+    nodes: PieceNodes,
+    count: int,
+    captured: Captured,
+    sources: Sources,
+    names: dict[nn.Module, str],
+    found: Variants,
+    namespace: Namespace,
+    signature: Signature,
+) -> Piece:
+    last = j == count - 1
+    output = next(node for node in captured.program.graph.nodes if node.op == "output")
+    built = build_piece(nodes, sources, output if last else None)
+    calls = [captured.calls[n.args[0]] for n in nodes.nodes if n.target is BLOCK_OP]  # type: ignore[index]
+    owners = {module: names[module] for module, _ in built.fetched}
+    return Piece(
+        j,
+        "the start" if j == 0 else calls[0].name if calls else "after the last block",
+        built,
+        [(call.name, call.module) for call in calls],
+        [(name, module) for module, name in owners.items()],
+        namespace,
+        signature if j == 0 else None,
+        captured.program.call_spec.out_spec if last else None,
+        [] if found.dropouts_follow_mode else _mode_checks(nodes.nodes, sources.model),
+    )
+
+
+def _boundaries(captured: Captured, starts: list[str], default: bool) -> list[fx.Node]:
+    """The nodes where pieces start: each point's call, and after the last block by default.
+
+    No piece is made of sizes and checks alone: a first piece with no work of
+    its own before the first point is left out.
+    """
+    graph = captured.program.graph
+    calls = [node for node in graph.nodes if node.target is BLOCK_OP]
+    named = {captured.calls[node.args[0]].name: node for node in calls}
+    boundaries = [named[name] for name in starts]
+    if default and calls:
+        after = _first_work_after(graph, calls[-1])
+        if after is not None:
+            boundaries.append(after)
+    work = [node for node in graph.nodes if _is_work(node)]
+    if work and work[0] in boundaries:
+        boundaries.remove(work[0])
+    return boundaries
+
+
+def _first_work_after(graph: fx.Graph, call: fx.Node) -> fx.Node | None:
+    seen = False
+    node: fx.Node
+    for node in graph.nodes:
+        if node is call:
+            seen = True
+        elif seen and _is_work(node) and not _result_of(node, call):
+            return node
+    return None
+
+
+def _result_of(node: fx.Node, call: fx.Node) -> bool:
+    return node.target is operator.getitem and node.args[0] is call
+
+
+def _is_work(node: fx.Node) -> bool:
+    """Whether ``node`` computes tensors (not a size, not a check of the capture's own)."""
+    if node.op != "call_function" or node.target in DROPPED:
+        return False
+    return isinstance(node.meta.get("val"), Tensor | list | tuple)
+
+
+def _device(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.device:
+    """The device the capture ran on: of the inputs, else of the parameters."""
+    tensors = [leaf for leaf in tree_flatten((args, kwargs))[0] if isinstance(leaf, Tensor)]
+    tensors += [*model.parameters(), *model.buffers()]
+    return tensors[0].device if tensors else torch.device("cpu")
+
+
+def _ranges(captured: Captured, found: Variants) -> dict[str, tuple[int, int | None]]:
+    """The sizes each free dimension may take; the batch may be 1 where a capture showed it."""
+    ranges: dict[str, tuple[int, int | None]] = {}
+    for symbol, bounds in captured.program.range_constraints.items():
+        low = int(bounds.lower)
+        high = int(bounds.upper) if bounds.upper.is_Integer else None
+        ranges[str(symbol)] = (min(low, 1) if str(symbol) in found.one_row else low, high)
+    return ranges
+
+
+def _mode_checks(nodes: list[fx.Node], model: nn.Module) -> list[ModeCheck]:
+    """For code that differs between modes: the modules whose code a piece runs keep their mode."""
+    checks: dict[str, ModeCheck] = {}
+    for node in nodes:
+        if node.op != "call_function" or node.target is BLOCK_OP:
+            continue
+        name = node_module(node)
+        if name not in checks:
+            training = training_of(node, model)
+            module = model.get_submodule(name)
+            checks[name] = ModeCheck(describe_module(name, module), training, training.value())
+    return list(checks.values())

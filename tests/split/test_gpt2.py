@@ -1,0 +1,157 @@
+"""GPT-2 from transformers: a tied head, the attention mask as a keyword, a ModelOutput."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from split_models import assert_same, gpt2, gradients, lm_loss, tokens, twin
+
+import pipeline
+from balance import balance_by_size, balance_by_time
+from pipeline import Pipe
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def keyword_split():
+    """Split on model(ids, attention_mask=mask): the mask passed as a keyword."""
+    model = gpt2()
+    ids, mask, _ = tokens(4, 8, padded=3)
+    return model, pipeline.split(model, (ids,), {"attention_mask": mask})
+
+
+@pytest.fixture(scope="module")
+def positional_split():
+    """Split on model(ids, None, mask), the call a Pipe makes from one tuple."""
+    model = gpt2()
+    ids, mask, _ = tokens(4, 8, padded=3)
+    return model, pipeline.split(model, (ids, None, mask))
+
+
+@pytest.mark.parametrize(("rows", "length"), [(4, 8), (3, 13), (1, 5)])
+def test_outputs_and_gradients_with_a_keyword_mask(keyword_split, rows: int, length: int) -> None:
+    model, seq = keyword_split
+    plain = twin(model)
+    ids, mask, target = tokens(rows, length, padded=2)
+    model.zero_grad()
+    out = seq(ids, attention_mask=mask)
+    expected = plain(ids, attention_mask=mask)
+    assert type(out) is type(expected)
+    torch.testing.assert_close(out.logits, expected.logits)
+    lm_loss(out, target).backward()
+    lm_loss(expected, target).backward()
+    found = gradients(model)
+    assert_same(found, gradients(plain))
+    # The head and the token embedding are one parameter, with one gradient.
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert "lm_head.weight" not in found
+
+
+def test_tied_weights_stay_one_parameter(keyword_split) -> None:
+    model, seq = keyword_split
+    assert seq.lm_head.weight is seq.transformer.wte.weight is model.transformer.wte.weight
+    assert list(seq.state_dict()) == list(model.state_dict())
+    assert [n for n, _ in seq.named_parameters()] == [n for n, _ in model.named_parameters()]
+
+
+def test_state_dict_round_trips_both_ways(keyword_split) -> None:
+    _, seq = keyword_split
+    checkpoint = gpt2()  # a transformers checkpoint, as from_pretrained would load it
+    seq.load_state_dict(checkpoint.state_dict())
+    ids, mask, _ = tokens(2, 6)
+    expected = checkpoint(ids, attention_mask=mask).logits
+    torch.testing.assert_close(seq(ids, attention_mask=mask).logits, expected)
+    back = gpt2()
+    back.load_state_dict(seq.state_dict())
+    torch.testing.assert_close(back(ids, attention_mask=mask).logits, expected)
+
+
+def test_pipe_forward_backward_and_names(positional_split) -> None:
+    model, seq = positional_split
+    plain = twin(model)
+    pipe = Pipe(seq, [2, 2, 1], devices=["cpu"] * 3, chunks=3)
+    ids, mask, target = tokens(5, 9, padded=4)
+    model.zero_grad()
+    out = pipe((ids, None, mask))
+    expected = plain(ids, None, mask)
+    torch.testing.assert_close(out.logits, expected.logits)
+    lm_loss(out, target).backward()
+    lm_loss(expected, target).backward()
+    assert_same(gradients(model), gradients(plain))
+    assert list(pipe.state_dict()) == list(model.state_dict())
+    assert [n for n, _ in pipe.named_parameters()] == [n for n, _ in model.named_parameters()]
+    pipe.close()
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_pipe_step(positional_split, schedule: str) -> None:
+    model, seq = positional_split
+    plain = twin(model)
+    pipe = Pipe(seq, [1, 3, 1], devices=["cpu"] * 3, chunks=2)
+    ids, mask, target = tokens(4, 7, padded=1)
+    model.zero_grad()
+    loss = pipe.step((ids, None, mask), target, lm_loss, schedule=schedule)
+    expected = lm_loss(plain(ids, None, mask), target)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach())
+    assert_same(gradients(model), gradients(plain))
+    pipe.close()
+
+
+def test_balance_profiles_the_pieces(positional_split) -> None:
+    _, seq = positional_split
+    ids, mask, _ = tokens(2, 6, padded=1)
+    balance = balance_by_time(3, seq, (ids, None, mask), timeout=0.01, device="cpu")
+    assert sum(balance) == len(seq) == 5
+    assert sum(balance_by_size(2, seq, (ids, None, mask), device="cpu")) == len(seq)
+
+
+def test_tied_weights_across_devices_are_refused(positional_split) -> None:
+    _, seq = positional_split
+    with pytest.raises(ValueError, match=r"lm_head.*partition 0.*partition 1.*same device"):
+        Pipe(seq, [2, 3], devices=["cpu", "meta"])
+
+
+@pytest.fixture(scope="module")
+def dropout_split():
+    model = gpt2(embd_pdrop=0.3, resid_pdrop=0.3, attn_pdrop=0.3)
+    ids, mask, _ = tokens(4, 8, padded=3)
+    return model, pipeline.split(model, (ids, None, mask))
+
+
+def test_dropout_follows_the_mode(dropout_split) -> None:
+    model, seq = dropout_split
+    ids, mask, _ = tokens(3, 6)
+    seq.eval()
+    expected = twin(model).eval()(ids, None, mask).logits
+    torch.testing.assert_close(seq(ids, None, mask).logits, expected)
+    seq.train()
+    first, second = (seq(ids, None, mask).logits for _ in range(2))
+    assert not torch.equal(first, second)
+
+
+def test_dropout_is_replayed_by_recomputation(dropout_split) -> None:
+    _, seq = dropout_split
+    ids, mask, target = tokens(6, 7, padded=2)
+    results = []
+    for checkpoint in ("always", "never"):
+        copied = copy.deepcopy(seq).train()
+        pipe = Pipe(copied, [2, 2, 1], devices=["cpu"] * 3, chunks=3, checkpoint=checkpoint)
+        torch.manual_seed(1)
+        out = pipe((ids, None, mask))
+        lm_loss(out, target).backward()
+        results.append((out.logits.detach(), gradients(copied)))
+        pipe.close()
+    (out_a, grads_a), (out_b, grads_b) = results
+    assert torch.equal(out_a, out_b)
+    assert all(torch.equal(grads_a[name], grads_b[name]) for name in grads_a)
+
+
+def test_a_cache_is_refused_with_what_to_do() -> None:
+    model = gpt2(use_cache=True)
+    ids, mask, _ = tokens(2, 6)
+    with pytest.raises(ValueError, match=r"DynamicCache \(as past_key_values\).*use_cache=False"):
+        pipeline.split(model, (ids,), {"attention_mask": mask})

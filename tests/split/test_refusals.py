@@ -1,0 +1,172 @@
+"""What split refuses, before any piece exists: the message names the module, the line, the fix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from split_models import Block
+from torch import Tensor, nn
+
+import pipeline
+
+
+class Model(nn.Module):
+    """Embed, four blocks, head: what each refused variant changes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(4, 4)
+        self.blocks = nn.ModuleList(Block(4) for _ in range(4))
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+class Branches(Model):
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.embed(x)
+        if h.sum() > 0:
+            h = -h
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+class Counts(Model):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.calls += 1
+        return super().forward(x)
+
+
+class ChangesInput(Model):
+    def forward(self, x: Tensor) -> Tensor:
+        out = super().forward(x)
+        x.mul_(2)
+        return out
+
+
+class ChangesEarlierValue(Model):
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.embed(x)
+        first = h * 1
+        for block in self.blocks:
+            h = block(h)
+        first.add_(1)
+        return self.head(h + first)
+
+
+class ChangingBlock(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return x.mul_(2)
+
+
+def refusal(model: nn.Module, points: list[str] | None = None) -> str:
+    with pytest.raises(ValueError) as error:
+        pipeline.split(model, (torch.randn(3, 4),), points=points)
+    return str(error.value)
+
+
+def test_a_branch_on_a_tensor_value() -> None:
+    message = refusal(Branches())
+    assert "the model (Branches)" in message
+    assert "test_refusals.py" in message and "`if h.sum() > 0:`" in message
+    assert "branches on the value of a tensor" in message and "points" in message
+
+
+def test_a_buffer_changed_in_place() -> None:
+    message = refusal(Counts())
+    assert "changes buffer 'calls' in place" in message
+    assert "`self.calls += 1`" in message and "points" in message
+
+
+def test_an_argument_changed_in_place() -> None:
+    message = refusal(ChangesInput())
+    assert "changes its argument 'x' in place" in message and "`x.mul_(2)`" in message
+
+
+def test_a_value_of_an_earlier_piece_changed_in_place() -> None:
+    message = refusal(ChangesEarlierValue())
+    assert "changes in place a value that an earlier piece made" in message
+    assert "`first.add_(1)`" in message
+
+
+class ReadsAfterChange(Model):
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.embed(x)
+        out = self.blocks[0](h)
+        for block in self.blocks[1:]:
+            out = block(out)
+        return self.head(out + h)
+
+
+def test_a_block_that_changes_an_input_read_elsewhere() -> None:
+    model = ReadsAfterChange()
+    model.blocks[0] = ChangingBlock()
+    message = refusal(model, points=["blocks.0", "blocks.2"])
+    assert "block blocks.0 (ChangingBlock) changes its input tensor 0 in place" in message
+    assert "reads that tensor elsewhere" in message
+
+
+def test_a_block_may_change_an_input_nothing_else_reads() -> None:
+    model = Model()
+    model.blocks[2] = ChangingBlock()
+    seq = pipeline.split(model, (torch.randn(3, 4),), points=["blocks.1", "blocks.2"])
+    x = torch.randn(5, 4)
+    torch.testing.assert_close(seq(x), model(x))
+
+
+def test_hooks_on_captured_modules() -> None:
+    model = Model()
+    model.embed.register_forward_hook(lambda module, args, out: None)
+    message = refusal(model)
+    assert "module 'embed' (Linear) has forward hooks" in message and "points" in message
+
+
+def test_hooks_on_blocks_run() -> None:
+    model = Model()
+    calls: list[int] = []
+    model.blocks[1].register_forward_hook(lambda module, args, out: calls.append(1))
+    seq = pipeline.split(model, (torch.randn(3, 4),))
+    assert calls == []
+    seq(torch.randn(2, 4))
+    assert calls == [1]
+
+
+def test_points_that_are_not_modules() -> None:
+    with pytest.raises(ValueError, match=r"'blocks\.7'.*not a module.*did you mean"):
+        pipeline.split(Model(), (torch.randn(3, 4),), points=["blocks.7"])
+    with pytest.raises(ValueError, match=r"'blocks\.1\.linear' inside 'blocks\.1'"):
+        pipeline.split(Model(), (torch.randn(3, 4),), points=["blocks.1", "blocks.1.linear"])
+    with pytest.raises(TypeError, match="list of module names"):
+        pipeline.split(Model(), (torch.randn(3, 4),), points="blocks.1")  # type: ignore[arg-type]
+
+
+def test_no_repeated_blocks_asks_for_points() -> None:
+    with pytest.raises(ValueError, match=r"no nn\.ModuleList or nn\.Sequential.*points=\[\.\.\.\]"):
+        pipeline.split(nn.Linear(4, 4), (torch.randn(3, 4),))
+
+
+def test_a_point_called_twice() -> None:
+    class Twice(Model):
+        def forward(self, x: Tensor) -> Tensor:
+            return self.head(self.blocks[0](self.blocks[0](self.embed(x))))
+
+    message = refusal(Twice(), points=["blocks.0"])
+    assert "module 'blocks.0' is called 2 times" in message
+
+
+def test_a_point_that_does_not_run() -> None:
+    class Skips(Model):
+        def forward(self, x: Tensor) -> Tensor:
+            return self.head(self.blocks[0](self.embed(x)))
+
+    message = refusal(Skips(), points=["blocks.0", "blocks.3"])
+    assert "points ['blocks.3'] did not run" in message
