@@ -9,7 +9,7 @@ from torch.utils._pytree import keystr, tree_flatten_with_path, tree_map
 
 from balance.errors import BalanceError
 from balance.layerwise import Value
-from pipeline.microbatch import NoChunk
+from pipeline.runtime.microbatch import NoChunk
 
 
 def check_partitions(partitions: object, items: int, noun: str) -> int:

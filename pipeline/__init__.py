@@ -1,12 +1,16 @@
-"""GPipe-style pipeline parallelism for PyTorch: wrap an nn.Sequential, get a pipeline."""
+"""GPipe-style pipeline parallelism for PyTorch: wrap an nn.Sequential, get a pipeline.
+
+The code's layout: docs/architecture.md.
+"""
 
 from pipeline import skip
-from pipeline.batchnorm import DeferredBatchNorm
-from pipeline.distributed import DataParallel, DistributedPipe
-from pipeline.microbatch import NoChunk
+from pipeline.data_parallel import DataParallel
+from pipeline.distributed import DistributedPipe
 from pipeline.migration import from_partitioned_state_dict
-from pipeline.phase import is_checkpointing, is_recomputing
 from pipeline.pipe import BalanceError, Pipe, PositionalSequential
+from pipeline.runtime.batchnorm import DeferredBatchNorm
+from pipeline.runtime.microbatch import NoChunk
+from pipeline.runtime.phase import is_checkpointing, is_recomputing
 from pipeline.split import split
 from pipeline.trace import Trace, trace
 

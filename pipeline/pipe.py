@@ -13,7 +13,6 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from pipeline.actions import Program
 from pipeline.arguments import (
     BalanceError,
     CallStyle,
@@ -29,24 +28,25 @@ from pipeline.arguments import (
     normalize_device,
     resolve_devices,
 )
-from pipeline.batchnorm import DeferredBatchNorm, statistics_of_one_pass
-from pipeline.completion import Hook
-from pipeline.layers import named_layers, register_names
-from pipeline.microbatch import Batch, Value, check_input, gather, scatter, to_device
-from pipeline.pipeline import Pipeline
-from pipeline.runner import (
+from pipeline.clock.completion import Hook
+from pipeline.clock.driver import Pipeline
+from pipeline.runtime.batchnorm import DeferredBatchNorm, statistics_of_one_pass
+from pipeline.runtime.layers import named_layers, register_names
+from pipeline.runtime.microbatch import Batch, Value, check_input, gather, scatter, to_device
+from pipeline.runtime.worker import Worker, stop_workers
+from pipeline.skip.layout import inspect_skip_layout
+from pipeline.skip.verify import verify_skippables
+from pipeline.step.actions import Program
+from pipeline.step.runner import (
     StepReport,
     StepRun,
     checkpoint_stop,
     checkpointed_tasks,
     loss_scales,
 )
-from pipeline.schedules import Schedule, resolve_schedule
-from pipeline.simulate import Simulation, validate
-from pipeline.skip.layout import inspect_skip_layout
-from pipeline.skip.verify import verify_skippables
-from pipeline.trace import begin_explicit_step
-from pipeline.worker import Worker, stop_workers
+from pipeline.step.schedules import Schedule, resolve_schedule
+from pipeline.step.simulate import Simulation, validate
+from pipeline.trace.recording import begin_explicit_step
 
 __all__ = ["BalanceError", "Pipe", "PositionalSequential", "StepReport"]
 

@@ -7,7 +7,7 @@ import torch
 from torch import Tensor, nn
 
 from pipeline import Pipe
-from pipeline.buffers import PartitionBuffers
+from pipeline.runtime.buffers import PartitionBuffers
 
 
 class Masked(nn.Module):

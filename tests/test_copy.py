@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from pipeline import Pipe
-from pipeline.copy import Copy, Wait
-from pipeline.stream import CPUStream, current_stream, new_stream, use_stream
+from pipeline.clock.copy import Copy, Wait
+from pipeline.runtime.stream import CPUStream, current_stream, new_stream, use_stream
 from tests.conftest import cuda_only
 from tests.helpers import assert_close_dicts, grads, mlp
 

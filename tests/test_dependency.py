@@ -8,7 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from pipeline import Pipe
-from pipeline.dependency import depend, fork, join
+from pipeline.clock.dependency import depend, fork, join
 
 
 def graph_nodes(tensor: Tensor) -> list[Any]:

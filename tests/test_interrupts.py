@@ -18,10 +18,10 @@ import torch
 from torch import Tensor, nn
 
 from pipeline import Pipe
+from pipeline.runtime.worker import Replies
 from pipeline.skip import discard_stashed, pop, skippable, stash
 from pipeline.skip.tracker import current_tracker
-from pipeline.transport import LocalTransport
-from pipeline.worker import Replies
+from pipeline.step.mail import LocalTransport
 from tests.helpers import assert_close_dicts, grads
 
 

@@ -5,7 +5,7 @@ import collections
 import pytest
 import torch
 
-from pipeline.microbatch import Batch, NoChunk, check_input, gather, scatter
+from pipeline.runtime.microbatch import Batch, NoChunk, check_input, gather, scatter
 
 
 def test_tensor_splits_like_chunk() -> None:

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.schedule import bubble_fraction, clock_cycles
+from pipeline.clock.cycles import bubble_fraction, clock_cycles
 
 
 def test_three_by_three_is_a_diagonal_wave() -> None:

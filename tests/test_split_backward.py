@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from pipeline.split_backward import backward_input
+from pipeline.step.split_backward import backward_input
 
 
 class WeightTwiceOnThePath(nn.Module):

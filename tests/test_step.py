@@ -15,8 +15,8 @@ from torch import Tensor, nn
 
 from pipeline import DeferredBatchNorm, NoChunk, Pipe
 from pipeline.schedules import GPipe, Interleaved1F1B, OneFOneB, Programs, ZeroBubbleH1
-from pipeline.simulate import ProgramError
 from pipeline.skip import Namespace
+from pipeline.step.simulate import ProgramError
 from tests.helpers import Pop, Stash
 
 WIDTH = 4

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import doctest
-import importlib
 import json
 from pathlib import Path
 from types import ModuleType
@@ -16,15 +15,13 @@ from torch.profiler import profile
 
 import pipeline
 from pipeline.arguments import CheckpointMode
-from pipeline.microbatch import Value
-from pipeline.schedule import clock_cycles
-from pipeline.timeline import chrome, event, gantt, summary
-from pipeline.timeline.backward import BackwardSpan, run_hooked
-from pipeline.timeline.event import Event, Kind
-from pipeline.trace import PartitionCall
-
-# pipeline.trace is the function; the module holds what the driver calls.
-trace_module = importlib.import_module("pipeline.trace")
+from pipeline.clock.cycles import clock_cycles
+from pipeline.runtime.microbatch import Value
+from pipeline.trace import chrome, event, gantt, summary
+from pipeline.trace import recording as trace_module
+from pipeline.trace.backward import BackwardSpan, run_hooked
+from pipeline.trace.event import Event, Kind
+from pipeline.trace.recording import PartitionCall
 
 M, N = 4, 3
 # Neighbouring partitions on differently named CPU devices, so the fence copies.

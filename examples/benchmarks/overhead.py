@@ -9,7 +9,7 @@ autograd edges) dominates. The overhead per task is
 
 for forward (no_grad), and for backward (the Pipe's backward time minus the
 plain model's, over m * n). For scale, the round trip of an empty task to a
-``pipeline.worker.Worker`` thread and back: the hand-off every task pays.
+``pipeline.runtime.worker.Worker`` thread and back: the hand-off every task pays.
 Then what the trace wrappers cost per task when no trace runs (calls of a
 no-op partition, wrapped and not), and what a running trace adds per task.
 The last line is JSON.
@@ -32,8 +32,8 @@ from pipe_common import best_times, print_json, start_single_threaded
 from torch import nn
 
 import pipeline
-from pipeline.trace import span, traced
-from pipeline.worker import Replies, Worker, stop_workers
+from pipeline.runtime.worker import Replies, Worker, stop_workers
+from pipeline.trace.recording import span, traced
 
 LAYERS = 16
 PARTITIONS = 4

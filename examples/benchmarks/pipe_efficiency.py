@@ -178,7 +178,7 @@ def dropout_cost(rows: int, rounds: int) -> dict[str, float]:
     """Speedup over the micro-batches in training with and without Dropout in every block.
 
     Each random op runs under the CPU generator's lock while it draws (see
-    pipeline/rng.py); the rest of the two partitions overlaps.
+    pipeline/runtime/rng.py); the rest of the two partitions overlaps.
     """
     result = {}
     for label, dropout in (("without dropout", 0.0), ("with dropout", 0.1)):

@@ -2,7 +2,7 @@
 
 Every task of a Pipe runs under a dispatch mode that seeds each random op
 (dropout, attention dropout...) on its own, under its generator's lock, so
-that recomputation replays the forward's draws exactly (pipeline/rng.py).
+that recomputation replays the forward's draws exactly (pipeline/runtime/rng.py).
 This measures, for a stack of ``nn.TransformerEncoderLayer(dropout=0.1)``
 split over two CPU partitions with one intra-op thread each, at ``--chunks``
 micro-batches, in training (forward + backward):
@@ -31,7 +31,7 @@ from pipe_common import best_times, print_json, start_single_threaded
 from torch import nn
 
 import pipeline
-from pipeline.rng import TaskRandomness
+from pipeline.runtime.rng import TaskRandomness
 
 WIDTH, HEADS, SEQUENCE, LAYERS = 256, 4, 64, 8
 

@@ -1,14 +1,18 @@
-"""Beyond one process: DataParallel over replicas, and pipelines whose stages are processes."""
+"""Stages in processes: DistributedPipe, the P2P transport it sends on, shard checkpoints.
 
-from pipeline.distributed.data_parallel import DataParallel
+The torchrun helpers (``pipeline/runtime/process_group.py``) and ``DataParallel``
+(``pipeline/data_parallel/``) are importable from here too, as before.
+"""
+
+from pipeline.data_parallel import DataParallel
 from pipeline.distributed.p2p import PeerError
-from pipeline.distributed.process_group import (
+from pipeline.distributed.pipe import DistributedPipe, DistributedStepReport
+from pipeline.distributed.shards import load_shards, save_shard
+from pipeline.runtime.process_group import (
     TorchrunEnv,
     init_process_group_from_env,
     read_torchrun_env,
 )
-from pipeline.distributed.shards import load_shards, save_shard
-from pipeline.distributed.stage_pipe import DistributedPipe, DistributedStepReport
 
 __all__ = [
     "DataParallel",

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from pipeline.distributed.process_group import collective_device
+from pipeline.runtime.process_group import collective_device
 
 __all__ = ["camps", "fingerprint", "gather_rows", "ranks_text", "refused_text"]
 

@@ -1,6 +1,6 @@
 """Point-to-point transport: stages in separate processes, messages as sends on a process group.
 
-The same stages and programs as in one process (``stage.py``) run with one
+The same stages and programs as in one process (``pipeline/step/stage.py``) run with one
 or more stages per process; a message for a stage of another process is
 sent to it. A message carries its own description, so nothing is declared
 up front and shapes may change from step to step::
@@ -45,8 +45,8 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from pipeline.distributed.process_group import collective_device
-from pipeline.transport import AbortedError, Message
+from pipeline.runtime.process_group import collective_device
+from pipeline.step.mail import AbortedError, Message
 
 __all__ = ["P2PTransport", "PeerError"]
 

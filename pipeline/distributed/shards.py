@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from pipeline.distributed.stage_pipe import DistributedPipe
+from pipeline.distributed.pipe import DistributedPipe
 
 __all__ = ["load_shards", "save_shard"]
 

@@ -1,8 +1,9 @@
 """Skip connections across partitions: a layer stashes a tensor, a later layer pops it.
 
-See ``skippable.py`` for how a layer declares and uses skips, ``portal.py``
-for how a skip crosses partitions without passing through those between,
-and ``docs/skip.md`` for the guide.
+See ``skippable.py`` for how a layer declares and uses skips,
+``pipeline/clock/portal.py`` for how ``pipe(x)`` carries a skip across
+partitions without passing it through those between, and ``docs/skip.md``
+for the guide.
 """
 
 from pipeline.skip.layout import Route, SkipLayout

@@ -3,7 +3,7 @@
 A skip tensor that leaves its partition travels outside the micro-batch, so
 no real tensor tells the autograd engine that its gradient must be delivered
 before the stashing layer runs its backward. Phony edges tell it
-(``dependency.py``): the popping layer forks a phony off its input, the
+(``pipeline/clock/dependency.py``): the popping layer forks a phony off its input, the
 stashing layer joins one into its output. They hang on the first
 floating-point tensor of the value, as the driver's own edges do.
 """
@@ -14,8 +14,8 @@ from typing import Any
 
 from torch import Tensor
 
-from pipeline.dependency import fork, join
-from pipeline.microbatch import Batch
+from pipeline.clock.dependency import fork, join
+from pipeline.runtime.microbatch import Batch
 
 __all__ = ["Carrier"]
 

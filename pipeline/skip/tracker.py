@@ -4,7 +4,7 @@
 the stash and the pop happen on one thread, one after the other, and the
 popped tensor is the stashed one, with its autograd history. A Pipe gives
 each micro-batch a tracker of its own that also sends skips between
-partitions through portals (``step.py``).
+partitions through portals (``pipeline/clock/skips.py``).
 
 A skippable layer finds its tracker with ``current_tracker()``: the one
 installed by ``use_tracker`` on the calling thread, or else the thread's own.

@@ -13,7 +13,7 @@ name and attribute path is the model's::
 
 Tied parameters stay one parameter, a transformers checkpoint loads into
 it, and ``seq(*args, **kwargs)`` returns what ``model(*args, **kwargs)`` does.
-The layers a Pipe splits are asked for through ``pipeline.layers``.
+The layers a Pipe splits are asked for through ``pipeline.runtime.layers``.
 """
 
 from __future__ import annotations

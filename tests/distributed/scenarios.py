@@ -34,7 +34,7 @@ from torch.utils.checkpoint import checkpoint
 
 from pipeline import DataParallel, Pipe
 from pipeline.distributed import init_process_group_from_env
-from pipeline.distributed.process_group import collective_device
+from pipeline.runtime.process_group import collective_device
 
 SCENARIOS: dict[str, Callable[[], None]] = {}
 BREAKS_GROUP: set[str] = set()

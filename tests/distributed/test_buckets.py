@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.distributed.buckets import NO_PARTITION, assign_buckets
+from pipeline.data_parallel.buckets import NO_PARTITION, assign_buckets
 
 KIB = 1024
 

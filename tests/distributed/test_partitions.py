@@ -7,9 +7,9 @@ from collections.abc import Callable
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from pipeline.distributed.buckets import NO_PARTITION
-from pipeline.distributed.partitions import SignalsPartitionBackward, partition_of_each
-from pipeline.distributed.replicas import first_difference, signature
+from pipeline.data_parallel.buckets import NO_PARTITION
+from pipeline.data_parallel.partitions import SignalsPartitionBackward, partition_of_each
+from pipeline.data_parallel.replicas import first_difference, signature
 
 OPTIONS = {"bucket_cap_mb": 25, "find_unused_parameters": False}
 

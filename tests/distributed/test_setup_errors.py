@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from pipeline import DataParallel
+from pipeline.data_parallel.replicas import first_difference, signature
 from pipeline.distributed import read_torchrun_env
-from pipeline.distributed.replicas import first_difference, signature
 
 TORCHRUN_ENV = {
     "RANK": "1",

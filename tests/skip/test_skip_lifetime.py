@@ -11,10 +11,10 @@ import torch
 from skip_models import BALANCE, WIDTH, Down, stashed_refs, unet
 from torch import Tensor, nn
 
-import pipeline.skip.step
+import pipeline.clock.skips
 from pipeline import Pipe
+from pipeline.clock.portal import Portal
 from pipeline.skip import pop, skippable, stash
-from pipeline.skip.portal import Portal
 
 ALTERNATING = ["cpu", "cpu:0", "cpu", "cpu:0"]
 
@@ -31,7 +31,7 @@ def portals(monkeypatch: pytest.MonkeyPatch) -> list[Portal]:
             super().__init__()
             created.append(self)
 
-    monkeypatch.setattr(pipeline.skip.step, "Portal", RecordedPortal)
+    monkeypatch.setattr(pipeline.clock.skips, "Portal", RecordedPortal)
     return created
 
 
@@ -90,7 +90,7 @@ def _popped_by_checkpointed_tasks(output: Tensor) -> list[Tensor]:
     """The tensors held by the skip trackers of the checkpointed tasks in ``output``'s graph."""
     import gc
 
-    from pipeline.skip.step import PortalTracker
+    from pipeline.clock.skips import PortalTracker
 
     trackers = [o for o in gc.get_objects() if type(o) is PortalTracker]
     return [t for tracker in trackers for t in tracker.popped.values()]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.dependency import fork, join
-from pipeline.skip.portal import Portal
+from pipeline.clock.dependency import fork, join
+from pipeline.clock.portal import Portal
 
 
 def test_tensor_is_dropped_at_its_read() -> None:

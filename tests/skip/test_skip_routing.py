@@ -10,8 +10,8 @@ import torch
 from skip_models import BALANCE, SKIP_WIDTHS, WIDTH, Recorder, unet
 from torch import nn
 
-import pipeline.copy
-import pipeline.skip.step
+import pipeline.clock.copy
+import pipeline.clock.skips
 from pipeline import Pipe
 from pipeline.skip import Route, SkipLayout
 
@@ -46,13 +46,13 @@ def test_partitions_receive_only_the_main_path(checkpoint: str) -> None:
 
 def test_each_skip_is_copied_once_and_only_across_devices(monkeypatch: pytest.MonkeyPatch) -> None:
     copied: Counter[int] = Counter()
-    real_copy = pipeline.copy._copy
+    real_copy = pipeline.clock.copy._copy
 
     def counting_copy(x: Any, source: Any, target: Any) -> Any:
         copied[x.shape[-1]] += 1
         return real_copy(x, source, target)
 
-    monkeypatch.setattr(pipeline.copy, "_copy", counting_copy)
+    monkeypatch.setattr(pipeline.clock.copy, "_copy", counting_copy)
     chunks = 3
     pipe = Pipe(unet(), BALANCE, devices=ALTERNATING, chunks=chunks, checkpoint="except_last")
     pipe(torch.randn(6, WIDTH, dtype=torch.double)).sum().backward()
@@ -95,7 +95,7 @@ def test_model_without_skips_has_an_empty_layout_and_no_skip_step(
     def refuse(*args: Any) -> None:
         raise AssertionError("a model without skips must not build skip state")
 
-    monkeypatch.setattr(pipeline.skip.step, "SkipStep", refuse)
+    monkeypatch.setattr(pipeline.clock.skips, "SkipStep", refuse)
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
     pipe = Pipe(model, [2, 1], chunks=2)
     pipe(torch.randn(4, 4)).sum().backward()

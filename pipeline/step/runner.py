@@ -3,7 +3,7 @@
 The caller's thread hands each worker its whole program (``schedules.py``,
 checked by ``simulate.validate``) and waits. A worker runs its actions in
 order through the stages it owns (``stage.py``); stages exchange values by
-mail (``transport.py``), so the order between workers comes from the data,
+mail (``mail.py``), so the order between workers comes from the data,
 as the programs promise. After a stage's last backward (or weight-gradient)
 action, the partition backward hooks are called with its index, on the
 worker: DataParallel starts that partition's all-reduces while others still
@@ -28,20 +28,20 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from pipeline import rng
-from pipeline.actions import Program
 from pipeline.arguments import CheckpointMode, LossReduction
-from pipeline.completion import Hook
-from pipeline.microbatch import Batch
-from pipeline.pipeline import Pipeline
-from pipeline.schedules import Schedule
-from pipeline.simulate import Simulation
+from pipeline.clock.completion import Hook
+from pipeline.clock.driver import Pipeline
+from pipeline.runtime import rng
+from pipeline.runtime.microbatch import Batch
+from pipeline.runtime.stream import current_stream
+from pipeline.runtime.threadstate import ThreadState
+from pipeline.runtime.worker import Failure, Replies, add_note
 from pipeline.skip.layout import SkipLayout
-from pipeline.stage import StageRun
-from pipeline.stream import current_stream
-from pipeline.threadstate import ThreadState
-from pipeline.transport import AbortedError, LocalTransport, Transport
-from pipeline.worker import Failure, Replies, add_note
+from pipeline.step.actions import Program
+from pipeline.step.mail import AbortedError, LocalTransport, Transport
+from pipeline.step.schedules import Schedule
+from pipeline.step.simulate import Simulation
+from pipeline.step.stage import StageRun
 
 __all__ = ["StepReport", "StepRun", "checkpoint_stop", "checkpointed_tasks", "loss_scales"]
 

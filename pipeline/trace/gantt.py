@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pipeline.timeline.event import COMPUTE_KINDS, Event, Kind, covered_time
+from pipeline.trace.event import COMPUTE_KINDS, Event, Kind, covered_time
 
 __all__ = ["LEGEND", "render"]
 

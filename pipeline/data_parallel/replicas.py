@@ -10,9 +10,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipeline.distributed.buckets import NO_PARTITION
-from pipeline.distributed.partitions import partition_of_each
-from pipeline.distributed.process_group import collective_device
+from pipeline.data_parallel.buckets import NO_PARTITION
+from pipeline.data_parallel.partitions import partition_of_each
+from pipeline.runtime.process_group import collective_device
 
 # DataParallel's keyword arguments, by name.
 Options = Mapping[str, float | bool]

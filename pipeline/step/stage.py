@@ -32,23 +32,23 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import Tensor
 
-from pipeline.actions import Action
-from pipeline.buffers import BufferSnapshot
-from pipeline.checkpoint import check_inputs_unchanged, input_versions, protected
-from pipeline.microbatch import Batch
-from pipeline.phase import phase
-from pipeline.pipeline import call_partition
-from pipeline.rng import TaskRandomness
+from pipeline.clock.checkpoint import check_inputs_unchanged, input_versions, protected
+from pipeline.clock.driver import call_partition
+from pipeline.runtime.buffers import BufferSnapshot
+from pipeline.runtime.microbatch import Batch
+from pipeline.runtime.phase import phase
+from pipeline.runtime.rng import TaskRandomness
+from pipeline.runtime.stream import use_stream
 from pipeline.skip.carrier import Carrier
 from pipeline.skip.tracker import SkipKey, SkipTracker, use_tracker
-from pipeline.split_backward import WeightWork, backward_input
-from pipeline.stream import use_stream
-from pipeline.timeline.event import Kind as EventKind
-from pipeline.trace import span
-from pipeline.transport import Message
+from pipeline.step.actions import Action
+from pipeline.step.mail import Message
+from pipeline.step.split_backward import WeightWork, backward_input
+from pipeline.trace.event import Kind as EventKind
+from pipeline.trace.recording import span
 
 if TYPE_CHECKING:
-    from pipeline.runner import StepRun
+    from pipeline.step.runner import StepRun
 
 __all__ = ["StageRun"]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from pipeline.timeline.event import Event
+from pipeline.trace.event import Event
 
 __all__ = ["chrome_trace"]
 

@@ -13,7 +13,7 @@ Each clock cycle has two phases, both issued from the caller's thread:
   writes a buffer (BatchNorm statistics) after the call has raised.
 
 A task runs its partition under the caller's thread state, on the
-partition's compute stream, with its random draws seeded (``rng.py``), and
+partition's compute stream, with its random draws seeded (``pipeline/runtime/rng.py``), and
 checkpointed (``checkpoint.py``) when its micro-batch is below the
 checkpoint stop.
 """
@@ -29,21 +29,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipeline import rng
-from pipeline.batchnorm import deferring_batch_norm
-from pipeline.buffers import PartitionBuffers
-from pipeline.checkpoint import Checkpointing, Function, protected, starts_in_place
-from pipeline.completion import Arrival, Hook, PartitionCompletion
-from pipeline.copy import Copy, Wait
-from pipeline.dependency import depend
-from pipeline.microbatch import Batch, Value
-from pipeline.schedule import clock_cycles
+from pipeline.clock.checkpoint import Checkpointing, Function, protected, starts_in_place
+from pipeline.clock.completion import Arrival, Hook, PartitionCompletion
+from pipeline.clock.copy import Copy, Wait
+from pipeline.clock.cycles import clock_cycles
+from pipeline.clock.dependency import depend
+from pipeline.clock.skips import start_step
+from pipeline.runtime import rng
+from pipeline.runtime.batchnorm import deferring_batch_norm
+from pipeline.runtime.buffers import PartitionBuffers
+from pipeline.runtime.microbatch import Batch, Value
+from pipeline.runtime.stream import Stream, current_stream, new_stream, use_stream
+from pipeline.runtime.threadstate import ThreadState
+from pipeline.runtime.worker import Failure, Replies, Worker, add_note
 from pipeline.skip.layout import SkipLayout
-from pipeline.skip.step import start_step
-from pipeline.stream import Stream, current_stream, new_stream, use_stream
-from pipeline.threadstate import ThreadState
-from pipeline.trace import span, traced
-from pipeline.worker import Failure, Replies, Worker, add_note
+from pipeline.trace.recording import span, traced
 
 __all__ = ["Pipeline", "call_partition"]
 

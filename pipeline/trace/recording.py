@@ -39,13 +39,13 @@ from typing import Any
 import torch
 from torch.autograd import profiler as _profiler
 
-from pipeline.microbatch import Value
-from pipeline.phase import is_recomputing
-from pipeline.timeline.backward import BackwardSpan, run_hooked
-from pipeline.timeline.chrome import chrome_trace
-from pipeline.timeline.event import Event, Kind, task_name
-from pipeline.timeline.gantt import render
-from pipeline.timeline.summary import Summary, summarize
+from pipeline.runtime.microbatch import Value
+from pipeline.runtime.phase import is_recomputing
+from pipeline.trace.backward import BackwardSpan, run_hooked
+from pipeline.trace.chrome import chrome_trace
+from pipeline.trace.event import Event, Kind, task_name
+from pipeline.trace.gantt import render
+from pipeline.trace.summary import Summary, summarize
 
 __all__ = ["Trace", "begin_explicit_step", "span", "trace", "traced"]
 

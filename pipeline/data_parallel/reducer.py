@@ -11,10 +11,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
 
-from pipeline.distributed.autograd_graph import leaves_reached, tensors_in
-from pipeline.distributed.broadcast import broadcast_from_rank0
-from pipeline.distributed.buckets import assign_buckets
-from pipeline.distributed.grad_bucket import GradBucket
+from pipeline.data_parallel.autograd_graph import leaves_reached, tensors_in
+from pipeline.data_parallel.broadcast import broadcast_from_rank0
+from pipeline.data_parallel.buckets import assign_buckets
+from pipeline.data_parallel.grad_bucket import GradBucket
 
 
 class Reducer:

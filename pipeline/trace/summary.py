@@ -6,8 +6,8 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pipeline.schedule import bubble_fraction
-from pipeline.timeline.event import COMPUTE_KINDS, KINDS, Event, Kind, covered_time
+from pipeline.clock.cycles import bubble_fraction
+from pipeline.trace.event import COMPUTE_KINDS, KINDS, Event, Kind, covered_time
 
 __all__ = ["PartitionSummary", "Summary", "summarize"]
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from pipeline.actions import Action, Kind, Program
+from pipeline.step.actions import Action, Kind, Program
 
 __all__ = ["COSTS", "ProgramError", "Simulation", "validate"]
 

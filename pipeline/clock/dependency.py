@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from pipeline.phony import get_phony
+from pipeline.clock.phony import get_phony
 
 __all__ = ["depend", "fork", "join"]
 

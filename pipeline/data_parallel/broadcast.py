@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from pipeline.distributed.buckets import assign_buckets
+from pipeline.data_parallel.buckets import assign_buckets
 
 # Large messages amortise the per-collective cost; torch's DDP uses the same
 # 250 MiB when it broadcasts a model's state at construction.

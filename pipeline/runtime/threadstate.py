@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.phase import is_checkpointing, is_recomputing, phase
+from pipeline.runtime.phase import is_checkpointing, is_recomputing, phase
 
 __all__ = ["ThreadState"]
 

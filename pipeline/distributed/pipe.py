@@ -6,7 +6,7 @@ process of group rank ``s % size`` (one stage per process, or ``v`` of them
 with the interleaved schedule), which keeps only the layers of its own
 stages: a model built on the ``meta`` device is materialised stage by stage,
 so no process ever holds the whole model. Each process runs its part of the
-schedule's programs on its own thread (``stage.py``, as ``Pipe.step`` does),
+schedule's programs on its own thread (``pipeline/step/stage.py``, as ``Pipe.step`` does),
 exchanging activations, gradients and skip tensors with the others by
 point-to-point sends (``p2p.py``).
 
@@ -37,21 +37,21 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from pipeline.actions import Program
 from pipeline.arguments import CallStyle, CheckpointMode, LossReduction
-from pipeline.batchnorm import DeferredBatchNorm, statistics_of_one_pass
-from pipeline.completion import Hook
+from pipeline.clock.completion import Hook
+from pipeline.clock.driver import Pipeline
 from pipeline.distributed.agreement import camps, fingerprint, gather_rows, ranks_text, refused_text
 from pipeline.distributed.p2p import P2PTransport
-from pipeline.distributed.process_group import collective_device, resolve_group
 from pipeline.distributed.stage_arguments import StageArguments, check_alone, disagreement
-from pipeline.microbatch import Batch, Value, check_input, gather, scatter, to_device
 from pipeline.pipe import PositionalSequential
-from pipeline.pipeline import Pipeline
-from pipeline.runner import StepRun, checkpointed_tasks, loss_scales
-from pipeline.schedules import Schedule, resolve_schedule
-from pipeline.simulate import Simulation, validate
+from pipeline.runtime.batchnorm import DeferredBatchNorm, statistics_of_one_pass
+from pipeline.runtime.microbatch import Batch, Value, check_input, gather, scatter, to_device
+from pipeline.runtime.process_group import collective_device, resolve_group
 from pipeline.skip.layout import SkipLayout, inspect_skip_layout
+from pipeline.step.actions import Program
+from pipeline.step.runner import StepRun, checkpointed_tasks, loss_scales
+from pipeline.step.schedules import Schedule, resolve_schedule
+from pipeline.step.simulate import Simulation, validate
 
 __all__ = ["DistributedPipe", "DistributedStepReport"]
 

@@ -24,11 +24,11 @@ from functools import partial
 
 from torch import Tensor
 
-from pipeline.checkpoint import Function, is_checkpointing, is_recomputing
-from pipeline.microbatch import Batch, Value
+from pipeline.clock.checkpoint import Function, is_checkpointing, is_recomputing
+from pipeline.clock.portal import Portal
+from pipeline.runtime.microbatch import Batch, Value
 from pipeline.skip.carrier import Carrier
 from pipeline.skip.layout import Route, SkipLayout
-from pipeline.skip.portal import Portal
 from pipeline.skip.tracker import SkipKey, SkipTracker, use_tracker
 
 __all__ = ["Move", "PortalTracker", "SkipStep", "start_step"]

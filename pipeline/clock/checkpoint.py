@@ -15,9 +15,9 @@ Because the graph is the forward's own, every autograd entry point works as
 on the plain model: ``torch.autograd.grad`` with respect to inputs or
 parameters, ``backward(inputs=...)``, ``create_graph=True``, and
 ``retain_graph=True`` (each backward recomputes). Recomputation replays what
-the forward saw: the same random draws (``rng.py``), the same buffers
-(``buffers.py``), the same autocast state, and an in-place first layer gets
-a copy of the input each time.
+the forward saw: the same random draws (``pipeline/runtime/rng.py``), the
+same buffers (``pipeline/runtime/buffers.py``), the same autocast state, and
+an in-place first layer gets a copy of the input each time.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ import torch
 import torch.utils.checkpoint
 from torch import Tensor, nn
 
-from pipeline.buffers import PartitionBuffers
-from pipeline.microbatch import Batch, Value
-from pipeline.phase import is_checkpointing, is_recomputing, phase
+from pipeline.runtime.buffers import PartitionBuffers
+from pipeline.runtime.microbatch import Batch, Value
+from pipeline.runtime.phase import is_checkpointing, is_recomputing, phase
 
 __all__ = [
     "Checkpointing",

@@ -29,8 +29,8 @@ from torch import Tensor
 from torch.autograd.graph import Node
 from torch.utils._pytree import tree_leaves
 
-from pipeline.microbatch import Value
-from pipeline.timeline.event import Event
+from pipeline.runtime.microbatch import Value
+from pipeline.trace.event import Event
 
 __all__ = ["BackwardSpan", "run_hooked"]
 

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from pipeline.phase import is_recomputing
+from pipeline.runtime.phase import is_recomputing
 
 __all__ = ["DeferredBatchNorm", "deferring_batch_norm", "statistics_of_one_pass"]
 

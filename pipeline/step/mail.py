@@ -1,4 +1,4 @@
-"""Transports: how the stages of an explicit schedule hand values to each other.
+"""Mail: how the stages of an explicit schedule hand values to each other.
 
 A stage's forward puts its output for micro-batch ``i`` in the next stage's
 mailbox; that stage's forward takes it when it runs, waiting if it is not
@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 import torch
 
-from pipeline.trace import span
+from pipeline.trace.recording import span
 
 __all__ = [
     "AbortedError",

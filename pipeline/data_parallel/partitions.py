@@ -8,7 +8,7 @@ from typing import Protocol, runtime_checkable
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from pipeline.distributed.buckets import NO_PARTITION
+from pipeline.data_parallel.buckets import NO_PARTITION
 
 
 @runtime_checkable

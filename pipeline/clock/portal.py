@@ -5,7 +5,7 @@ tensor in and returns a phony; ``Exit`` takes a phony and gives the tensor
 back. Neither is a path of the micro-batch, so the partitions in between
 never see the tensor. When the two partitions are on different devices, the
 driver's fence moves the tensor with the same ``Wait``/``Copy``/``Wait`` as
-the micro-batches, in the popping task's clock cycle (``step.py``)::
+the micro-batches, in the popping task's clock cycle (``skips.py``)::
 
   partition a: stash           fence of the popping task             partition b: pop
 
@@ -25,7 +25,7 @@ put the gradient in the portal, even with a thread per device.
 
 Lifetime: the portal lets go of the tensor at the ``Exit`` that reads it, so
 nothing outlives its use. Recomputation never reads a portal: the popping
-task keeps what its forward popped (``step.py``).
+task keeps what its forward popped (``skips.py``).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from pipeline.phony import get_phony
+from pipeline.clock.phony import get_phony
 
 __all__ = ["Portal"]
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from pipeline.stream import (
+from pipeline.runtime.stream import (
     Stream,
     get_device,
     record_stream,

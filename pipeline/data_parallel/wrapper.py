@@ -11,11 +11,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
 
-from pipeline.distributed.broadcast import broadcast_from_rank0
-from pipeline.distributed.partitions import SignalsPartitionBackward, partition_of_each
-from pipeline.distributed.process_group import resolve_group
-from pipeline.distributed.reducer import Reducer
-from pipeline.distributed.replicas import check_replicas_match
+from pipeline.data_parallel.broadcast import broadcast_from_rank0
+from pipeline.data_parallel.partitions import SignalsPartitionBackward, partition_of_each
+from pipeline.data_parallel.reducer import Reducer
+from pipeline.data_parallel.replicas import check_replicas_match
+from pipeline.runtime.process_group import resolve_group
 
 
 class DataParallel(nn.Module):
