@@ -1,16 +1,19 @@
-"""Shared fixtures: every test must leave no pipeline worker thread behind."""
+"""Shared fixtures: every test must leave no pipeline worker thread behind; gloo groups."""
 
 from __future__ import annotations
 
 import gc
+import itertools
 import threading
 import weakref
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 
 from pipeline import Pipe
+from tests.gloo_groups import GroupRunner, Outcomes, free_port, run_group
 
 
 def pipe_threads() -> list[threading.Thread]:
@@ -59,3 +62,39 @@ def _seed() -> None:
 
 
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture
+def port() -> int:
+    """A free TCP port on 127.0.0.1."""
+    return free_port()
+
+
+@pytest.fixture(scope="session")
+def group_runner(tmp_path_factory: pytest.TempPathFactory) -> GroupRunner:
+    """run_group, each call in a fresh temporary directory."""
+    counter = itertools.count()
+
+    def launch(
+        scenarios: list[str],
+        *,
+        script: Path,
+        world_size: int = 2,
+        backend: str = "gloo",
+        numpy: bool = True,
+        pg_timeout_s: float = 20,
+        wall_timeout_s: float = 60,
+    ) -> Outcomes:
+        directory = tmp_path_factory.mktemp(f"group{next(counter)}")
+        return run_group(
+            directory,
+            scenarios,
+            script=script,
+            world_size=world_size,
+            backend=backend,
+            numpy=numpy,
+            pg_timeout_s=pg_timeout_s,
+            wall_timeout_s=wall_timeout_s,
+        )
+
+    return launch

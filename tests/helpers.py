@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Generator
 from typing import Any
 
@@ -67,3 +68,19 @@ class Pop(nn.Module):
     def forward(self, x: Tensor) -> Generator[Any, Any, Tensor]:
         skip = yield pop("skip")
         return self.linear(x) * skip
+
+
+class Rendezvous(nn.Module):
+    """Waits at a barrier on its ``call``-th call: both partitions must be inside at once."""
+
+    def __init__(self, barrier: threading.Barrier, call: int) -> None:
+        super().__init__()
+        self.barrier = barrier
+        self.call = call
+        self.calls = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.calls += 1
+        if self.calls == self.call:
+            self.barrier.wait()  # raises BrokenBarrierError after the timeout
+        return x + 1

@@ -1,7 +1,7 @@
 """DistributedPipe scenarios: stages in separate processes, run by every rank of a gloo group.
 
-Started like scenarios.py (whose runner and helpers this reuses), by
-conftest.run_group with ``script=stage_scenarios.py``.
+Started by tests/gloo_groups.py's run_group with
+``script=stage_scenarios.py``; the runner and its helpers are that module's.
 """
 
 from __future__ import annotations
@@ -16,24 +16,17 @@ import time
 from pathlib import Path
 from typing import Any, cast
 
-import scenarios
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from scenarios import (
-    breaks_group,
-    expect_error,
-    main,
-    rank,
-    scenario,
-    world,
-)
 from torch import Tensor, nn
 
 from pipeline import DataParallel, Pipe
 from pipeline.distributed import DistributedPipe, PeerError, load_shards, save_shard
 from pipeline.schedules import Interleaved1F1B
 from pipeline.skip import Namespace
+from tests import gloo_groups
+from tests.gloo_groups import breaks_group, expect_error, main, rank, scenario, world
 from tests.helpers import Pop, Stash
 
 WIDTH = 8
@@ -430,7 +423,7 @@ def a_pause_longer_than_the_group_timeout_and_new_shapes_are_harmless() -> None:
     pipe = DistributedPipe(blocks(2 * world(), seed=12), [2] * world(), chunks=2)
     x, y = batch()
     pipe.step(x, y, F.mse_loss)
-    time.sleep(scenarios.PG_TIMEOUT_S + 1)  # the peers' listeners wait all along
+    time.sleep(gloo_groups.PG_TIMEOUT_S + 1)  # the peers' listeners wait all along
     smaller_x, smaller_y = batch(rows=7, seed=2)  # other shapes: nothing declared up front
     pipe.step(smaller_x, smaller_y, F.mse_loss)
     F.mse_loss(plain(x), y).backward()
@@ -538,7 +531,7 @@ def chunks_that_differ_on_one_process_are_refused_by_every_process_and_the_group
 
 @scenario
 def an_argument_refused_on_one_process_fails_every_process_within_seconds() -> None:
-    assert scenarios.PG_TIMEOUT_S >= 60, "the bound below must be far under the group's timeout"
+    assert gloo_groups.PG_TIMEOUT_S >= 60, "the bound below must be far under the group's timeout"
     odd = rank() == 1  # the process whose arguments are refused
     pipe = DistributedPipe(blocks(2 * world(), seed=21), [2] * world(), chunks=2)
     plain = blocks(2 * world(), seed=21)

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:
-    from conftest import GroupRunner, Outcomes
+    from tests.gloo_groups import GroupRunner, Outcomes
 
 STAGES = Path(__file__).with_name("stage_scenarios.py")
 

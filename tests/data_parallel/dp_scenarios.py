@@ -1,25 +1,22 @@
 """DataParallel scenarios, run by every rank of a small gloo process group.
 
-Started by conftest.run_group as `python scenarios.py OUT.json PG_TIMEOUT_S NAME...`
-with torchrun's environment variables and SCENARIO_BACKEND (gloo unless set)
-set; each rank runs the named scenarios in order and writes {name: "ok" or the
-traceback} to OUT.json. With SCENARIO_WITHOUT_NUMPY=1 NumPy cannot be
-imported, as on a machine that does not have it.
+Started by tests/gloo_groups.py's run_group as `python dp_scenarios.py OUT.json
+PG_TIMEOUT_S NAME...` with torchrun's environment variables and
+SCENARIO_BACKEND (gloo unless set) set; each rank runs the named scenarios in
+order and writes {name: "ok" or the traceback} to OUT.json. With
+SCENARIO_WITHOUT_NUMPY=1 NumPy cannot be imported, as on a machine that does
+not have it.
 """
 
 from __future__ import annotations
 
 import copy
-import json
 import os
 import sys
 import time
-import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from datetime import timedelta
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 if os.environ.get("SCENARIO_WITHOUT_NUMPY") == "1":
@@ -33,40 +30,21 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
 from pipeline import DataParallel, Pipe
-from pipeline.distributed import init_process_group_from_env
 from pipeline.runtime.process_group import collective_device
-
-SCENARIOS: dict[str, Callable[[], None]] = {}
-BREAKS_GROUP: set[str] = set()
+from tests import gloo_groups
+from tests.gloo_groups import (
+    SimulatedCrashError,
+    breaks_group,
+    expect_error,
+    main,
+    rank,
+    scenario,
+    world,
+)
 
 # Caps of a few KiB, so the small test models still span several buckets.
 SMALL_BUCKETS = {"bucket_cap_mb": 2e-3, "first_bucket_mb": 5e-4}
 WIDTH = 16
-PG_TIMEOUT_S = 20.0  # set from the command line by main()
-
-
-def scenario(fn: Callable[[], None]) -> Callable[[], None]:
-    """Register a scenario under its function name."""
-    SCENARIOS[fn.__name__] = fn
-    return fn
-
-
-def breaks_group(fn: Callable[[], None]) -> Callable[[], None]:
-    """Mark a scenario after which the process group can no longer be used."""
-    BREAKS_GROUP.add(fn.__name__)
-    return fn
-
-
-class SimulatedCrashError(Exception):
-    """Raised by a scenario on the rank that should die abruptly at that point."""
-
-
-def rank() -> int:
-    return dist.get_rank()
-
-
-def world() -> int:
-    return dist.get_world_size()
 
 
 def mlp(seed: int, depth: int = 4) -> nn.Sequential:
@@ -111,17 +89,6 @@ def assert_equal_on_all_ranks(tensors: list[torch.Tensor], what: str) -> None:
         dist.all_gather(gathered, tensor.detach().contiguous())
         for other, value in enumerate(gathered):
             assert torch.equal(value, gathered[0]), f"{what} #{index}: rank {other} != rank 0"
-
-
-def expect_error(kind: type[Exception], run: Callable[[], Any], *fragments: str) -> str:
-    try:
-        run()
-    except kind as error:
-        message = str(error)
-        for fragment in fragments:
-            assert fragment in message, f"{fragment!r} missing from: {message}"
-        return message
-    raise AssertionError(f"expected {kind.__name__} mentioning {fragments}")
 
 
 # ---------------------------------------------------------------- plain models
@@ -679,32 +646,9 @@ def peer_stalls_mid_step() -> None:
     loss = F.mse_loss(dp(shard(x)), shard(y))
     if rank() == 1:
         # Alive but silent for longer than the process group's timeout.
-        time.sleep(PG_TIMEOUT_S + 1)
+        time.sleep(gloo_groups.PG_TIMEOUT_S + 1)
         return
     expect_error(RuntimeError, loss.backward, "all-reduce of gradient bucket", "rank 0")
-
-
-def main() -> None:
-    global PG_TIMEOUT_S
-    out, PG_TIMEOUT_S, names = Path(sys.argv[1]), float(sys.argv[2]), sys.argv[3:]
-    backend = os.environ.get("SCENARIO_BACKEND", "gloo")
-    init_process_group_from_env(backend=backend, timeout=timedelta(seconds=PG_TIMEOUT_S))
-    torch.set_num_threads(1)
-    outcomes: dict[str, str] = {}
-    for name in names:
-        try:
-            SCENARIOS[name]()
-            outcomes[name] = "ok"
-        except SimulatedCrashError:
-            outcomes[name] = "ok"
-            out.write_text(json.dumps(outcomes))
-            os._exit(0)  # die without a goodbye, as a crashed rank would
-        except Exception:
-            outcomes[name] = traceback.format_exc()
-    out.write_text(json.dumps(outcomes))
-    if not BREAKS_GROUP.intersection(names):
-        dist.barrier()
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -17,8 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pipeline import Pipe, is_checkpointing, is_recomputing
-from tests.helpers import grads
-from tests.test_worker import Rendezvous
+from tests.helpers import Rendezvous, grads
 
 MODES = ("always", "except_last", "never")
 

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
 import torch
 
 if TYPE_CHECKING:
-    from conftest import GroupRunner, Outcomes
+    from tests.gloo_groups import GroupRunner, Outcomes
+
+SCENARIOS = Path(__file__).with_name("dp_scenarios.py")
 
 # All scenarios that leave the group usable share one group: starting
 # processes costs seconds, running a scenario a fraction of one.
@@ -40,7 +43,7 @@ SHARED = [
 
 @pytest.fixture(scope="module")
 def shared_outcomes(group_runner: GroupRunner) -> Outcomes:
-    return group_runner(SHARED)
+    return group_runner(SHARED, script=SCENARIOS)
 
 
 @pytest.mark.parametrize("name", SHARED)
@@ -52,7 +55,7 @@ def test_scenario(shared_outcomes: Outcomes, name: str) -> None:
 def test_data_parallel_needs_no_numpy(group_runner: GroupRunner) -> None:
     # torch prints a warning without NumPy but works; so must DataParallel.
     names = ["matches_ddp_and_full_batch", "mismatched_replicas_raise", "different_balance_raises"]
-    for rank, outcomes in enumerate(group_runner(names, numpy=False)):
+    for rank, outcomes in enumerate(group_runner(names, script=SCENARIOS, numpy=False)):
         for name in names:
             assert outcomes.get(name) == "ok", f"rank {rank}, {name}:\n{outcomes.get(name)}"
 
@@ -61,7 +64,7 @@ def test_data_parallel_needs_no_numpy(group_runner: GroupRunner) -> None:
 def test_fault_mid_step_is_an_error_naming_the_all_reduce(
     group_runner: GroupRunner, fault: str
 ) -> None:
-    outcomes = group_runner([fault], pg_timeout_s=2, wall_timeout_s=30)
+    outcomes = group_runner([fault], script=SCENARIOS, pg_timeout_s=2, wall_timeout_s=30)
     for rank, outcome in enumerate(outcomes):
         assert outcome.get(fault) == "ok", f"rank {rank}:\n{outcome}"
 
@@ -70,6 +73,8 @@ def test_fault_mid_step_is_an_error_naming_the_all_reduce(
 def test_nccl_exchanges_on_the_current_gpu(group_runner: GroupRunner) -> None:
     # One rank per GPU, as NCCL requires; one GPU still runs the whole path.
     world_size = min(2, torch.cuda.device_count())
-    outcomes = group_runner(["nccl_step_on_the_current_gpu"], world_size=world_size, backend="nccl")
+    outcomes = group_runner(
+        ["nccl_step_on_the_current_gpu"], script=SCENARIOS, world_size=world_size, backend="nccl"
+    )
     for rank, outcome in enumerate(outcomes):
         assert outcome.get("nccl_step_on_the_current_gpu") == "ok", f"rank {rank}:\n{outcome}"

@@ -12,22 +12,7 @@ from torch import Tensor, nn
 
 from pipeline import Pipe
 from tests.conftest import pipe_threads
-
-
-class Rendezvous(nn.Module):
-    """Waits at a barrier on its ``call``-th call: both partitions must be inside at once."""
-
-    def __init__(self, barrier: threading.Barrier, call: int) -> None:
-        super().__init__()
-        self.barrier = barrier
-        self.call = call
-        self.calls = 0
-
-    def forward(self, x: Tensor) -> Tensor:
-        self.calls += 1
-        if self.calls == self.call:
-            self.barrier.wait()  # raises BrokenBarrierError after the timeout
-        return x + 1
+from tests.helpers import Rendezvous
 
 
 def test_two_cpu_partitions_run_concurrently() -> None:

@@ -1,4 +1,4 @@
-"""Copy/Wait between devices and streams, and the CPU stand-in for streams."""
+"""Copy/Wait between devices and streams."""
 
 from __future__ import annotations
 
@@ -9,17 +9,9 @@ from torch import nn
 
 from pipeline import Pipe
 from pipeline.clock.copy import Copy, Wait
-from pipeline.runtime.stream import CPUStream, current_stream, new_stream, use_stream
+from pipeline.runtime.stream import new_stream
 from tests.conftest import cuda_only
 from tests.helpers import assert_close_dicts, grads, mlp
-
-
-def test_cpu_streams_are_a_no_op_stand_in() -> None:
-    cpu = torch.device("cpu")
-    stream = new_stream(cpu)
-    assert isinstance(stream, CPUStream) and current_stream(cpu) is stream
-    with use_stream(stream):
-        pass
 
 
 def test_copy_and_wait_pass_values_and_gradients_on_cpu() -> None:

@@ -1,0 +1,174 @@
+"""Running named scenarios in every rank of a small gloo process group on 127.0.0.1: the
+launcher (pytest's side) and the runner (each rank's side).
+
+A scenario script registers its scenarios with ``@scenario`` and ends with
+``main()``; ``run_group`` starts it as ``python SCRIPT OUT.json PG_TIMEOUT_S
+NAME...`` in every rank, with torchrun's environment variables, and reads
+back each rank's {name: "ok" or the traceback}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from pipeline.distributed import init_process_group_from_env
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+Outcomes = list[dict[str, str]]
+GroupRunner = Callable[..., Outcomes]
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def rank_env(
+    rank: int, world_size: int, port: int, backend: str = "gloo", numpy: bool = True
+) -> dict[str, str]:
+    """The environment torchrun would give process `rank`, and how its scenarios should run."""
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "OMP_NUM_THREADS": "1",
+        "SCENARIO_BACKEND": backend,
+        "SCENARIO_WITHOUT_NUMPY": "0" if numpy else "1",
+    }
+
+
+def run_group(
+    directory: Path,
+    scenarios: list[str],
+    *,
+    script: Path,
+    world_size: int = 2,
+    backend: str = "gloo",
+    numpy: bool = True,
+    pg_timeout_s: float = 20,
+    wall_timeout_s: float = 60,
+) -> Outcomes:
+    """Run `scenarios` (names in `script`) in one process group; each rank's outcomes.
+
+    Every rank reports {scenario: "ok" or the failure}. All processes are
+    killed after `wall_timeout_s`, so a hang fails the test instead of
+    blocking the suite.
+    """
+    port = free_port()
+    procs = []
+    for rank in range(world_size):
+        out, log = directory / f"rank{rank}.json", directory / f"rank{rank}.log"
+        cmd = [sys.executable, str(script), str(out), str(pg_timeout_s), *scenarios]
+        with log.open("w") as log_file:
+            proc = subprocess.Popen(
+                cmd,
+                env=rank_env(rank, world_size, port, backend, numpy),
+                stdout=log_file,
+                stderr=log_file,
+            )
+        procs.append((proc, out, log))
+    deadline = time.monotonic() + wall_timeout_s
+    for proc, _, _ in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for other, _, _ in procs:
+                other.kill()
+                other.wait()
+            pytest.fail(f"process group did not finish within {wall_timeout_s} s")
+    outcomes = []
+    for proc, out, log in procs:
+        if not out.exists():
+            pytest.fail(
+                f"a rank wrote no results (exit code {proc.returncode}):\n{log.read_text()}"
+            )
+        outcomes.append(json.loads(out.read_text()))
+    return outcomes
+
+
+# The runner: what each rank runs.
+
+SCENARIOS: dict[str, Callable[[], None]] = {}
+BREAKS_GROUP: set[str] = set()
+PG_TIMEOUT_S = 20.0  # set from the command line by main()
+
+
+def scenario(fn: Callable[[], None]) -> Callable[[], None]:
+    """Register a scenario under its function name."""
+    SCENARIOS[fn.__name__] = fn
+    return fn
+
+
+def breaks_group(fn: Callable[[], None]) -> Callable[[], None]:
+    """Mark a scenario after which the process group can no longer be used."""
+    BREAKS_GROUP.add(fn.__name__)
+    return fn
+
+
+class SimulatedCrashError(Exception):
+    """Raised by a scenario on the rank that should die abruptly at that point."""
+
+
+def rank() -> int:
+    return dist.get_rank()
+
+
+def world() -> int:
+    return dist.get_world_size()
+
+
+def expect_error(kind: type[Exception], run: Callable[[], Any], *fragments: str) -> str:
+    try:
+        run()
+    except kind as error:
+        message = str(error)
+        for fragment in fragments:
+            assert fragment in message, f"{fragment!r} missing from: {message}"
+        return message
+    raise AssertionError(f"expected {kind.__name__} mentioning {fragments}")
+
+
+def main() -> None:
+    """Run the scenarios named on the command line in this rank; write their outcomes."""
+    global PG_TIMEOUT_S
+    out, PG_TIMEOUT_S, names = Path(sys.argv[1]), float(sys.argv[2]), sys.argv[3:]
+    backend = os.environ.get("SCENARIO_BACKEND", "gloo")
+    init_process_group_from_env(backend=backend, timeout=timedelta(seconds=PG_TIMEOUT_S))
+    torch.set_num_threads(1)
+    outcomes: dict[str, str] = {}
+    for name in names:
+        try:
+            SCENARIOS[name]()
+            outcomes[name] = "ok"
+        except SimulatedCrashError:
+            outcomes[name] = "ok"
+            out.write_text(json.dumps(outcomes))
+            os._exit(0)  # die without a goodbye, as a crashed rank would
+        except Exception:
+            outcomes[name] = traceback.format_exc()
+    out.write_text(json.dumps(outcomes))
+    if not BREAKS_GROUP.intersection(names):
+        dist.barrier()
+        dist.destroy_process_group()

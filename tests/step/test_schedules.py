@@ -1,0 +1,82 @@
+"""Schedules and the simulator: the programs each schedule makes, refusals before any work,
+what a step holds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from step_models import SCHEDULES, WIDTH, layered
+from torch import Tensor, nn
+
+from pipeline import Pipe
+from pipeline.schedules import ProgramError, Programs, validate
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_peak_micro_batches_held_equal_the_simulation(schedule: str) -> None:
+    pipe = Pipe(layered(4, "none")[0], [2] * 4, devices=["cpu"] * 4, chunks=8, checkpoint="never")
+    x, y = torch.randn(16, WIDTH, dtype=torch.double), torch.randn(16, WIDTH, dtype=torch.double)
+    pipe.step(x, y, F.mse_loss, schedule=SCHEDULES[schedule]())
+    report = pipe.last_step
+    assert report is not None
+    assert report.peak_in_flight == report.simulation.peak_in_flight
+    expected = {
+        "gpipe": [8, 8, 8, 8],
+        "1f1b": [4, 3, 2, 1],
+        "interleaved": [4, 3, 2, 1],
+        "zb-h1": [5, 4, 3, 1],
+    }[schedule]
+    assert report.peak_in_flight == expected
+
+
+def test_programs_of_ones_own_run_and_bad_ones_are_refused_before_any_work() -> None:
+    calls: list[int] = []
+
+    class Count(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            calls.append(1)
+            return x * 2
+
+    model = nn.Sequential(nn.Linear(2, 2), Count())
+    pipe = Pipe(model, [1, 1], devices=["cpu"] * 2, chunks=2, checkpoint="never")
+    x, y = torch.randn(4, 2), torch.randn(4, 2)
+    pipe.step(x, y, F.mse_loss, schedule=Programs(["0F0 0F1 0B0 0B1", "1F0 1B0 1F1 1B1"]))
+    assert len(calls) == 2
+    bad = {
+        "deadlock": (["0F0 0B0 0F1 0B1", "1F1 1B1 1F0 1B0"], "deadlock"),
+        "missing backward": (["0F0 0F1 0B0", "1F0 1B0 1F1 1B1"], "stage 0, micro-batch 1: 1 x F"),
+        "backward first": (["0B0 0F0 0F1 0B1", "1F0 1B0 1F1 1B1"], "runs 0B0 before 0F0"),
+        "stage on two workers": (["0F0 0F1 0B0 1B1", "1F0 1B0 1F1 0B1"], "workers 0 and 1"),
+        "unknown stage": (["0F0 0F1 0B0 0B1", "1F0 1B0 1F1 1B1 2F0"], "there are 2 stages"),
+    }
+    for name, (programs, message) in bad.items():
+        calls.clear()
+        with pytest.raises(ProgramError, match=message):
+            pipe.step(x, y, F.mse_loss, schedule=Programs(programs))
+        assert calls == [], name
+    with pytest.raises(ValueError, match="is not an action"):
+        Programs(["0X0"])
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+@pytest.mark.parametrize(("m", "n"), [(4, 2), (8, 4)])
+def test_built_in_programs_are_valid_and_hold_what_their_schedule_promises(
+    schedule: str, m: int, n: int
+) -> None:
+    simulation = validate(SCHEDULES[schedule]().programs(m, n), m, n)
+    one_f_one_b = [min(m, n - s) for s in range(n)]
+    gpipe_idle = (n - 1) / (m + n - 1)
+    if schedule == "gpipe":
+        assert simulation.peak_in_flight == [m] * n
+        assert simulation.mean_idle_fraction == pytest.approx(gpipe_idle)
+    elif schedule == "1f1b":
+        assert simulation.peak_in_flight == one_f_one_b
+        assert simulation.mean_idle_fraction == pytest.approx(gpipe_idle)
+    elif schedule == "interleaved":
+        assert simulation.peak_in_flight == one_f_one_b
+        assert simulation.mean_idle_fraction < gpipe_idle
+    else:  # zb-h1: 1F1B's micro-batches, plus graphs waiting for their weight gradient
+        for s, peak in enumerate(simulation.peak_in_flight):
+            assert one_f_one_b[s] <= peak <= one_f_one_b[s] + n - 1 - s
+        assert simulation.mean_idle_fraction < gpipe_idle

@@ -1,0 +1,215 @@
+"""Pipe.step's stages: every schedule gives the plain model's loss and gradients, in every
+combination."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from step_models import (
+    LAYOUTS,
+    MODES,
+    SCHEDULES,
+    WIDTH,
+    assert_same,
+    block,
+    chunk_counts,
+    grads,
+    layered,
+)
+from torch import Tensor, nn
+
+from pipeline import DeferredBatchNorm, NoChunk, Pipe
+
+
+@pytest.mark.parametrize("checkpoint", MODES)
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_every_layout_partition_count_and_chunk_count_equals_plain_and_pipe_call(
+    schedule: str, checkpoint: str
+) -> None:
+    rows = 7  # never divisible by the chunk counts above 1
+    for n in (1, 2, 3, 4):
+        if schedule == "interleaved" and n % 2:
+            continue
+        for layout in LAYOUTS:
+            torch.manual_seed(n)
+            model, balance = layered(n, layout)
+            x = torch.randn(rows, WIDTH, dtype=torch.double, requires_grad=True)
+            y = torch.randn(rows, WIDTH, dtype=torch.double)
+            plain = copy.deepcopy(model)
+            plain_loss = F.mse_loss(plain(x), y)
+            plain_loss.backward()
+            plain_grads, plain_x_grad = grads(plain), x.grad.clone()  # type: ignore[union-attr]
+            for chunks in chunk_counts(n):
+                if schedule == "interleaved" and min(chunks, rows) % (n // 2):
+                    continue
+                what = f"{schedule}, {checkpoint}, n={n}, {layout}, chunks={chunks}"
+                for via_step in (True, False):
+                    pipe = Pipe(
+                        copy.deepcopy(model),
+                        balance,
+                        devices=["cpu"] * n,
+                        chunks=chunks,
+                        checkpoint=checkpoint,  # type: ignore[arg-type]
+                    )
+                    x.grad = None
+                    if via_step:
+                        loss = pipe.step(x, y, F.mse_loss, schedule=SCHEDULES[schedule]())
+                    else:
+                        loss = F.mse_loss(pipe(x), y)
+                        loss.backward()
+                    torch.testing.assert_close(loss.detach(), plain_loss.detach(), msg=what)
+                    assert_same(grads(pipe), plain_grads, what)
+                    torch.testing.assert_close(x.grad, plain_x_grad, msg=what)
+                    pipe.close()
+
+
+def dropout_model() -> nn.Sequential:
+    torch.manual_seed(3)
+    layers: list[nn.Module] = []
+    for _ in range(4):
+        layers += [nn.Linear(8, 8), nn.Dropout(0.3), nn.Tanh()]
+    return nn.Sequential(*layers).double()
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_dropout_draws_the_masks_of_the_pipe_call_in_every_mode(schedule: str) -> None:
+    x, y = torch.randn(8, 8, dtype=torch.double), torch.randn(8, 8, dtype=torch.double)
+    reference = Pipe(
+        dropout_model(), [3, 3, 3, 3], devices=["cpu"] * 4, chunks=4, checkpoint="never"
+    )
+    torch.manual_seed(11)
+    expected_loss = F.mse_loss(reference(x), y)
+    expected_loss.backward()
+    for checkpoint in MODES:
+        pipe = Pipe(
+            dropout_model(), [3, 3, 3, 3], devices=["cpu"] * 4, chunks=4, checkpoint=checkpoint
+        )  # type: ignore[arg-type]
+        torch.manual_seed(11)
+        loss = pipe.step(x, y, F.mse_loss, schedule=SCHEDULES[schedule]())
+        torch.testing.assert_close(loss, expected_loss.detach())
+        assert_same(grads(pipe), grads(reference), f"{schedule}, {checkpoint}")
+
+
+def batchnorm_model(deferred: bool) -> tuple[nn.Sequential, nn.Sequential]:
+    torch.manual_seed(4)
+    model = nn.Sequential(
+        nn.Linear(6, 6), nn.BatchNorm1d(6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh()
+    ).double()
+    return model, copy.deepcopy(model)
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+@pytest.mark.parametrize("checkpoint", MODES)
+def test_batch_norm_statistics_equal_the_plain_model(schedule: str, checkpoint: str) -> None:
+    x, y = torch.randn(12, 6, dtype=torch.double), torch.randn(12, 6, dtype=torch.double)
+    for deferred in (False, True):
+        model, plain = batchnorm_model(deferred)
+        pipe = Pipe(
+            model,
+            [2, 1, 1, 1],
+            devices=["cpu"] * 4,
+            chunks=4,
+            checkpoint=checkpoint,  # type: ignore[arg-type]
+            deferred_batch_norm=deferred,
+        )
+        for _ in range(2):
+            pipe.step(x, y, F.mse_loss, schedule=SCHEDULES[schedule]())
+            if deferred:  # statistics of the whole batch, once per step
+                F.mse_loss(plain(x), y).backward()
+            else:  # one momentum step per micro-batch, as in the Pipe's forward
+                for xs, ys in zip(x.chunk(4), y.chunk(4), strict=True):
+                    (F.mse_loss(plain(xs), ys) / 4).backward()
+        what = f"{schedule}, {checkpoint}, deferred={deferred}"
+        assert isinstance(pipe[1], DeferredBatchNorm) == deferred
+        torch.testing.assert_close(pipe[1].running_mean, plain[1].running_mean, msg=what)
+        torch.testing.assert_close(pipe[1].running_var, plain[1].running_var, msg=what)
+        assert int(pipe[1].num_batches_tracked) == int(plain[1].num_batches_tracked), what
+        if not deferred:
+            assert_same(grads(pipe), grads(plain), what)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_autocast_reaches_forward_and_recompute_like_the_pipe_call(schedule: str) -> None:
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8), nn.GELU())
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    reference = Pipe(copy.deepcopy(model), [2, 2], devices=["cpu"] * 2, chunks=4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = reference(x)
+        assert out.dtype == torch.bfloat16  # type: ignore[union-attr]
+        expected = F.mse_loss(out.float(), y)  # type: ignore[union-attr]
+    expected.backward()
+    pipe = Pipe(copy.deepcopy(model), [2, 2], devices=["cpu"] * 2, chunks=4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = pipe.step(x, y, lambda o, t: F.mse_loss(o.float(), t), schedule=schedule)
+    torch.testing.assert_close(loss, expected.detach())
+    assert_same(grads(pipe), grads(reference), schedule)
+
+
+class Masked(nn.Module):
+    """Takes (x, mask, scale, tag) and passes it on; the mask is whole, unsplit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+
+    def forward(
+        self, value: tuple[Tensor, Tensor, float, str]
+    ) -> tuple[Tensor, Tensor, float, str]:
+        x, mask, scale, tag = value
+        assert tag == "tag" and mask.shape == (WIDTH,)
+        return torch.tanh(self.linear(x)) * mask * scale, mask, scale, tag
+
+
+class First(nn.Module):
+    def forward(self, value: tuple[Tensor, Tensor, float, str]) -> Tensor:
+        return value[0]
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_tuple_inputs_with_no_chunk_and_non_tensors(schedule: str) -> None:
+    torch.manual_seed(6)
+    model = nn.Sequential(Masked(), Masked(), Masked(), First()).double()
+    plain = copy.deepcopy(model)
+    mask = torch.rand(WIDTH, dtype=torch.double)
+    x, y = torch.randn(6, WIDTH, dtype=torch.double), torch.randn(6, WIDTH, dtype=torch.double)
+    F.mse_loss(plain((x, mask, 0.5, "tag")), y).backward()
+    pipe = Pipe(model, [1, 1, 1, 1], devices=["cpu"] * 4, chunks=2)
+    pipe.step((x, NoChunk(mask), 0.5, "tag"), y, F.mse_loss, schedule=SCHEDULES[schedule]())
+    assert_same(grads(pipe), grads(plain), schedule)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_loss_reduction_with_an_uneven_last_micro_batch(reduction: str) -> None:
+    torch.manual_seed(7)
+    model = nn.Sequential(block(), block(), nn.Linear(WIDTH, 3)).double()
+    plain = copy.deepcopy(model)
+    x, y = torch.randn(10, WIDTH, dtype=torch.double), torch.randint(0, 3, (10,))
+    expected = F.cross_entropy(plain(x), y, reduction=reduction)
+    expected.backward()
+    pipe = Pipe(model, [1, 1, 1], devices=["cpu"] * 3, chunks=4)  # 3, 3, 3, 1 rows
+
+    def loss_fn(output: Tensor, target: Tensor) -> Tensor:
+        return F.cross_entropy(output, target, reduction=reduction)
+
+    loss = pipe.step(x, y, loss_fn, loss_reduction=reduction)  # type: ignore[arg-type]
+    torch.testing.assert_close(loss, expected.detach())
+    assert_same(grads(pipe), grads(plain), reduction)
+
+
+def test_gradients_accumulate_like_backward_and_outputs_come_back_on_request() -> None:
+    torch.manual_seed(8)
+    model = nn.Sequential(block(), block()).double()
+    plain = copy.deepcopy(model)
+    x, y = torch.randn(6, WIDTH, dtype=torch.double), torch.randn(6, WIDTH, dtype=torch.double)
+    for _ in range(2):
+        F.mse_loss(plain(x), y).backward()
+    pipe = Pipe(model, [1, 1], devices=["cpu"] * 2, chunks=3)
+    pipe.step(x, y, F.mse_loss)
+    loss, output = pipe.step(x, y, F.mse_loss, return_outputs=True)  # type: ignore[misc]
+    assert_same(grads(pipe), grads(plain), "two steps accumulate")
+    torch.testing.assert_close(output, plain(x).detach())
+    assert not output.requires_grad and loss.shape == ()
