@@ -11,10 +11,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
 
-from pipeline.data_parallel.broadcast import broadcast_from_rank0
-from pipeline.data_parallel.partitions import SignalsPartitionBackward, partition_of_each
+from pipeline.data_parallel.buckets import SignalsPartitionBackward, partition_of_each
 from pipeline.data_parallel.reducer import Reducer
-from pipeline.data_parallel.replicas import check_replicas_match
+from pipeline.data_parallel.replicas import broadcast_from_rank0, check_replicas_match
 from pipeline.runtime.process_group import resolve_group
 
 

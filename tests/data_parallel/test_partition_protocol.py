@@ -7,8 +7,7 @@ from collections.abc import Callable
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from pipeline.data_parallel.buckets import NO_PARTITION
-from pipeline.data_parallel.partitions import SignalsPartitionBackward, partition_of_each
+from pipeline.data_parallel.buckets import NO_PARTITION, SignalsPartitionBackward, partition_of_each
 from pipeline.data_parallel.replicas import first_difference, signature
 
 OPTIONS = {"bucket_cap_mb": 25, "find_unused_parameters": False}
