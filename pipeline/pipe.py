@@ -28,11 +28,11 @@ from pipeline.arguments import (
     normalize_device,
     resolve_devices,
 )
-from pipeline.clock.completion import Hook
-from pipeline.clock.driver import Pipeline
+from pipeline.clock.driver import ClockDriver
 from pipeline.runtime.batchnorm import DeferredBatchNorm, statistics_of_one_pass
 from pipeline.runtime.layers import named_layers, register_names
 from pipeline.runtime.microbatch import Batch, Value, check_input, gather, scatter, to_device
+from pipeline.runtime.partitions import Hook, PartitionRuntime, PositionalSequential
 from pipeline.runtime.worker import Worker, stop_workers
 from pipeline.skip.layout import inspect_skip_layout
 from pipeline.skip.verify import verify_skippables
@@ -128,14 +128,13 @@ class Pipe(nn.Module):
         self._workers = [Worker(f"pipe-partition-{j}") for j in range(len(self.balance))]
         self._finalizer = weakref.finalize(self, stop_workers, self._workers)
         self._deferred_batch_norms = [m for m in self.modules() if isinstance(m, DeferredBatchNorm)]
-        self._pipeline = Pipeline(
+        self._runtime = PartitionRuntime(
             self.partitions,
             self.devices,
-            self._workers,
-            self.skip_layout,
             positional=self.call_style == "positional",
             deferred_batch_norm=bool(self._deferred_batch_norms),
         )
+        self._driver = ClockDriver(self._runtime, self._workers, self.skip_layout)
         self._completion_hooks: OrderedDict[int, Hook] = OrderedDict()
         self._validated: dict[tuple[str, int, int], tuple[list[Program], Simulation]] = {}
         self.last_step: StepReport | None = None
@@ -167,7 +166,7 @@ class Pipe(nn.Module):
             return input
         check_input(input)
         # One call at a time: two threads calling one Pipe run one after the other.
-        with self._pipeline.lock:
+        with self._runtime.lock:
             return self._run(input)
 
     def _input(self, inputs: tuple[Value, ...]) -> Value:
@@ -187,7 +186,7 @@ class Pipe(nn.Module):
         rows = sum(b.rows() for b in batches)
         stop = checkpoint_stop(self.checkpoint, len(batches), self.training)
         with statistics_of_one_pass(self._deferred_batch_norms, self.training):
-            self._pipeline.run(batches, stop, hooks, rows)
+            self._driver.run(batches, stop, hooks, rows)
         return gather(batches)
 
     def step(
@@ -234,7 +233,7 @@ class Pipe(nn.Module):
         if not isinstance(input, tuple) or self.call_style != "positional":
             check_input(input)
         check_input(target)
-        with self._pipeline.lock:
+        with self._runtime.lock:
             return self._step(input, target, loss_fn, chosen, loss_reduction, return_outputs)
 
     def _check_step(self, loss_fn: Any, loss_reduction: Any) -> None:
@@ -288,7 +287,8 @@ class Pipe(nn.Module):
         programs, simulation = self._programs(schedule, m, n)
         scales = loss_scales(rows, loss_reduction)
         run = StepRun(
-            self._pipeline,
+            self._runtime,
+            self.skip_layout,
             batches,
             targets,
             loss_fn,
@@ -299,7 +299,7 @@ class Pipe(nn.Module):
         )
         begin_explicit_step(simulation.mean_idle_fraction)
         with statistics_of_one_pass(self._deferred_batch_norms, self.training):
-            run.run(programs)
+            run.run(programs, self._workers)
         self.last_step = StepReport(schedule, simulation, list(run.peak_in_flight.values()))
         loss = torch.stack([cast(torch.Tensor, loss) for loss in run.losses]).sum()
         if return_outputs:
@@ -410,29 +410,13 @@ class Pipe(nn.Module):
             )
 
 
-class PositionalSequential(nn.Sequential):
-    """An ``nn.Sequential`` that passes a tuple to the next layer as positional arguments.
-
-    The plain model that a Pipe with ``call_style='positional'`` equals
-    (``torch.distributed.pipeline.sync.Pipe``'s convention)::
-
-        model = PositionalSequential(Split(), Add())   # Split returns (a, b); Add(a, b)
-        model(x)
-    """
-
-    def forward(self, *inputs: Any) -> Any:
-        value: Any = inputs[0] if len(inputs) == 1 else inputs
-        for layer in self:
-            value = layer(*value) if type(value) is tuple else layer(value)
-        return value
-
-
 _RUNTIME_STATE = (
     "_validated",
     "last_step",
     "_workers",
     "_finalizer",
-    "_pipeline",
+    "_runtime",
+    "_driver",
     "_completion_hooks",
     "_deferred_batch_norms",
 )

@@ -28,24 +28,20 @@ from typing import Any
 
 import torch
 import torch.utils.checkpoint
-from torch import Tensor, nn
+from torch import Tensor
 
 from pipeline.runtime.buffers import PartitionBuffers
 from pipeline.runtime.microbatch import Batch, Value
+from pipeline.runtime.partitions import PartitionCall, protected
 from pipeline.runtime.phase import is_checkpointing, is_recomputing, phase
 
 __all__ = [
     "Checkpointing",
-    "Function",
     "check_inputs_unchanged",
     "input_versions",
     "is_checkpointing",
     "is_recomputing",
-    "protected",
-    "starts_in_place",
 ]
-
-Function = Callable[[Value], Value]
 
 
 class Checkpointing:
@@ -57,7 +53,7 @@ class Checkpointing:
 
     def __init__(
         self,
-        function: Function,
+        function: PartitionCall,
         recompute_context: Callable[[], AbstractContextManager[None]],
         buffers: PartitionBuffers,
         *,
@@ -128,16 +124,3 @@ def check_inputs_unchanged(versions: list[tuple[Tensor, int]], partition: int) -
             "attribute inplace=True (the Pipe then hands it a copy), make that layer "
             "out-of-place, or use checkpoint='never'"
         )
-
-
-def protected(batch: Batch) -> Batch:
-    """A copy of ``batch`` whose tensors a layer may write into without touching the originals."""
-    return Batch.of([x.clone() if isinstance(x, Tensor) else x for x in batch.leaves], batch.spec)
-
-
-def starts_in_place(partition: nn.Sequential) -> bool:
-    """Whether the first layer of ``partition`` declares that it writes into its input."""
-    first: nn.Module = partition
-    while isinstance(first, nn.Sequential) and len(first) > 0:
-        first = first[0]
-    return getattr(first, "inplace", False) is True

@@ -18,15 +18,14 @@ so the autograd engine runs it after the partition's own backward nodes
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["Arrival", "PartitionCompletion"]
+from pipeline.runtime.partitions import Hook
 
-Hook = Callable[[int], None]
+__all__ = ["Arrival", "PartitionCompletion"]
 
 
 class PartitionCompletion:

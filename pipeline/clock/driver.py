@@ -20,63 +20,41 @@ checkpoint stop.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
 import torch
-from torch import nn
 
-from pipeline.clock.checkpoint import Checkpointing, Function, protected, starts_in_place
-from pipeline.clock.completion import Arrival, Hook, PartitionCompletion
+from pipeline.clock.checkpoint import Checkpointing
+from pipeline.clock.completion import Arrival, PartitionCompletion
 from pipeline.clock.copy import Copy, Wait
 from pipeline.clock.cycles import clock_cycles
 from pipeline.clock.dependency import depend
 from pipeline.clock.skips import start_step
 from pipeline.runtime import rng
-from pipeline.runtime.batchnorm import deferring_batch_norm
-from pipeline.runtime.buffers import PartitionBuffers
-from pipeline.runtime.microbatch import Batch, Value
+from pipeline.runtime.microbatch import Batch
+from pipeline.runtime.partitions import Hook, PartitionCall, PartitionRuntime, protected
 from pipeline.runtime.stream import Stream, current_stream, new_stream, use_stream
 from pipeline.runtime.threadstate import ThreadState
 from pipeline.runtime.worker import Failure, Replies, Worker, add_note
 from pipeline.skip.layout import SkipLayout
 from pipeline.trace.recording import span, traced
 
-__all__ = ["Pipeline", "call_partition"]
+__all__ = ["ClockDriver"]
 
 
-class Pipeline:
-    """Runs a GPipe schedule over partitions, each with its own worker thread.
-
-    ``positional``: a tuple reaches a partition as positional arguments
-    (``partition(*value)``) instead of as one argument.
-    """
+class ClockDriver:
+    """Runs GPipe's clock cycles over the partitions of ``runtime``, one worker thread each."""
 
     def __init__(
-        self,
-        partitions: list[nn.Sequential],
-        devices: list[torch.device],
-        workers: list[Worker],
-        skip_layout: SkipLayout | None = None,
-        *,
-        positional: bool = False,
-        deferred_batch_norm: bool = False,
+        self, runtime: PartitionRuntime, workers: list[Worker], skip_layout: SkipLayout
     ) -> None:
-        self.partitions = partitions
-        self.devices = devices
+        self.runtime = runtime
         self.workers = workers
         self.skip_layout = skip_layout
-        self.positional = positional
-        self.deferred_batch_norm = deferred_batch_norm
-        self.buffers = [PartitionBuffers(p, j) for j, p in enumerate(partitions)]
-        self.protect_inputs = [starts_in_place(p) for p in partitions]
-        self.copy_streams: list[list[Stream]] = [[] for _ in partitions]
-        # Held by each forward and each recomputation: one thread at a time
-        # runs the partitions and touches their buffers.
-        self.lock = threading.RLock()
+        self.copy_streams: list[list[Stream]] = [[] for _ in range(len(runtime))]
 
     def run(
         self,
@@ -91,54 +69,55 @@ class Pipeline:
         partition ``j``'s gradients are final (see ``completion.py``);
         ``rows`` is the mini-batch size, for error notes.
         """
-        step = _Step(self, batches, checkpoint_stop, completion_hooks, rows)
-        for schedule in clock_cycles(len(batches), len(self.partitions)):
-            step.fence(schedule)
-            step.compute(schedule)
+        forward = _ForwardPass(self, batches, checkpoint_stop, completion_hooks, rows)
+        for cycle in clock_cycles(len(batches), len(self.runtime)):
+            forward.fence(cycle)
+            forward.compute(cycle)
 
     def copy_streams_for(self, m: int) -> list[list[Stream]]:
         """One copy stream per (partition, micro-batch), made once and reused."""
-        for device, streams in zip(self.devices, self.copy_streams, strict=True):
+        for device, streams in zip(self.runtime.devices, self.copy_streams, strict=True):
             while len(streams) < m:
                 streams.append(new_stream(device))
         return self.copy_streams
 
 
-class _Step:
-    """The state of one forward pass through the pipeline."""
+class _ForwardPass:
+    """The state of one forward pass through the partitions."""
 
     def __init__(
         self,
-        pipeline: Pipeline,
+        driver: ClockDriver,
         batches: list[Batch],
         checkpoint_stop: int,
         completion_hooks: list[Hook],
         rows: int,
     ) -> None:
-        self.pipeline = pipeline
+        self.driver = driver
+        self.runtime = driver.runtime
         self.batches = batches
         self.checkpoint_stop = checkpoint_stop
         self.rows = rows
         self.sizes = [b.rows() for b in batches]
         self.state = ThreadState.capture()
-        self.compute_streams = [current_stream(d) for d in pipeline.devices]
-        self.copy_streams = pipeline.copy_streams_for(len(batches))
+        self.compute_streams = [current_stream(d) for d in self.runtime.devices]
+        self.copy_streams = driver.copy_streams_for(len(batches))
         self.seeds = rng.StepSeeds()
         self.completions = self._completions(completion_hooks)
-        self.skips = start_step(pipeline.skip_layout, len(batches))
+        self.skips = start_step(driver.skip_layout, len(batches))
 
     def _completions(self, hooks: list[Hook]) -> list[PartitionCompletion | None]:
         """A completion counter per partition whose inputs all carry gradients."""
         if not (hooks and torch.is_grad_enabled()):
-            return [None] * len(self.pipeline.partitions)
+            return [None] * len(self.runtime)
         m = len(self.batches)
-        first_observable = all(_carrier(b) is not None for b in self.batches)
-        observable = [first_observable] + [True] * (len(self.pipeline.partitions) - 1)
+        first_observable = all(_gradient_index(b) is not None for b in self.batches)
+        observable = [first_observable] + [True] * (len(self.runtime) - 1)
         return [PartitionCompletion(j, m, hooks) if ok else None for j, ok in enumerate(observable)]
 
-    def fence(self, schedule: list[tuple[int, int]]) -> None:
-        batches, devices = self.batches, self.pipeline.devices
-        for i, j in schedule:
+    def fence(self, cycle: list[tuple[int, int]]) -> None:
+        batches, devices = self.batches, self.runtime.devices
+        for i, j in cycle:
             # Partition 0's inputs are left alone: a phony edge there would
             # make them require grad and cost an extra input gradient.
             if i > 0 and j > 0:
@@ -160,13 +139,13 @@ class _Step:
         values = Copy.apply(prev_copy, next_copy, *values)
         return list(Wait.apply(next_copy, next_compute, *values))
 
-    def compute(self, schedule: list[tuple[int, int]]) -> None:
-        workers = self.pipeline.workers
+    def compute(self, cycle: list[tuple[int, int]]) -> None:
+        workers = self.driver.workers
         replies = Replies()
-        for i, j in schedule:
+        for i, j in cycle:
             workers[j].submit(partial(self._task, i, j), replies)
         failure: Failure | None = None
-        for result in replies.collect(len(schedule)):
+        for result in replies.collect(len(cycle)):
             if isinstance(result, Failure):
                 failure = failure or result
             else:
@@ -184,8 +163,8 @@ class _Step:
             raise
 
     def _run(self, i: int, j: int) -> Batch:
-        pipeline = self.pipeline
-        function: Function = partial(call_partition, pipeline, j)
+        runtime = self.runtime
+        function: PartitionCall = partial(runtime.call, j)
         if self.skips is not None:
             function = self.skips.bind(i, function)
         function = traced(function, i, j)
@@ -193,7 +172,7 @@ class _Step:
         self._mark_arrival(i, j)
         batch = self.batches[i]
         with (
-            self.state.applied(pipeline.devices[j]),
+            self.state.applied(runtime.devices[j]),
             use_stream(self.compute_streams[j]),
             randomness.drawing(),
         ):
@@ -201,12 +180,12 @@ class _Step:
                 chk = Checkpointing(
                     function,
                     partial(self._recompute_context, j, randomness),
-                    pipeline.buffers[j],
-                    protect_inputs=pipeline.protect_inputs[j],
+                    runtime.buffers[j],
+                    protect_inputs=runtime.protect_inputs[j],
                 )
                 output = chk.checkpoint(batch)
             else:
-                if j == 0 and pipeline.protect_inputs[0]:
+                if j == 0 and runtime.protect_inputs[0]:
                     batch = protected(batch)  # never write into the caller's input
                 output = batch.call(function)
         _check_output(output, j)
@@ -216,8 +195,8 @@ class _Step:
     def _recompute_context(self, j: int, randomness: rng.TaskRandomness) -> Iterator[None]:
         """What task (i, j)'s recomputation runs under, on the thread running backward."""
         with (
-            self.pipeline.lock,
-            self.state.autocast_applied(self.pipeline.devices[j]),
+            self.runtime.lock,
+            self.state.autocast_applied(self.runtime.devices[j]),
             use_stream(self.compute_streams[j]),
             randomness.replaying(),
         ):
@@ -225,7 +204,7 @@ class _Step:
 
     def _where(self, i: int, j: int) -> str:
         return (
-            f"(raised in partition {j} on {self.pipeline.devices[j]}, micro-batch {i} of "
+            f"(raised in partition {j} on {self.runtime.devices[j]}, micro-batch {i} of "
             f"{len(self.batches)}: the Pipe split {self.rows} rows into micro-batches of "
             f"{self.sizes} rows)"
         )
@@ -235,30 +214,21 @@ class _Step:
         if completion is None:
             return
         batch = self.batches[i]
-        carrier = _carrier(batch)
-        if carrier is None:
+        index = _gradient_index(batch)
+        if index is None:
             # Some micro-batch carries no gradient here: the partition's
             # completion cannot be observed, so it is never signalled.
             self.completions[j] = None
             return
-        batch[carrier] = Arrival.apply(batch[carrier], completion)
+        batch[index] = Arrival.apply(batch[index], completion)
 
 
-def _carrier(batch: Batch) -> int | None:
+def _gradient_index(batch: Batch) -> int | None:
     """The index of a tensor of ``batch`` that will receive a gradient, if any."""
     index = batch.first_differentiable()
     if index is None or not batch[index].requires_grad:
         return None
     return index
-
-
-def call_partition(pipeline: Pipeline, j: int, value: Value) -> Value:
-    """Run partition ``j`` on ``value``, with the Pipe's call style and BatchNorm deferral."""
-    partition = pipeline.partitions[j]
-    with deferring_batch_norm(pipeline.deferred_batch_norm):
-        if pipeline.positional and type(value) is tuple:
-            return partition(*value)
-        return partition(value)
 
 
 def _check_output(output: Batch, j: int) -> None:

@@ -24,9 +24,10 @@ from functools import partial
 
 from torch import Tensor
 
-from pipeline.clock.checkpoint import Function, is_checkpointing, is_recomputing
+from pipeline.clock.checkpoint import is_checkpointing, is_recomputing
 from pipeline.clock.portal import Portal
 from pipeline.runtime.microbatch import Batch, Value
+from pipeline.runtime.partitions import PartitionCall
 from pipeline.skip.carrier import Carrier
 from pipeline.skip.layout import Route, SkipLayout
 from pipeline.skip.tracker import SkipKey, SkipTracker, use_tracker
@@ -79,7 +80,7 @@ class SkipStep:
         self.layout = layout
         self.portals: list[Portals] = [{} for _ in range(m)]
 
-    def bind(self, i: int, function: Function) -> Function:
+    def bind(self, i: int, function: PartitionCall) -> PartitionCall:
         """``function`` run with a fresh tracker for micro-batch ``i`` installed."""
         return partial(_tracked, PortalTracker(self.layout, self.portals[i]), function)
 
@@ -116,6 +117,6 @@ def _portal(portals: Portals, route: Route) -> Portal:
     return portal
 
 
-def _tracked(tracker: SkipTracker, function: Function, value: Value) -> Value:
+def _tracked(tracker: SkipTracker, function: PartitionCall, value: Value) -> Value:
     with use_tracker(tracker):
         return function(value)

@@ -38,14 +38,12 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from pipeline.arguments import CallStyle, CheckpointMode, LossReduction
-from pipeline.clock.completion import Hook
-from pipeline.clock.driver import Pipeline
 from pipeline.distributed.agreement import camps, fingerprint, gather_rows, ranks_text, refused_text
 from pipeline.distributed.p2p import P2PTransport
 from pipeline.distributed.stage_arguments import StageArguments, check_alone, disagreement
-from pipeline.pipe import PositionalSequential
 from pipeline.runtime.batchnorm import DeferredBatchNorm, statistics_of_one_pass
 from pipeline.runtime.microbatch import Batch, Value, check_input, gather, scatter, to_device
+from pipeline.runtime.partitions import Hook, PartitionRuntime, PositionalSequential
 from pipeline.runtime.process_group import collective_device, resolve_group
 from pipeline.skip.layout import SkipLayout, inspect_skip_layout
 from pipeline.step.actions import Program
@@ -136,7 +134,7 @@ class DistributedPipe(nn.Module):
         layers = OrderedDict((name, layer) for name, layer in module._modules.items() if layer)
         sequential = PositionalSequential if call_style == "positional" else nn.Sequential
         every = _partitions(layers, self.balance, sequential)
-        skip_layout = inspect_skip_layout(every, [self.device] * n)
+        self.skip_layout = inspect_skip_layout(every, [self.device] * n)
         tied = _tied_parameters(every, self.owner)
         self.partitions = [
             _materialized(p, self.device) if self.owner[s] == self.rank else nn.Sequential()
@@ -145,11 +143,9 @@ class DistributedPipe(nn.Module):
         for s in self.local_stages:
             for name, layer in self.partitions[s]._modules.items():
                 self.add_module(name, layer)
-        self._pipeline = Pipeline(
+        self._runtime = PartitionRuntime(
             self.partitions,
             [self.device] * n,
-            [],
-            skip_layout,
             positional=call_style == "positional",
             deferred_batch_norm=deferred_batch_norm,
         )
@@ -163,7 +159,7 @@ class DistributedPipe(nn.Module):
             if any(stage == s for stage, _ in o)
         }
         self._synchronize_ties()
-        peers = _peers(self.local_stages, self.owner, skip_layout)
+        peers = _peers(self.local_stages, self.owner, self.skip_layout)
         self._transport = P2PTransport(
             self.group, _wire_groups(pipelines), self.owner, peers, [self.device] * n, timeout
         )
@@ -257,7 +253,8 @@ class DistributedPipe(nn.Module):
         programs, simulation = self._programs(chosen, len(rows))
         scales = loss_scales(rows, loss_reduction)
         run = StepRun(
-            self._pipeline,
+            self._runtime,
+            self.skip_layout,
             batches,
             targets,
             loss_fn,

@@ -29,13 +29,12 @@ import torch
 from torch import Tensor
 
 from pipeline.arguments import CheckpointMode, LossReduction
-from pipeline.clock.completion import Hook
-from pipeline.clock.driver import Pipeline
 from pipeline.runtime import rng
 from pipeline.runtime.microbatch import Batch
+from pipeline.runtime.partitions import Hook, PartitionRuntime
 from pipeline.runtime.stream import current_stream
 from pipeline.runtime.threadstate import ThreadState
-from pipeline.runtime.worker import Failure, Replies, add_note
+from pipeline.runtime.worker import Failure, Replies, Worker, add_note
 from pipeline.skip.layout import SkipLayout
 from pipeline.step.actions import Program
 from pipeline.step.mail import AbortedError, LocalTransport, Transport
@@ -53,7 +52,8 @@ class StepRun:
 
     def __init__(
         self,
-        pipeline: Pipeline,
+        runtime: PartitionRuntime,
+        skip_layout: SkipLayout,
         batches: list[Batch],
         targets: list[Batch],
         loss_fn: LossFn,
@@ -69,10 +69,10 @@ class StepRun:
 
         ``scales[i]`` weighs micro-batch ``i``'s loss; ``transport`` and
         ``stages`` (the stages this process runs) default to every stage of
-        ``pipeline`` in this process.
+        ``runtime`` in this process.
         """
-        self.pipeline = pipeline
-        self.stages = len(pipeline.partitions)
+        self.runtime = runtime
+        self.stages = len(runtime)
         self.m = len(scales)
         self.batches = batches
         self.targets = targets
@@ -82,17 +82,17 @@ class StepRun:
         self.hooks = hooks
         self.keep_outputs = keep_outputs
         self.state = ThreadState.capture()
-        self.compute_streams = [current_stream(d) for d in pipeline.devices]
+        self.compute_streams = [current_stream(d) for d in runtime.devices]
         self.seeds = rng.StepSeeds()
-        self.skip_layout = pipeline.skip_layout or SkipLayout([], pipeline.devices)
-        self.transport = transport if transport is not None else LocalTransport(pipeline.devices)
+        self.skip_layout = skip_layout
+        self.transport = transport if transport is not None else LocalTransport(runtime.devices)
         local = range(self.stages) if stages is None else stages
         self.stage_runs = {j: StageRun(self, j) for j in local}
         self.losses: list[Tensor | None] = [None] * self.m
         self.outputs: list[Batch | None] = [None] * self.m
         self._hooks_lock = threading.Lock()
 
-    def run(self, programs: list[Program]) -> None:
+    def run(self, programs: list[Program], workers: list[Worker]) -> None:
         """Run each program on its worker thread; re-raise the first failure.
 
         An interrupt aborts the transport and is re-raised once every worker
@@ -100,7 +100,7 @@ class StepRun:
         """
         replies = Replies()
         for w, program in enumerate(programs):
-            self.pipeline.workers[w].submit(partial(self._work, program), replies)
+            workers[w].submit(partial(self._work, program), replies)
         results = replies.collect(len(programs), interrupted=self.transport.abort)
         failures = [result.exception for result in results if isinstance(result, Failure)]
         if failures:

@@ -32,10 +32,10 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import Tensor
 
-from pipeline.clock.checkpoint import check_inputs_unchanged, input_versions, protected
-from pipeline.clock.driver import call_partition
+from pipeline.clock.checkpoint import check_inputs_unchanged, input_versions
 from pipeline.runtime.buffers import BufferSnapshot
 from pipeline.runtime.microbatch import Batch
+from pipeline.runtime.partitions import protected
 from pipeline.runtime.phase import phase
 from pipeline.runtime.rng import TaskRandomness
 from pipeline.runtime.stream import use_stream
@@ -79,7 +79,7 @@ class StageRun:
         self.run = run
         self.j = j
         self.last = j == run.stages - 1
-        self.device = run.pipeline.devices[j]
+        self.device = run.runtime.devices[j]
         self.stash: dict[int, _Stashed] = {}
         self.peak_in_flight = 0
         self.done = 0
@@ -137,7 +137,7 @@ class StageRun:
         return Batch.of(leaves, message.spec), message.leaves
 
     def _checkpointed_forward(self, stashed: _Stashed) -> Batch:
-        buffers = self.run.pipeline.buffers[self.j]
+        buffers = self.run.runtime.buffers[self.j]
         versions = input_versions(stashed.inputs)
         stashed.snapshot = buffers.before_forward()
         with torch.no_grad(), phase("checkpointing"):
@@ -148,13 +148,14 @@ class StageRun:
 
     def _call(self, i: int, stashed: _Stashed, recomputing: bool) -> Batch:
         """Run the partition on the stashed inputs, with this task's skips installed."""
-        pipeline = self.run.pipeline
+        runtime = self.run.runtime
         # Views, so that a layer may write into its input as it may into any
-        # non-leaf tensor; in-place first layers get copies (checkpoint.py).
+        # non-leaf tensor; in-place first layers get copies (``protected``,
+        # ``pipeline/runtime/partitions.py``).
         inputs = Batch.of([_view(x) for x in stashed.inputs.leaves], stashed.inputs.spec)
-        if pipeline.protect_inputs[self.j] and (stashed.checkpointed or self.j == 0):
+        if runtime.protect_inputs[self.j] and (stashed.checkpointed or self.j == 0):
             inputs = protected(inputs)
-        function = partial(call_partition, pipeline, self.j)
+        function = partial(runtime.call, self.j)
         if not self.run.skip_layout:
             output = inputs.call(function)
         else:
@@ -202,7 +203,7 @@ class StageRun:
         skips = list(stashed.skips_in.items())
         targets = inputs + [leaf for _, leaf in skips]
         if split:
-            params = self.run.pipeline.partitions[self.j].parameters()
+            params = self.run.runtime.partitions[self.j].parameters()
             found, stashed.weight_work = backward_input(roots, grads, targets, params)
         else:
             if roots:
@@ -215,7 +216,7 @@ class StageRun:
         stashed.outputs, stashed.loss, stashed.skips_out = [], None, {}
 
     def _recompute(self, i: int, stashed: _Stashed) -> None:
-        buffers = self.run.pipeline.buffers[self.j]
+        buffers = self.run.runtime.buffers[self.j]
         assert stashed.snapshot is not None
         with (
             self.run.state.autocast_applied(self.device),

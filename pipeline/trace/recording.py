@@ -31,7 +31,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager
 from functools import partial
 from typing import Any
@@ -40,6 +40,7 @@ import torch
 from torch.autograd import profiler as _profiler
 
 from pipeline.runtime.microbatch import Value
+from pipeline.runtime.partitions import PartitionCall
 from pipeline.runtime.phase import is_recomputing
 from pipeline.trace.backward import BackwardSpan, run_hooked
 from pipeline.trace.chrome import chrome_trace
@@ -49,7 +50,6 @@ from pipeline.trace.summary import Summary, summarize
 
 __all__ = ["Trace", "begin_explicit_step", "span", "trace", "traced"]
 
-PartitionCall = Callable[[Value], Value]
 
 # The trace recording now. A process-wide global, not a thread-local: the
 # tasks it records run on worker and autograd threads.

@@ -17,11 +17,11 @@ import pipeline
 from pipeline.arguments import CheckpointMode
 from pipeline.clock.cycles import clock_cycles
 from pipeline.runtime.microbatch import Value
+from pipeline.runtime.partitions import PartitionCall
 from pipeline.trace import chrome, event, gantt, summary
 from pipeline.trace import recording as trace_module
 from pipeline.trace.backward import BackwardSpan, run_hooked
 from pipeline.trace.event import Event, Kind
-from pipeline.trace.recording import PartitionCall
 
 M, N = 4, 3
 # Neighbouring partitions on differently named CPU devices, so the fence copies.

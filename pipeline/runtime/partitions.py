@@ -1,0 +1,107 @@
+"""The partitions as both engines run them: devices, buffers, call style, BN deferral, a lock.
+
+``pipe(x)`` (``pipeline/clock/``) and ``step`` (``pipeline/step/``) run
+partition ``j`` on a value through ``PartitionRuntime.call(j, value)``: with
+the pipe's call style (a tuple as positional arguments, or as one value) and
+its DeferredBatchNorm layers deferring their statistics. The runtime also
+keeps what running the partitions needs from one pass to the next: each
+partition's buffers as recomputation replays them (``buffers.py``), whether
+its first layer writes into its input, and the lock under which one thread
+at a time runs the partitions.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from pipeline.runtime.batchnorm import deferring_batch_norm
+from pipeline.runtime.buffers import PartitionBuffers
+from pipeline.runtime.microbatch import Batch, Value
+
+__all__ = [
+    "Hook",
+    "PartitionCall",
+    "PartitionRuntime",
+    "PositionalSequential",
+    "protected",
+    "starts_in_place",
+]
+
+# Called with j once partition j's gradients are final (register_partition_backward_hook).
+Hook = Callable[[int], None]
+# A partition's call on the value of one micro-batch.
+PartitionCall = Callable[[Value], Value]
+
+
+class PartitionRuntime:
+    """The partitions of one pipe and what running them needs.
+
+    ``partitions[j]`` runs on ``devices[j]``. ``positional``: a tuple reaches a
+    partition as positional arguments (``partition(*value)``).
+    ``deferred_batch_norm``: DeferredBatchNorm layers defer their statistics
+    to the end of the pass.
+    """
+
+    def __init__(
+        self,
+        partitions: list[nn.Sequential],
+        devices: list[torch.device],
+        *,
+        positional: bool,
+        deferred_batch_norm: bool,
+    ) -> None:
+        self.partitions = partitions
+        self.devices = devices
+        self.positional = positional
+        self.deferred_batch_norm = deferred_batch_norm
+        self.buffers = [PartitionBuffers(p, j) for j, p in enumerate(partitions)]
+        self.protect_inputs = [starts_in_place(p) for p in partitions]
+        # Held by each forward pass, each recomputation and each Pipe.step:
+        # one thread at a time runs the partitions and touches their buffers.
+        self.lock = threading.RLock()
+
+    def __len__(self) -> int:
+        return len(self.partitions)
+
+    def call(self, j: int, value: Value) -> Value:
+        """Run partition ``j`` on ``value``, with the pipe's call style and BatchNorm deferral."""
+        partition = self.partitions[j]
+        with deferring_batch_norm(self.deferred_batch_norm):
+            if self.positional and type(value) is tuple:
+                return partition(*value)
+            return partition(value)
+
+
+class PositionalSequential(nn.Sequential):
+    """An ``nn.Sequential`` that passes a tuple to the next layer as positional arguments.
+
+    The plain model that a Pipe with ``call_style='positional'`` equals
+    (``torch.distributed.pipeline.sync.Pipe``'s convention)::
+
+        model = PositionalSequential(Split(), Add())   # Split returns (a, b); Add(a, b)
+        model(x)
+    """
+
+    def forward(self, *inputs: Any) -> Any:
+        value: Any = inputs[0] if len(inputs) == 1 else inputs
+        for layer in self:
+            value = layer(*value) if type(value) is tuple else layer(value)
+        return value
+
+
+def protected(batch: Batch) -> Batch:
+    """A copy of ``batch`` whose tensors a layer may write into without touching the originals."""
+    return Batch.of([x.clone() if isinstance(x, Tensor) else x for x in batch.leaves], batch.spec)
+
+
+def starts_in_place(partition: nn.Sequential) -> bool:
+    """Whether the first layer of ``partition`` declares that it writes into its input."""
+    first: nn.Module = partition
+    while isinstance(first, nn.Sequential) and len(first) > 0:
+        first = first[0]
+    return getattr(first, "inplace", False) is True
