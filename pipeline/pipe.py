@@ -7,7 +7,7 @@ import operator
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, cast, overload
+from typing import Any, overload
 
 import torch
 from torch import nn
@@ -37,13 +37,8 @@ from pipeline.runtime.worker import Worker, stop_workers
 from pipeline.skip.layout import inspect_skip_layout
 from pipeline.skip.verify import verify_skippables
 from pipeline.step.actions import Program
-from pipeline.step.runner import (
-    StepReport,
-    StepRun,
-    checkpoint_stop,
-    checkpointed_tasks,
-    loss_scales,
-)
+from pipeline.step.reports import StepReport
+from pipeline.step.runner import StepRun, checkpoint_stop, checkpointed_tasks, loss_scales
 from pipeline.step.schedules import Schedule, resolve_schedule
 from pipeline.step.simulate import Simulation, validate
 from pipeline.trace.recording import begin_explicit_step
@@ -301,9 +296,9 @@ class Pipe(nn.Module):
         with statistics_of_one_pass(self._deferred_batch_norms, self.training):
             run.run(programs, self._workers)
         self.last_step = StepReport(schedule, simulation, list(run.peak_in_flight.values()))
-        loss = torch.stack([cast(torch.Tensor, loss) for loss in run.losses]).sum()
+        loss = run.loss()
         if return_outputs:
-            return loss, gather([cast(Batch, out) for out in run.outputs])
+            return loss, gather(run.outputs)
         return loss
 
     def _programs(self, schedule: Schedule, m: int, n: int) -> tuple[list[Program], Simulation]:

@@ -6,13 +6,14 @@ The torchrun helpers (``pipeline/runtime/process_group.py``) and ``DataParallel`
 
 from pipeline.data_parallel import DataParallel
 from pipeline.distributed.p2p import PeerError
-from pipeline.distributed.pipe import DistributedPipe, DistributedStepReport
+from pipeline.distributed.pipe import DistributedPipe
 from pipeline.distributed.shards import load_shards, save_shard
 from pipeline.runtime.process_group import (
     TorchrunEnv,
     init_process_group_from_env,
     read_torchrun_env,
 )
+from pipeline.step.reports import DistributedStepReport
 
 __all__ = [
     "DataParallel",

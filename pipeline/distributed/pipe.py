@@ -28,7 +28,6 @@ import itertools
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, cast
 
@@ -47,31 +46,18 @@ from pipeline.runtime.partitions import Hook, PartitionRuntime, PositionalSequen
 from pipeline.runtime.process_group import collective_device, resolve_group
 from pipeline.skip.layout import SkipLayout, inspect_skip_layout
 from pipeline.step.actions import Program
+from pipeline.step.reports import DistributedStepReport
 from pipeline.step.runner import StepRun, checkpointed_tasks, loss_scales
 from pipeline.step.schedules import Schedule, resolve_schedule
 from pipeline.step.simulate import Simulation, validate
 
-__all__ = ["DistributedPipe", "DistributedStepReport"]
+__all__ = ["DistributedPipe"]
 
 # Long enough for a slow step; a stalled or dead peer fails the others after it.
 DEFAULT_TIMEOUT_S = 300.0
 # For the message group's blocking receives, which wait between steps too.
 _NEVER = timedelta(days=365)
 _LOSS_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
-
-
-@dataclass(frozen=True)
-class DistributedStepReport:
-    """What this process ran in the last step.
-
-    ``received`` counts the messages that came from each peer, by kind
-    (``"act"``, ``"grad"``, ``"skip"``, ``"skip-grad"``): ``{(rank, kind): count}``.
-    """
-
-    schedule: Schedule
-    simulation: Simulation
-    peak_in_flight: dict[int, int]
-    received: dict[tuple[int, str], int]
 
 
 class DistributedPipe(nn.Module):
@@ -276,10 +262,10 @@ class DistributedPipe(nn.Module):
         self.last_step = DistributedStepReport(
             chosen, simulation, run.peak_in_flight, self._transport.received()
         )
-        loss = self._loss_everywhere(run.losses if last else None)
+        loss = self._loss_everywhere(run.loss() if last else None)
         if not return_outputs:
             return loss
-        return loss, gather([cast(Batch, out) for out in run.outputs]) if last else None
+        return loss, gather(run.outputs) if last else None
 
     def _check_step(self, loss_fn: Any, schedule: str | Schedule, loss_reduction: Any) -> Schedule:
         """The step's schedule, once this process's own arguments pass (as far as it can tell)."""
@@ -430,11 +416,10 @@ class DistributedPipe(nn.Module):
                 for param in params:
                     dist.broadcast(param, group=group, group_src=0)
 
-    def _loss_everywhere(self, losses: list[Tensor | None] | None) -> Tensor:
+    def _loss_everywhere(self, total: Tensor | None) -> Tensor:
         """The step's loss, sent by the last stage's process to the others, in its dtype."""
         message = torch.zeros(2, dtype=torch.float64)
-        if losses is not None:
-            total = torch.stack([cast(Tensor, x) for x in losses]).sum()
+        if total is not None:
             message[0], message[1] = total.double(), _LOSS_DTYPES.index(total.dtype)
         message = message.to(collective_device(self.group))
         dist.broadcast(message, group=self.group, group_src=self.owner[-1])

@@ -19,11 +19,8 @@ its end first, so none writes into ``.grad`` after the step has raised.
 from __future__ import annotations
 
 import itertools
-import threading
 from collections.abc import Iterable
-from dataclasses import dataclass
 from functools import partial
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -38,13 +35,9 @@ from pipeline.runtime.worker import Failure, Replies, Worker, add_note
 from pipeline.skip.layout import SkipLayout
 from pipeline.step.actions import Program
 from pipeline.step.mail import AbortedError, LocalTransport, Transport
-from pipeline.step.schedules import Schedule
-from pipeline.step.simulate import Simulation
-from pipeline.step.stage import StageRun
+from pipeline.step.stage import LossFn, StageRun, StepContext
 
-__all__ = ["StepReport", "StepRun", "checkpoint_stop", "checkpointed_tasks", "loss_scales"]
-
-LossFn = Any
+__all__ = ["StepRun", "checkpoint_stop", "checkpointed_tasks", "loss_scales"]
 
 
 class StepRun:
@@ -65,32 +58,29 @@ class StepRun:
         transport: Transport | None = None,
         stages: Iterable[int] | None = None,
     ) -> None:
-        """``batches`` feed stage 0 and ``targets`` the last stage, where those run.
+        """The step's ``StepContext``, and a ``StageRun`` per stage run here.
 
-        ``scales[i]`` weighs micro-batch ``i``'s loss; ``transport`` and
-        ``stages`` (the stages this process runs) default to every stage of
-        ``runtime`` in this process.
+        ``transport`` and ``stages`` (the stages this process runs) default
+        to every stage of ``runtime`` in this process.
         """
-        self.runtime = runtime
-        self.stages = len(runtime)
-        self.m = len(scales)
-        self.batches = batches
-        self.targets = targets
-        self.loss_fn = loss_fn
-        self.scales = scales
-        self.checkpointed = checkpointed
-        self.hooks = hooks
-        self.keep_outputs = keep_outputs
-        self.state = ThreadState.capture()
-        self.compute_streams = [current_stream(d) for d in runtime.devices]
-        self.seeds = rng.StepSeeds()
-        self.skip_layout = skip_layout
-        self.transport = transport if transport is not None else LocalTransport(runtime.devices)
-        local = range(self.stages) if stages is None else stages
-        self.stage_runs = {j: StageRun(self, j) for j in local}
-        self.losses: list[Tensor | None] = [None] * self.m
-        self.outputs: list[Batch | None] = [None] * self.m
-        self._hooks_lock = threading.Lock()
+        self.context = StepContext(
+            runtime=runtime,
+            skip_layout=skip_layout,
+            transport=transport if transport is not None else LocalTransport(runtime.devices),
+            state=ThreadState.capture(),
+            compute_streams=[current_stream(d) for d in runtime.devices],
+            seeds=rng.StepSeeds(),
+            batches=batches,
+            targets=targets,
+            loss_fn=loss_fn,
+            scales=scales,
+            checkpointed=checkpointed,
+            hooks=hooks,
+            keep_outputs=keep_outputs,
+        )
+        self.transport = self.context.transport
+        local = range(len(runtime)) if stages is None else stages
+        self.stage_runs = {j: StageRun(self.context, j) for j in local}
 
     def run(self, programs: list[Program], workers: list[Worker]) -> None:
         """Run each program on its worker thread; re-raise the first failure.
@@ -125,38 +115,21 @@ class StepRun:
                 self.transport.abort(exception)
                 raise
 
-    def record_loss(self, i: int, loss: Tensor, output: Batch) -> None:
-        """Micro-batch ``i``'s scaled loss, and its output if the caller wants outputs."""
-        self.losses[i] = loss
-        if self.keep_outputs:
-            self.outputs[i] = Batch.of(
-                [x.detach() if isinstance(x, Tensor) else x for x in output.leaves], output.spec
-            )
+    def loss(self) -> Tensor:
+        """The step's loss: the sum of the micro-batches' scaled losses (last stage only)."""
+        last = self.stage_runs[self.context.stages - 1]
+        return torch.stack([last.losses[i] for i in range(self.context.m)]).sum()
 
-    def stage_finished(self, j: int) -> None:
-        """Stage ``j``'s gradients are final: tell the partition backward hooks."""
-        with self._hooks_lock:
-            for hook in self.hooks:
-                hook(j)
+    @property
+    def outputs(self) -> list[Batch]:
+        """The micro-batches' outputs, detached, in order (last stage, keep_outputs only)."""
+        last = self.stage_runs[self.context.stages - 1]
+        return [last.outputs[i] for i in range(self.context.m)]
 
     @property
     def peak_in_flight(self) -> dict[int, int]:
         """Per stage run here, the most micro-batches it held at once."""
         return {j: stage.peak_in_flight for j, stage in self.stage_runs.items()}
-
-
-@dataclass(frozen=True)
-class StepReport:
-    """What the last ``Pipe.step`` ran: its schedule, the simulation, what it held.
-
-    ``peak_in_flight[j]`` is the most micro-batches partition ``j`` held at
-    once (forwarded, not yet fully back-propagated), as measured; it equals
-    ``simulation.peak_in_flight`` for every valid program.
-    """
-
-    schedule: Schedule
-    simulation: Simulation
-    peak_in_flight: list[int]
 
 
 def loss_scales(rows: list[int], reduction: LossReduction) -> list[float]:

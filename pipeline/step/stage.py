@@ -23,34 +23,72 @@ outputs and its outgoing skips together. Stages in between never see it.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator
+import threading
+from collections.abc import Callable, Hashable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import torch
 from torch import Tensor
 
 from pipeline.clock.checkpoint import check_inputs_unchanged, input_versions
 from pipeline.runtime.buffers import BufferSnapshot
-from pipeline.runtime.microbatch import Batch
-from pipeline.runtime.partitions import protected
+from pipeline.runtime.microbatch import Batch, Value
+from pipeline.runtime.partitions import Hook, PartitionRuntime, protected
 from pipeline.runtime.phase import phase
-from pipeline.runtime.rng import TaskRandomness
-from pipeline.runtime.stream import use_stream
+from pipeline.runtime.rng import StepSeeds, TaskRandomness
+from pipeline.runtime.stream import Stream, use_stream
+from pipeline.runtime.threadstate import ThreadState
 from pipeline.skip.carrier import Carrier
+from pipeline.skip.layout import SkipLayout
 from pipeline.skip.tracker import SkipKey, SkipTracker, use_tracker
 from pipeline.step.actions import Action
-from pipeline.step.mail import Message
+from pipeline.step.mail import Message, Transport
 from pipeline.step.split_backward import WeightWork, backward_input
 from pipeline.trace.event import Kind as EventKind
 from pipeline.trace.recording import span
 
-if TYPE_CHECKING:
-    from pipeline.step.runner import StepRun
+__all__ = ["LossFn", "StageRun", "StepContext"]
 
-__all__ = ["StageRun"]
+
+LossFn = Callable[[Value, Value], Tensor]
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """What the stages of one step share, built by the runner: all that a stage reads.
+
+    ``batches`` feed stage 0 and ``targets`` the last stage (empty where those
+    run in another process); ``scales[i]`` weighs micro-batch ``i``'s loss;
+    ``checkpointed`` holds the (micro-batch, stage) tasks whose forward drops
+    its activations; ``hooks`` are called with ``j`` on stage ``j``'s worker
+    once its gradients are final, one call at a time (``hooks_lock``).
+    """
+
+    runtime: PartitionRuntime
+    skip_layout: SkipLayout
+    transport: Transport
+    seeds: StepSeeds
+    state: ThreadState
+    compute_streams: list[Stream]
+    batches: list[Batch]
+    targets: list[Batch]
+    loss_fn: LossFn
+    scales: list[float]
+    checkpointed: set[tuple[int, int]]
+    hooks: list[Hook]
+    keep_outputs: bool
+    hooks_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def stages(self) -> int:
+        return len(self.runtime)
+
+    @property
+    def m(self) -> int:
+        return len(self.scales)
 
 
 @dataclass
@@ -75,12 +113,16 @@ class _Stashed:
 class StageRun:
     """Stage ``j``'s actions in one step."""
 
-    def __init__(self, run: StepRun, j: int) -> None:
-        self.run = run
+    def __init__(self, context: StepContext, j: int) -> None:
+        self.context = context
         self.j = j
-        self.last = j == run.stages - 1
-        self.device = run.runtime.devices[j]
+        self.last = j == context.stages - 1
+        self.device = context.runtime.devices[j]
         self.stash: dict[int, _Stashed] = {}
+        # The last stage's scaled losses, detached.
+        self.losses: dict[int, Tensor] = {}
+        # Its outputs, detached, with keep_outputs.
+        self.outputs: dict[int, Batch] = {}
         self.peak_in_flight = 0
         self.done = 0
 
@@ -107,8 +149,8 @@ class StageRun:
 
     def forward(self, i: int) -> None:
         inputs, sources = self._inputs(i)
-        randomness = TaskRandomness(self.run.seeds, i, self.j)
-        stashed = _Stashed(i, inputs, randomness, (i, self.j) in self.run.checkpointed, sources)
+        randomness = TaskRandomness(self.context.seeds, i, self.j)
+        stashed = _Stashed(i, inputs, randomness, (i, self.j) in self.context.checkpointed, sources)
         self.stash[i] = stashed
         self.peak_in_flight = max(self.peak_in_flight, len(self.stash))
         with randomness.drawing():
@@ -119,14 +161,14 @@ class StageRun:
                 stashed.outputs = output.leaves
             if self.last:
                 stashed.loss = self._loss(i, output)
-                self.run.record_loss(i, stashed.loss.detach(), output)
+                self._keep_result(i, stashed.loss.detach(), output)
         if not self.last:
             self._send_output(i, stashed, output)
 
     def _inputs(self, i: int) -> tuple[Batch, list[Any]]:
         """Micro-batch ``i`` as leaves of this stage's graph; and what they came from."""
         if self.j == 0:
-            batch = self.run.batches[i]
+            batch = self.context.batches[i]
             leaves = [_leaf(x) if _needs_grad(x) else x for x in batch.leaves]
             return Batch.of(leaves, batch.spec), list(batch.leaves)
         message = self._receive(("act", self.j, i), self.j - 1)
@@ -137,7 +179,7 @@ class StageRun:
         return Batch.of(leaves, message.spec), message.leaves
 
     def _checkpointed_forward(self, stashed: _Stashed) -> Batch:
-        buffers = self.run.runtime.buffers[self.j]
+        buffers = self.context.runtime.buffers[self.j]
         versions = input_versions(stashed.inputs)
         stashed.snapshot = buffers.before_forward()
         with torch.no_grad(), phase("checkpointing"):
@@ -148,7 +190,7 @@ class StageRun:
 
     def _call(self, i: int, stashed: _Stashed, recomputing: bool) -> Batch:
         """Run the partition on the stashed inputs, with this task's skips installed."""
-        runtime = self.run.runtime
+        runtime = self.context.runtime
         # Views, so that a layer may write into its input as it may into any
         # non-leaf tensor; in-place first layers get copies (``protected``,
         # ``pipeline/runtime/partitions.py``).
@@ -156,7 +198,7 @@ class StageRun:
         if runtime.protect_inputs[self.j] and (stashed.checkpointed or self.j == 0):
             inputs = protected(inputs)
         function = partial(runtime.call, self.j)
-        if not self.run.skip_layout:
+        if not self.context.skip_layout:
             output = inputs.call(function)
         else:
             with use_tracker(_StageTracker(self, stashed, recomputing)):
@@ -171,15 +213,15 @@ class StageRun:
 
     def _loss(self, i: int, output: Batch) -> Tensor:
         """Micro-batch ``i``'s loss, scaled by its share of the mini-batch's loss."""
-        run = self.run
-        loss = run.loss_fn(output.value, run.targets[i].value)
+        context = self.context
+        loss = context.loss_fn(output.value, context.targets[i].value)
         if not isinstance(loss, Tensor) or loss.dim() != 0:
             shape = f" of shape {tuple(loss.shape)}" if isinstance(loss, Tensor) else ""
             raise TypeError(
                 f"loss_fn returned {type(loss).__name__}{shape}; it must return a scalar "
                 "tensor, the loss of one micro-batch (reduced with 'mean' or 'sum')"
             )
-        return loss * run.scales[i]
+        return loss * context.scales[i]
 
     def _send_output(self, i: int, stashed: _Stashed, output: Batch) -> None:
         # A checkpointed forward records no graph, so it cannot tell which
@@ -203,23 +245,23 @@ class StageRun:
         skips = list(stashed.skips_in.items())
         targets = inputs + [leaf for _, leaf in skips]
         if split:
-            params = self.run.runtime.partitions[self.j].parameters()
+            params = self.context.runtime.partitions[self.j].parameters()
             found, stashed.weight_work = backward_input(roots, grads, targets, params)
         else:
             if roots:
                 torch.autograd.backward(roots, grads)
             found = [x.grad for x in targets]
         for (key, _), grad in zip(skips, found[len(inputs) :], strict=True):
-            source = self.run.skip_layout.route(key).source
+            source = self.context.skip_layout.route(key).source
             self._send(self._skip_mail("skip-grad", key, i), Message([grad]), source, i)
         self._send_input_grads(i, stashed, found[: len(inputs)])
         stashed.outputs, stashed.loss, stashed.skips_out = [], None, {}
 
     def _recompute(self, i: int, stashed: _Stashed) -> None:
-        buffers = self.run.runtime.buffers[self.j]
+        buffers = self.context.runtime.buffers[self.j]
         assert stashed.snapshot is not None
         with (
-            self.run.state.autocast_applied(self.device),
+            self.context.state.autocast_applied(self.device),
             stashed.randomness.replaying(),
             buffers.replayed(stashed.snapshot),
             phase("recomputing"),
@@ -237,7 +279,7 @@ class StageRun:
         grads = self._receive(("grad", self.j, i), self.j + 1).leaves
         pairs = list(zip(stashed.outputs, grads, strict=True))
         for key, tensor in stashed.skips_out.items():
-            popping = self.run.skip_layout.route(key).target
+            popping = self.context.skip_layout.route(key).target
             received = self._receive(self._skip_mail("skip-grad", key, i), popping)
             pairs.append((tensor, received.leaves[0]))
         kept = [(o, g) for o, g in pairs if _needs_grad(o) and g is not None]
@@ -259,26 +301,43 @@ class StageRun:
         """Micro-batch ``i`` is fully back-propagated through this stage."""
         del self.stash[i]
         self.done += 1
-        if self.done == self.run.m:
-            self.run.stage_finished(self.j)
+        if self.done == self.context.m:
+            self._finished()
+
+    def _keep_result(self, i: int, loss: Tensor, output: Batch) -> None:
+        """Micro-batch ``i``'s scaled loss, and its output if the caller wants outputs."""
+        self.losses[i] = loss
+        if self.context.keep_outputs:
+            self.outputs[i] = Batch.of(
+                [x.detach() if isinstance(x, Tensor) else x for x in output.leaves], output.spec
+            )
+
+    def _finished(self) -> None:
+        """This stage's gradients are final: call the partition backward hooks, one at a time."""
+        with self.context.hooks_lock:
+            for hook in self.context.hooks:
+                hook(self.j)
 
     # Mail
 
     def _send(self, key: Hashable, message: Message, stage: int, i: int) -> None:
-        self.run.transport.send(key, message, self.j, stage, i)
+        self.context.transport.send(key, message, self.j, stage, i)
 
     def _receive(self, key: Hashable, stage: int) -> Message:
-        return self.run.transport.receive(key, stage, self.j)
+        return self.context.transport.receive(key, stage, self.j)
 
     def _skip_mail(self, kind: str, key: SkipKey, i: int) -> tuple[str, int, int]:
         """The mail key of a skip (or its gradient), meaningful in every process."""
-        return kind, self.run.skip_layout.number(key), i
+        return kind, self.context.skip_layout.number(key), i
 
     # Contexts
 
     @contextmanager
     def _forward_context(self) -> Iterator[None]:
-        with self.run.state.applied(self.device), use_stream(self.run.compute_streams[self.j]):
+        with (
+            self.context.state.applied(self.device),
+            use_stream(self.context.compute_streams[self.j]),
+        ):
             yield
 
     @contextmanager
@@ -289,7 +348,7 @@ class StageRun:
         with ExitStack() as stack:
             stack.enter_context(torch.enable_grad())
             stack.enter_context(torch.autograd.set_multithreading_enabled(False))
-            stack.enter_context(use_stream(self.run.compute_streams[self.j]))
+            stack.enter_context(use_stream(self.context.compute_streams[self.j]))
             if self.device.type == "cuda":
                 stack.enter_context(torch.cuda.device(self.device))
             yield
@@ -305,7 +364,7 @@ class _StageTracker(SkipTracker):
         self.recomputing = recomputing
 
     def save(self, output: Carrier, key: SkipKey, tensor: Tensor) -> None:
-        route = self.stage.run.skip_layout.route(key)
+        route = self.stage.context.skip_layout.route(key)
         if not route.crosses_partitions:
             super().save(output, key, tensor)
             return
@@ -318,7 +377,7 @@ class _StageTracker(SkipTracker):
             self.stage._send(self.stage._skip_mail("skip", key, i), message, route.target, i)
 
     def load(self, input: Carrier, key: SkipKey) -> Tensor:
-        route = self.stage.run.skip_layout.route(key)
+        route = self.stage.context.skip_layout.route(key)
         if not route.crosses_partitions:
             return super().load(input, key)
         if self.recomputing:
