@@ -33,12 +33,13 @@ from pipeline.runtime.batchnorm import DeferredBatchNorm, statistics_of_one_pass
 from pipeline.runtime.layers import named_layers, register_names
 from pipeline.runtime.microbatch import Batch, Value, check_input, gather, scatter, to_device
 from pipeline.runtime.partitions import Hook, PartitionRuntime, PositionalSequential
+from pipeline.runtime.recompute import checkpoint_stop
 from pipeline.runtime.worker import Worker, stop_workers
 from pipeline.skip.layout import inspect_skip_layout
 from pipeline.skip.verify import verify_skippables
 from pipeline.step.actions import Program
 from pipeline.step.reports import StepReport
-from pipeline.step.runner import StepRun, checkpoint_stop, checkpointed_tasks, loss_scales
+from pipeline.step.runner import StepRun, checkpointed_tasks, loss_scales
 from pipeline.step.schedules import Schedule, resolve_schedule
 from pipeline.step.simulate import Simulation, validate
 from pipeline.trace.recording import begin_explicit_step

@@ -20,8 +20,6 @@ checkpoint stop.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
@@ -36,6 +34,7 @@ from pipeline.clock.skips import start_step
 from pipeline.runtime import rng
 from pipeline.runtime.microbatch import Batch
 from pipeline.runtime.partitions import Hook, PartitionCall, PartitionRuntime, protected
+from pipeline.runtime.recompute import Recomputation
 from pipeline.runtime.stream import Stream, current_stream, new_stream, use_stream
 from pipeline.runtime.threadstate import ThreadState
 from pipeline.runtime.worker import Failure, Replies, Worker, add_note
@@ -177,30 +176,24 @@ class _ForwardPass:
             randomness.drawing(),
         ):
             if i < self.checkpoint_stop:
-                chk = Checkpointing(
-                    function,
-                    partial(self._recompute_context, j, randomness),
+                recomputation = Recomputation(
+                    randomness,
                     runtime.buffers[j],
-                    protect_inputs=runtime.protect_inputs[j],
+                    self.state,
+                    runtime.devices[j],
+                    self.compute_streams[j],
+                    lock=runtime.lock,
                 )
-                output = chk.checkpoint(batch)
+                checkpointing = Checkpointing(
+                    function, recomputation, protect_inputs=runtime.protect_inputs[j]
+                )
+                output = checkpointing.checkpoint(batch)
             else:
                 if j == 0 and runtime.protect_inputs[0]:
                     batch = protected(batch)  # never write into the caller's input
                 output = batch.call(function)
         _check_output(output, j)
         return output
-
-    @contextmanager
-    def _recompute_context(self, j: int, randomness: rng.TaskRandomness) -> Iterator[None]:
-        """What task (i, j)'s recomputation runs under, on the thread running backward."""
-        with (
-            self.runtime.lock,
-            self.state.autocast_applied(self.runtime.devices[j]),
-            use_stream(self.compute_streams[j]),
-            randomness.replaying(),
-        ):
-            yield
 
     def _where(self, i: int, j: int) -> str:
         return (

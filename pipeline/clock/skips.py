@@ -24,10 +24,10 @@ from functools import partial
 
 from torch import Tensor
 
-from pipeline.clock.checkpoint import is_checkpointing, is_recomputing
 from pipeline.clock.portal import Portal
 from pipeline.runtime.microbatch import Batch, Value
 from pipeline.runtime.partitions import PartitionCall
+from pipeline.runtime.phase import is_checkpointing, is_recomputing
 from pipeline.skip.carrier import Carrier
 from pipeline.skip.layout import Route, SkipLayout
 from pipeline.skip.tracker import SkipKey, SkipTracker, use_tracker

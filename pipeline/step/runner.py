@@ -29,6 +29,7 @@ from pipeline.arguments import CheckpointMode, LossReduction
 from pipeline.runtime import rng
 from pipeline.runtime.microbatch import Batch
 from pipeline.runtime.partitions import Hook, PartitionRuntime
+from pipeline.runtime.recompute import checkpoint_stop
 from pipeline.runtime.stream import current_stream
 from pipeline.runtime.threadstate import ThreadState
 from pipeline.runtime.worker import Failure, Replies, Worker, add_note
@@ -37,7 +38,7 @@ from pipeline.step.actions import Program
 from pipeline.step.mail import AbortedError, LocalTransport, Transport
 from pipeline.step.stage import LossFn, StageRun, StepContext
 
-__all__ = ["StepRun", "checkpoint_stop", "checkpointed_tasks", "loss_scales"]
+__all__ = ["StepRun", "checkpointed_tasks", "loss_scales"]
 
 
 class StepRun:
@@ -140,13 +141,6 @@ def loss_scales(rows: list[int], reduction: LossReduction) -> list[float]:
     """
     total = sum(rows)
     return [r / total if reduction == "mean" else 1.0 for r in rows]
-
-
-def checkpoint_stop(mode: CheckpointMode, m: int, training: bool) -> int:
-    """Micro-batches with an index below this one are checkpointed (none outside training)."""
-    if not (training and torch.is_grad_enabled()):
-        return 0
-    return {"always": m, "except_last": m - 1, "never": 0}[mode]
 
 
 def checkpointed_tasks(

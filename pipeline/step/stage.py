@@ -33,11 +33,9 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
-from pipeline.clock.checkpoint import check_inputs_unchanged, input_versions
-from pipeline.runtime.buffers import BufferSnapshot
 from pipeline.runtime.microbatch import Batch, Value
 from pipeline.runtime.partitions import Hook, PartitionRuntime, protected
-from pipeline.runtime.phase import phase
+from pipeline.runtime.recompute import Recomputation
 from pipeline.runtime.rng import StepSeeds, TaskRandomness
 from pipeline.runtime.stream import Stream, use_stream
 from pipeline.runtime.threadstate import ThreadState
@@ -106,7 +104,7 @@ class _Stashed:
     loss: Tensor | None = None
     skips_in: dict[SkipKey, Tensor] = field(default_factory=dict)
     skips_out: dict[SkipKey, Tensor] = field(default_factory=dict)
-    snapshot: BufferSnapshot | None = None
+    recomputation: Recomputation | None = None
     weight_work: WeightWork | None = None
 
 
@@ -179,14 +177,17 @@ class StageRun:
         return Batch.of(leaves, message.spec), message.leaves
 
     def _checkpointed_forward(self, stashed: _Stashed) -> Batch:
-        buffers = self.context.runtime.buffers[self.j]
-        versions = input_versions(stashed.inputs)
-        stashed.snapshot = buffers.before_forward()
-        with torch.no_grad(), phase("checkpointing"):
-            output = self._call(-1, stashed, recomputing=False)
-        check_inputs_unchanged(versions, self.j)
-        buffers.after_forward(stashed.snapshot)
-        return output
+        context = self.context
+        stashed.recomputation = Recomputation(
+            stashed.randomness,
+            context.runtime.buffers[self.j],
+            context.state,
+            self.device,
+            context.compute_streams[self.j],
+            lock=None,
+        )
+        with stashed.recomputation.checkpointed(stashed.inputs), torch.no_grad():
+            return self._call(-1, stashed, recomputing=False)
 
     def _call(self, i: int, stashed: _Stashed, recomputing: bool) -> Batch:
         """Run the partition on the stashed inputs, with this task's skips installed."""
@@ -258,14 +259,8 @@ class StageRun:
         stashed.outputs, stashed.loss, stashed.skips_out = [], None, {}
 
     def _recompute(self, i: int, stashed: _Stashed) -> None:
-        buffers = self.context.runtime.buffers[self.j]
-        assert stashed.snapshot is not None
-        with (
-            self.context.state.autocast_applied(self.device),
-            stashed.randomness.replaying(),
-            buffers.replayed(stashed.snapshot),
-            phase("recomputing"),
-        ):
+        assert stashed.recomputation is not None, "a checkpointed forward made it"
+        with stashed.recomputation.replaying():
             output = self._call(i, stashed, recomputing=True)
             stashed.outputs = output.leaves
             if self.last:
