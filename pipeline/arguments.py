@@ -1,18 +1,22 @@
 """The arguments of a Pipe, checked before any work: what was wrong, and how to fix it.
 
 Balance, chunks, checkpoint mode, call style, devices, and layers shared by
-partitions. Conversions follow the predecessors' (``chunks=8.0`` is 8, an
-object whose ``str()`` is a mode names it), but nothing is truncated or
-ignored silently.
+partitions; ``check_pipe_arguments`` checks what every pipe takes, for
+``Pipe`` and ``DistributedPipe`` alike. Conversions follow the predecessors'
+(``chunks=8.0`` is 8, an object whose ``str()`` is a mode names it), but
+nothing is truncated or ignored silently.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal, TypeAlias, cast
 
 import torch
 from torch import nn
+
+from pipeline.skip.verify import verify_skippables
 
 __all__ = [
     "CALL_STYLES",
@@ -22,11 +26,13 @@ __all__ = [
     "CheckpointMode",
     "Device",
     "LossReduction",
+    "PipeArguments",
     "check_balance",
     "check_call_style",
     "check_checkpoint",
     "check_chunks",
     "check_module",
+    "check_pipe_arguments",
     "check_sharing",
     "normalize_device",
     "resolve_devices",
@@ -42,6 +48,37 @@ CALL_STYLES = ("tuple", "positional")
 
 class BalanceError(ValueError):
     """The ``balance`` given to a Pipe does not describe a split of its module."""
+
+
+@dataclass(frozen=True)
+class PipeArguments:
+    """The arguments every pipe takes, each checked on its own."""
+
+    balance: list[int]
+    chunks: int
+    checkpoint: CheckpointMode
+    call_style: CallStyle
+    deferred_batch_norm: bool
+
+
+def check_pipe_arguments(
+    module: Any,
+    balance: Sequence[int] | None,
+    chunks: Any,
+    checkpoint: Any,
+    call_style: Any,
+    deferred_batch_norm: Any,
+) -> PipeArguments:
+    """Check a pipe's arguments before anything changes: the module, its skips, each argument."""
+    check_module(module)
+    verify_skippables(module)
+    return PipeArguments(
+        check_balance(balance, len(module)),
+        check_chunks(chunks),
+        check_checkpoint(checkpoint),
+        check_call_style(call_style),
+        bool(deferred_batch_norm),
+    )
 
 
 def check_module(module: Any) -> None:

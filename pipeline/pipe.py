@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import operator
 import weakref
 from collections import OrderedDict
@@ -11,7 +10,6 @@ from typing import Any, overload
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from pipeline.arguments import (
     BalanceError,
@@ -19,35 +17,27 @@ from pipeline.arguments import (
     CheckpointMode,
     Device,
     LossReduction,
-    check_balance,
-    check_call_style,
-    check_checkpoint,
-    check_chunks,
-    check_module,
+    check_pipe_arguments,
     check_sharing,
     normalize_device,
     resolve_devices,
 )
+from pipeline.base import PipeBase
 from pipeline.clock.driver import ClockDriver
-from pipeline.runtime.batchnorm import DeferredBatchNorm, statistics_of_one_pass
-from pipeline.runtime.layers import named_layers, register_names
+from pipeline.runtime.batchnorm import DeferredBatchNorm
 from pipeline.runtime.microbatch import Batch, Value, check_input, gather, scatter, to_device
-from pipeline.runtime.partitions import Hook, PartitionRuntime, PositionalSequential
+from pipeline.runtime.partitions import PositionalSequential
 from pipeline.runtime.recompute import checkpoint_stop
 from pipeline.runtime.worker import Worker, stop_workers
 from pipeline.skip.layout import inspect_skip_layout
-from pipeline.skip.verify import verify_skippables
-from pipeline.step.actions import Program
 from pipeline.step.reports import StepReport
-from pipeline.step.runner import StepRun, checkpointed_tasks, loss_scales
 from pipeline.step.schedules import Schedule, resolve_schedule
-from pipeline.step.simulate import Simulation, validate
 from pipeline.trace.recording import begin_explicit_step
 
 __all__ = ["BalanceError", "Pipe", "PositionalSequential", "StepReport"]
 
 
-class Pipe(nn.Module):
+class Pipe(PipeBase):
     """Wraps an ``nn.Sequential`` to train it as a GPipe pipeline.
 
     The layers are split into ``len(balance)`` partitions of consecutive
@@ -86,7 +76,9 @@ class Pipe(nn.Module):
             ``pipeline.PositionalSequential``.
     """
 
-    partitions: list[nn.Sequential]
+    _NAME = "Pipe"
+    _EVALUATE = "call pipe(x) to evaluate"
+
     devices: list[torch.device]
 
     def __init__(
@@ -101,21 +93,14 @@ class Pipe(nn.Module):
         call_style: CallStyle = "tuple",
     ) -> None:
         super().__init__()
-        check_module(module)
-        verify_skippables(module)
-        balance = check_balance(balance, len(module))
-        self.balance = balance
-        self.chunks = check_chunks(chunks)
-        self.checkpoint = checkpoint
-        self.call_style = check_call_style(call_style)
-        self.devices = resolve_devices(devices, len(balance))
-        if deferred_batch_norm:
-            DeferredBatchNorm.convert(module)
-        layers = named_layers(module)
-        # The Sequential's names are this module's, so state_dict() keys equal the plain model's.
-        register_names(self, module)
-        sequential = PositionalSequential if call_style == "positional" else nn.Sequential
-        self.partitions = _split(layers, balance, self.devices, sequential)
+        arguments = check_pipe_arguments(
+            module, balance, chunks, checkpoint, call_style, deferred_batch_norm
+        )
+        self._adopt_arguments(arguments)
+        self.devices = resolve_devices(devices, len(self.balance))
+        self.partitions = self._split(module, arguments.deferred_batch_norm)
+        self._register_names(module)
+        _place(self.partitions, self.devices)
         self.skip_layout = inspect_skip_layout(self.partitions, self.devices)
         self._start()
 
@@ -123,26 +108,13 @@ class Pipe(nn.Module):
         """Start the worker threads and what runs on them (at construction and after a copy)."""
         self._workers = [Worker(f"pipe-partition-{j}") for j in range(len(self.balance))]
         self._finalizer = weakref.finalize(self, stop_workers, self._workers)
-        self._deferred_batch_norms = [m for m in self.modules() if isinstance(m, DeferredBatchNorm)]
-        self._runtime = PartitionRuntime(
-            self.partitions,
+        # A Pipe defers the statistics of every DeferredBatchNorm it holds, converted or given.
+        self._start_runtime(
             self.devices,
-            positional=self.call_style == "positional",
-            deferred_batch_norm=bool(self._deferred_batch_norms),
+            deferred_batch_norm=any(isinstance(m, DeferredBatchNorm) for m in self.modules()),
         )
         self._driver = ClockDriver(self._runtime, self._workers, self.skip_layout)
-        self._completion_hooks: OrderedDict[int, Hook] = OrderedDict()
-        self._validated: dict[tuple[str, int, int], tuple[list[Program], Simulation]] = {}
         self.last_step: StepReport | None = None
-
-    @property
-    def checkpoint(self) -> CheckpointMode:
-        """Which micro-batches are checkpointed: ``'always'``, ``'except_last'`` or ``'never'``."""
-        return self._checkpoint
-
-    @checkpoint.setter
-    def checkpoint(self, mode: Any) -> None:
-        self._checkpoint = check_checkpoint(mode)
 
     def forward(self, *inputs: Value) -> Value:
         """Run the input through the pipeline; the output is on the last device.
@@ -155,8 +127,7 @@ class Pipe(nn.Module):
         if torch.compiler.is_compiling():
             raise RuntimeError(_COMPILE_MESSAGE)
         input = self._input(inputs)
-        if not self._finalizer.alive:
-            raise RuntimeError("this Pipe is closed; create a new Pipe to run it again")
+        self._check_open()
         if not self.partitions:
             _check_holds_tensor(input)
             return input
@@ -181,7 +152,7 @@ class Pipe(nn.Module):
         hooks = list(self._completion_hooks.values())
         rows = sum(b.rows() for b in batches)
         stop = checkpoint_stop(self.checkpoint, len(batches), self.training)
-        with statistics_of_one_pass(self._deferred_batch_norms, self.training):
+        with self._one_pass():
             self._driver.run(batches, stop, hooks, rows)
         return gather(batches)
 
@@ -235,8 +206,7 @@ class Pipe(nn.Module):
     def _check_step(self, loss_fn: Any, loss_reduction: Any) -> None:
         if torch.compiler.is_compiling():
             raise RuntimeError(_COMPILE_MESSAGE)
-        if not self._finalizer.alive:
-            raise RuntimeError("this Pipe is closed; create a new Pipe to run it again")
+        self._check_open()
         if not self.partitions:
             raise ValueError("Pipe.step needs at least one partition; this Pipe is empty")
         if torch._C._current_graph_task_id() != -1:
@@ -245,15 +215,7 @@ class Pipe(nn.Module):
                 "Function's backward): its workers' backward would wait for the device thread "
                 "running this one; call it from ordinary code"
             )
-        if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
-            raise RuntimeError(
-                "Pipe.step computes gradients, but grad mode is off here (torch.no_grad() or "
-                "inference mode); call pipe(x) to evaluate"
-            )
-        if not callable(loss_fn):
-            raise TypeError(f"loss_fn must be callable(output, target), got {loss_fn!r}")
-        if loss_reduction not in ("mean", "sum"):
-            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+        self._check_step_arguments(loss_fn, loss_reduction)
 
     def _step(
         self,
@@ -279,57 +241,25 @@ class Pipe(nn.Module):
                 f"target splits into micro-batches of {[t.rows() for t in targets]} rows but the "
                 f"input into {rows}: give the target the input's batch size (dim 0)"
             )
-        m = len(batches)
-        programs, simulation = self._programs(schedule, m, n)
-        scales = loss_scales(rows, loss_reduction)
-        run = StepRun(
-            self._runtime,
-            self.skip_layout,
+        programs, simulation = self._programs(schedule, len(batches))
+        run = self._step_run(
+            programs,
             batches,
             targets,
+            rows,
             loss_fn,
-            scales,
-            checkpointed_tasks(programs, m, self.checkpoint, self.training),
+            loss_reduction,
             list(self._completion_hooks.values()),
-            keep_outputs=return_outputs,
+            return_outputs,
         )
         begin_explicit_step(simulation.mean_idle_fraction)
-        with statistics_of_one_pass(self._deferred_batch_norms, self.training):
+        with self._one_pass():
             run.run(programs, self._workers)
         self.last_step = StepReport(schedule, simulation, list(run.peak_in_flight.values()))
         loss = run.loss()
         if return_outputs:
             return loss, gather(run.outputs)
         return loss
-
-    def _programs(self, schedule: Schedule, m: int, n: int) -> tuple[list[Program], Simulation]:
-        """The schedule's programs for ``m`` micro-batches, validated (once per schedule and m)."""
-        key = (repr(schedule), m, n)
-        found = self._validated.get(key)
-        if found is None:
-            programs = schedule.programs(m, n)
-            found = self._validated[key] = (programs, validate(programs, m, n))
-        return found
-
-    def register_partition_backward_hook(self, hook: Hook) -> RemovableHandle:
-        """Call ``hook(j)`` in backward once partition ``j``'s gradients are final.
-
-        A gradient hook on a parameter fires once per micro-batch; this one
-        fires once per backward, when every micro-batch has been
-        back-propagated through partition ``j``, so that gradients can be
-        communicated while earlier partitions are still in backward. It runs
-        on an autograd engine thread. Partition 0 is signalled only when the
-        input requires grad (otherwise its end is the end of backward)::
-
-            pipe.register_partition_backward_hook(lambda j: print(f"partition {j} done"))
-        """
-        handle = RemovableHandle(self._completion_hooks)
-        self._completion_hooks[handle.id] = hook
-        return handle
-
-    def close(self) -> None:
-        """Stop the worker threads now (garbage collection does it otherwise)."""
-        self._finalizer()
 
     def __getstate__(self) -> dict[str, Any]:
         # Threads, queues and locks are not copied: a copy, an unpickled Pipe
@@ -424,21 +354,11 @@ _COMPILE_MESSAGE = (
 )
 
 
-def _split(
-    layers: OrderedDict[str, nn.Module],
-    balance: list[int],
-    devices: list[torch.device],
-    sequential: type[nn.Sequential],
-) -> list[nn.Sequential]:
-    items = list(layers.items())
-    bounds = [sum(balance[:j]) for j in range(len(balance) + 1)]
-    partitions = [
-        sequential(OrderedDict(items[start:stop])) for start, stop in itertools.pairwise(bounds)
-    ]
+def _place(partitions: list[nn.Sequential], devices: list[torch.device]) -> None:
+    """Move each partition to its device, once no layer or tensor is shared across devices."""
     check_sharing(partitions, devices)
     for partition, device in zip(partitions, devices, strict=True):
         partition.to(device)
-    return partitions
 
 
 def _check_holds_tensor(input: Value) -> None:

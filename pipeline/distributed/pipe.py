@@ -8,7 +8,9 @@ stages: a model built on the ``meta`` device is materialised stage by stage,
 so no process ever holds the whole model. Each process runs its part of the
 schedule's programs on its own thread (``pipeline/step/stage.py``, as ``Pipe.step`` does),
 exchanging activations, gradients and skip tensors with the others by
-point-to-point sends (``p2p.py``).
+point-to-point sends (``p2p.py``). What it shares with ``Pipe`` is in
+``pipeline/base.py``; materialisation in ``meta.py``, tied weights in
+``ties.py``.
 
 Weights tied across stages (an embedding and the output head) live in each
 process that uses them, made equal at construction and kept equal by
@@ -24,7 +26,6 @@ backward ends: a pp x dp grid in one ``torchrun`` job.
 
 from __future__ import annotations
 
-import itertools
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -34,22 +35,19 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.utils.hooks import RemovableHandle
 
-from pipeline.arguments import CallStyle, CheckpointMode, LossReduction
+from pipeline.arguments import CallStyle, CheckpointMode, LossReduction, PipeArguments
+from pipeline.base import PipeBase
 from pipeline.distributed.agreement import camps, fingerprint, gather_rows, ranks_text, refused_text
+from pipeline.distributed.meta import materialized, meta_resets
 from pipeline.distributed.p2p import P2PTransport
-from pipeline.distributed.stage_arguments import StageArguments, check_alone, disagreement
-from pipeline.runtime.batchnorm import DeferredBatchNorm, statistics_of_one_pass
+from pipeline.distributed.stage_arguments import check_alone, disagreement
+from pipeline.distributed.ties import TiedWeights
 from pipeline.runtime.microbatch import Batch, Value, check_input, gather, scatter, to_device
-from pipeline.runtime.partitions import Hook, PartitionRuntime, PositionalSequential
 from pipeline.runtime.process_group import collective_device, resolve_group
 from pipeline.skip.layout import SkipLayout, inspect_skip_layout
-from pipeline.step.actions import Program
 from pipeline.step.reports import DistributedStepReport
-from pipeline.step.runner import StepRun, checkpointed_tasks, loss_scales
 from pipeline.step.schedules import Schedule, resolve_schedule
-from pipeline.step.simulate import Simulation, validate
 
 __all__ = ["DistributedPipe"]
 
@@ -60,7 +58,7 @@ _NEVER = timedelta(days=365)
 _LOSS_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 
 
-class DistributedPipe(nn.Module):
+class DistributedPipe(PipeBase):
     """One process's stages of a pipeline over the processes of ``group``.
 
     Every process of ``group`` builds it with the same module and balance,
@@ -88,6 +86,12 @@ class DistributedPipe(nn.Module):
             naming the peer (a stalled or dead process).
     """
 
+    _NAME = "DistributedPipe"
+    _EVALUATE = (
+        "to evaluate, save_shard() on every process and load_shards() into the plain model or "
+        "a pipeline.Pipe"
+    )
+
     def __init__(
         self,
         module: nn.Sequential,
@@ -108,50 +112,26 @@ class DistributedPipe(nn.Module):
         arguments, pipelines = self._agree_to_build(
             module, balance, chunks, checkpoint, call_style, deferred_batch_norm, device, timeout
         )
-        self.balance = arguments.balance
-        self.chunks = arguments.chunks
-        self.checkpoint = arguments.checkpoint
-        self.call_style = arguments.call_style
+        self._adopt_arguments(arguments)
         n = len(self.balance)
         self.owner = [s % self.size for s in range(n)]
         self.local_stages = [s for s in range(n) if self.owner[s] == self.rank]
-        if deferred_batch_norm:
-            DeferredBatchNorm.convert(module)
-        layers = OrderedDict((name, layer) for name, layer in module._modules.items() if layer)
-        sequential = PositionalSequential if call_style == "positional" else nn.Sequential
-        every = _partitions(layers, self.balance, sequential)
+        every = self._split(module, arguments.deferred_batch_norm)
         self.skip_layout = inspect_skip_layout(every, [self.device] * n)
-        tied = _tied_parameters(every, self.owner)
+        self._ties = TiedWeights(every, self.owner)
         self.partitions = [
-            _materialized(p, self.device) if self.owner[s] == self.rank else nn.Sequential()
+            materialized(p, self.device) if self.owner[s] == self.rank else nn.Sequential()
             for s, p in enumerate(every)
         ]
-        for s in self.local_stages:
-            for name, layer in self.partitions[s]._modules.items():
-                self.add_module(name, layer)
-        self._runtime = PartitionRuntime(
-            self.partitions,
-            [self.device] * n,
-            positional=call_style == "positional",
-            deferred_batch_norm=deferred_batch_norm,
-        )
-        self._deferred_batch_norms = [m for m in self.modules() if isinstance(m, DeferredBatchNorm)]
-        self._ties = self._resolve_ties(tied, pipelines)
-        self._tied_stages = {
-            s
-            for s in self.local_stages
-            for occurrences in tied.values()
-            for o in occurrences
-            if any(stage == s for stage, _ in o)
-        }
-        self._synchronize_ties()
+        self._register_names(module, [self.partitions[s] for s in self.local_stages])
+        self._start_runtime([self.device] * n, deferred_batch_norm=arguments.deferred_batch_norm)
+        self._ties.resolve(self.partitions, self.local_stages, pipelines, self.rank)
+        self._ties.synchronize()
         peers = _peers(self.local_stages, self.owner, self.skip_layout)
         self._transport = P2PTransport(
             self.group, _wire_groups(pipelines), self.owner, peers, [self.device] * n, timeout
         )
         self._finalizer = weakref.finalize(self, self._transport.close)
-        self._completion_hooks: OrderedDict[int, Hook] = OrderedDict()
-        self._validated: dict[tuple[str, int], tuple[list[Program], Simulation]] = {}
         self.last_step: DistributedStepReport | None = None
 
     def _agree_to_build(
@@ -164,7 +144,7 @@ class DistributedPipe(nn.Module):
         deferred_batch_norm: bool,
         device: torch.device | str | None,
         timeout: float,
-    ) -> tuple[StageArguments, list[list[int]]]:
+    ) -> tuple[PipeArguments, list[list[int]]]:
         """The arguments, once every process of the job agrees to build; and every pipeline.
 
         What one process can check alone is checked first but raised only
@@ -172,7 +152,7 @@ class DistributedPipe(nn.Module):
         process of the job raises, or none does, before anything is built.
         """
         refusal: Exception | None = None
-        arguments: StageArguments | None = None
+        arguments: PipeArguments | None = None
         try:
             arguments = check_alone(
                 module, balance, chunks, checkpoint, call_style, deferred_batch_norm, self.size
@@ -182,7 +162,7 @@ class DistributedPipe(nn.Module):
             self.device = (
                 torch.device(device) if device is not None else collective_device(self.group)
             )
-            _meta_resets(module)  # every process refuses a model it could not materialise
+            meta_resets(module)  # every process refuses a model it could not materialise
         except Exception as error:
             refusal, arguments = error, None
         # Every process compares, a refusing one too: the others wait for it.
@@ -237,17 +217,15 @@ class DistributedPipe(nn.Module):
         rows = self._agree(batches, targets, choice, refusal)
         assert chosen is not None, "the agreement raises on every process if one refused"
         programs, simulation = self._programs(chosen, len(rows))
-        scales = loss_scales(rows, loss_reduction)
-        run = StepRun(
-            self._runtime,
-            self.skip_layout,
+        run = self._step_run(
+            programs,
             batches,
             targets,
+            rows,
             loss_fn,
-            scales,
-            checkpointed_tasks(programs, len(rows), self.checkpoint, self.training),
+            loss_reduction,
             [self._stage_done],
-            keep_outputs=return_outputs,
+            return_outputs,
             transport=self._transport,
             stages=self.local_stages,
         )
@@ -257,8 +235,11 @@ class DistributedPipe(nn.Module):
             run.run_here(programs[self.rank])
             self._transport.end_step()
 
-        with statistics_of_one_pass(self._deferred_batch_norms, self.training):
-            self._summing_tied_gradients(run_here)
+        with self._one_pass():
+            self._ties.summing_gradients(run_here)
+        for j in sorted(self._ties.stages):
+            for hook in self._completion_hooks.values():
+                hook(j)
         self.last_step = DistributedStepReport(
             chosen, simulation, run.peak_in_flight, self._transport.received()
         )
@@ -269,17 +250,8 @@ class DistributedPipe(nn.Module):
 
     def _check_step(self, loss_fn: Any, schedule: str | Schedule, loss_reduction: Any) -> Schedule:
         """The step's schedule, once this process's own arguments pass (as far as it can tell)."""
-        if not self._finalizer.alive:
-            raise RuntimeError("this DistributedPipe is closed; create a new one to train")
-        if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
-            raise RuntimeError(
-                "DistributedPipe.step computes gradients, but grad mode is off here "
-                "(torch.no_grad() or inference mode)"
-            )
-        if not callable(loss_fn):
-            raise TypeError(f"loss_fn must be callable(output, target), got {loss_fn!r}")
-        if loss_reduction not in ("mean", "sum"):
-            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+        self._check_open()
+        self._check_step_arguments(loss_fn, loss_reduction)
         chosen = resolve_schedule(schedule)
         workers = chosen.workers(len(self.balance))
         if workers != self.size:
@@ -346,75 +318,12 @@ class DistributedPipe(nn.Module):
             )
         return input_rows
 
-    def _programs(self, schedule: Schedule, m: int) -> tuple[list[Program], Simulation]:
-        key = (repr(schedule), m)
-        found = self._validated.get(key)
-        if found is None:
-            programs = schedule.programs(m, len(self.balance))
-            found = self._validated[key] = (programs, validate(programs, m, len(self.balance)))
-        return found
-
-    def _resolve_ties(
-        self, tied: dict[tuple[int, ...], list[list[tuple[int, str]]]], pipelines: list[list[int]]
-    ) -> dict[tuple[int, ...], tuple[dist.ProcessGroup, list[nn.Parameter]]]:
-        """This process's tied parameters, by the processes holding them, with their group."""
-        groups = _tie_groups(pipelines, list(tied), self.rank)
-        found = {}
-        for holders, subgroup in groups.items():
-            params = []
-            for occurrences in tied[holders]:
-                stage, name = next((s, n) for s, n in occurrences if s in self.local_stages)
-                params.append(self.partitions[stage].get_parameter(name))
-            found[holders] = (subgroup, params)
-        return found
-
     def _stage_done(self, j: int) -> None:
         # A stage with tied weights is final only once their gradients are
         # summed over the processes that hold them, after the step.
-        if j not in self._tied_stages:
+        if j not in self._ties.stages:
             for hook in self._completion_hooks.values():
                 hook(j)
-
-    def _summing_tied_gradients(self, run_step: Callable[[], None]) -> None:
-        """Run the step, then sum its gradients of tied weights over the processes holding them.
-
-        Only this step's: ``.grad`` may hold earlier steps' too (gradient
-        accumulation, ``DataParallel.no_sync``), summed when they were made;
-        summing them again would count them once more per holder. They are
-        set aside while the step runs and get the sum added in place, so
-        that ``.grad`` stays the tensor it was (``DataParallel`` with
-        ``gradient_as_bucket_view`` made it a view into its bucket). A step
-        that fails leaves them as they were.
-        """
-        params = [p for _, tied in self._ties.values() for p in tied]
-        earlier = [p.grad for p in params]
-        for param in params:
-            param.grad = None
-        try:
-            run_step()
-            for group, tied in self._ties.values():
-                for param in tied:
-                    fresh = param.grad if param.grad is not None else torch.zeros_like(param)
-                    dist.all_reduce(fresh, group=group)
-                    param.grad = fresh
-        except BaseException:
-            for param, grad in zip(params, earlier, strict=True):
-                param.grad = grad
-            raise
-        with torch.no_grad():
-            for param, grad in zip(params, earlier, strict=True):
-                if grad is not None:
-                    param.grad = grad.add_(cast(Tensor, param.grad))
-        for j in sorted(self._tied_stages):
-            for hook in self._completion_hooks.values():
-                hook(j)
-
-    def _synchronize_ties(self) -> None:
-        """Tied weights start equal: the first process holding them sends its values."""
-        with torch.no_grad():
-            for group, params in self._ties.values():
-                for param in params:
-                    dist.broadcast(param, group=group, group_src=0)
 
     def _loss_everywhere(self, total: Tensor | None) -> Tensor:
         """The step's loss, sent by the last stage's process to the others, in its dtype."""
@@ -437,12 +346,6 @@ class DistributedPipe(nn.Module):
             "plain model or a pipeline.Pipe"
         )
 
-    def register_partition_backward_hook(self, hook: Hook) -> RemovableHandle:
-        """Call ``hook(j)`` once per step when stage ``j`` (one of this process's) is final."""
-        handle = RemovableHandle(self._completion_hooks)
-        self._completion_hooks[handle.id] = hook
-        return handle
-
     def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
     ) -> Any:
@@ -454,10 +357,6 @@ class DistributedPipe(nn.Module):
         mine = OrderedDict((k, v) for k, v in state_dict.items() if k in own)
         return super().load_state_dict(mine, strict=strict, assign=assign)
 
-    def close(self) -> None:
-        """Stop listening to the peers (garbage collection and exit do it otherwise)."""
-        self._finalizer()
-
     def __iter__(self) -> Iterator[nn.Module]:
         for s in self.local_stages:
             yield from self.partitions[s]
@@ -466,102 +365,6 @@ class DistributedPipe(nn.Module):
 def _split_sizes(split: list[int]) -> list[int]:
     """The micro-batches' sizes in an agreement row's part ``[count, size, size, ...]``."""
     return split[1 : 1 + split[0]]
-
-
-def _partitions(
-    layers: OrderedDict[str, nn.Module], balance: list[int], sequential: type[nn.Sequential]
-) -> list[nn.Sequential]:
-    items = list(layers.items())
-    bounds = [sum(balance[:j]) for j in range(len(balance) + 1)]
-    return [sequential(OrderedDict(items[a:b])) for a, b in itertools.pairwise(bounds)]
-
-
-def _materialized(partition: nn.Sequential, device: torch.device) -> nn.Sequential:
-    """``partition`` on ``device``; layers on ``meta`` get storage and their initial values.
-
-    Every module with tensors on ``meta`` (its own or its children's) is
-    reset by its ``reset_parameters`` (or ``_reset_parameters``, as
-    ``nn.MultiheadAttention`` names it), children before their parents, so
-    that a parent's own initialisation of its children wins; layers not on
-    ``meta`` keep their values. A module holding tensors on ``meta`` with
-    neither method is refused: its values would be whatever the new storage
-    held.
-    """
-    resets = _meta_resets(partition)
-    partition._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t.to(device))
-    with torch.no_grad():
-        for reset in reversed(resets):
-            reset()
-    return partition
-
-
-def _meta_resets(module: nn.Module) -> list[Callable[[], None]]:
-    """The resets that give ``module``'s tensors on ``meta`` values, parents first.
-
-    Raises ``ValueError`` for a module holding tensors on ``meta`` without one.
-    """
-    resets = []
-    for name, child in module.named_modules():
-        reset = _reset_of(child)
-        if reset is None and any(t.is_meta for t in _tensors(child, recurse=False)):
-            raise ValueError(
-                f"layer {name} ({type(child).__name__}) holds tensors on the meta device but "
-                "has no reset_parameters() to give them values after materialisation: give it "
-                "one, or build the model on a real device"
-            )
-        if reset is not None and any(t.is_meta for t in _tensors(child, recurse=True)):
-            resets.append(reset)
-    return resets
-
-
-def _tensors(module: nn.Module, recurse: bool) -> list[Tensor]:
-    return [*module.parameters(recurse=recurse), *module.buffers(recurse=recurse)]
-
-
-def _reset_of(module: nn.Module) -> Callable[[], None] | None:
-    for name in ("reset_parameters", "_reset_parameters"):
-        reset = getattr(module, name, None)
-        if callable(reset):
-            return cast(Callable[[], None], reset)
-    return None
-
-
-def _tied_parameters(
-    partitions: list[nn.Sequential], owner: list[int]
-) -> dict[tuple[int, ...], list[list[tuple[int, str]]]]:
-    """Parameters used by stages of different processes, by the processes holding them.
-
-    Each parameter is listed as its (stage, name) occurrences, in registration
-    order: the same in every process, which builds the whole module.
-    """
-    occurrences: dict[int, list[tuple[int, str]]] = {}
-    for s, partition in enumerate(partitions):
-        for name, param in partition.named_parameters(remove_duplicate=False):
-            occurrences.setdefault(id(param), []).append((s, name))
-    tied: dict[tuple[int, ...], list[list[tuple[int, str]]]] = {}
-    for found in occurrences.values():
-        holders = tuple(sorted({owner[s] for s, _ in found}))
-        if len(holders) > 1:
-            tied.setdefault(holders, []).append(found)
-    return tied
-
-
-def _tie_groups(
-    pipelines: list[list[int]], ties: list[tuple[int, ...]], rank: int
-) -> dict[tuple[int, ...], dist.ProcessGroup]:
-    """A process group per set of tied processes; those this process belongs to.
-
-    ``new_subgroups_by_enumeration`` is collective over the whole job, so the
-    groups of the other pipeline replicas are made too.
-    """
-    found: dict[tuple[int, ...], dist.ProcessGroup] = {}
-    for holders in ties:
-        enumeration = [[ranks[h] for h in holders] for ranks in pipelines]
-        subgroup, _ = dist.new_subgroups_by_enumeration(enumeration)
-        if rank in holders:
-            assert subgroup is not None, "every process is in one of the enumerated groups"
-            found[holders] = subgroup
-    return found
 
 
 def _wire_groups(pipelines: list[list[int]]) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:

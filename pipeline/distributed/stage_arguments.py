@@ -13,21 +13,12 @@ which ranks agree with which.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
 from torch import nn
 
-from pipeline.arguments import (
-    CallStyle,
-    CheckpointMode,
-    check_balance,
-    check_call_style,
-    check_checkpoint,
-    check_chunks,
-    check_module,
-)
+from pipeline.arguments import PipeArguments, check_pipe_arguments
 from pipeline.distributed.agreement import (
     camps,
     fingerprint,
@@ -35,9 +26,9 @@ from pipeline.distributed.agreement import (
     ranks_text,
     refused_text,
 )
-from pipeline.skip.verify import verify_skippables
+from pipeline.runtime.layers import Layered
 
-__all__ = ["StageArguments", "check_alone", "disagreement"]
+__all__ = ["check_alone", "disagreement"]
 
 _SAME_MODEL = (
     "build the same model on every process (the same layers, with the same parameter and "
@@ -56,25 +47,15 @@ _HINTS = {
 _SHOWN_CHARS = 300
 
 
-@dataclass(frozen=True)
-class StageArguments:
-    """One process's arguments, each checked on its own."""
-
-    balance: list[int]
-    chunks: int
-    checkpoint: CheckpointMode
-    call_style: CallStyle
-    deferred_batch_norm: bool
-
-    def texts(self) -> dict[str, str]:
-        """The arguments that must agree, by name, as error messages show them."""
-        return {
-            "balance": str(self.balance),
-            "chunks": str(self.chunks),
-            "checkpoint": repr(self.checkpoint),
-            "deferred_batch_norm": str(self.deferred_batch_norm),
-            "call_style": repr(self.call_style),
-        }
+def _texts(arguments: PipeArguments) -> dict[str, str]:
+    """The arguments that must agree, by name, as error messages show them."""
+    return {
+        "balance": str(arguments.balance),
+        "chunks": str(arguments.chunks),
+        "checkpoint": repr(arguments.checkpoint),
+        "deferred_batch_norm": str(arguments.deferred_batch_norm),
+        "call_style": repr(arguments.call_style),
+    }
 
 
 def check_alone(
@@ -85,17 +66,17 @@ def check_alone(
     call_style: Any,
     deferred_batch_norm: bool,
     processes: int,
-) -> StageArguments:
+) -> PipeArguments:
     """This process's arguments, checked as far as one process can tell."""
-    check_module(module)
-    verify_skippables(module)
-    checked = StageArguments(
-        check_balance(balance, len(module)),
-        check_chunks(chunks),
-        check_checkpoint(checkpoint),
-        check_call_style(call_style),
-        bool(deferred_batch_norm),
+    checked = check_pipe_arguments(
+        module, balance, chunks, checkpoint, call_style, deferred_batch_norm
     )
+    if isinstance(module, Layered):
+        raise TypeError(
+            f"DistributedPipe does not take a split model ({type(module).__name__}) yet: each "
+            "process would have to keep only the model's names that its pieces use; run it "
+            "with pipeline.Pipe, or give DistributedPipe an nn.Sequential of layers"
+        )
     stages = len(checked.balance)
     if stages % processes:
         raise ValueError(
@@ -107,7 +88,7 @@ def check_alone(
 
 def disagreement(
     module: nn.Sequential,
-    arguments: StageArguments | None,
+    arguments: PipeArguments | None,
     group: dist.ProcessGroup,
 ) -> ValueError | None:
     """Why the processes of ``group`` cannot build the pipeline together, or None.
@@ -118,7 +99,7 @@ def disagreement(
     """
     rank = dist.get_rank(group)
     layers = [] if arguments is None else _layer_texts(module)
-    texts = {} if arguments is None else arguments.texts()
+    texts = {} if arguments is None else _texts(arguments)
     layer_hashes = [fingerprint(full) for full, _ in layers]
     row = [int(arguments is None), len(layers), fingerprint(str(layer_hashes))]
     row += [fingerprint(texts[name]) if texts else 0 for name in _HINTS]

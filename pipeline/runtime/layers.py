@@ -15,6 +15,7 @@ asks here for both, so it partitions the pieces and keeps the model's names::
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 from typing import Protocol, runtime_checkable
 
 from torch import nn
@@ -39,11 +40,17 @@ def named_layers(module: nn.Sequential) -> OrderedDict[str, nn.Module]:
     )
 
 
-def register_names(owner: nn.Module, module: nn.Sequential) -> None:
+def register_names(
+    owner: nn.Module, module: nn.Sequential, held: Iterable[str] | None = None
+) -> None:
     """Register ``module``'s children, parameters and buffers on ``owner`` under their names.
 
     ``owner.state_dict()`` and ``owner.named_parameters()`` then have the
-    keys of ``module``'s (the plain model's), for the same objects.
+    keys of ``module``'s (the plain model's), for the same objects. With
+    ``held``, only the children of those names are registered: the layers a
+    pipe holding some of them keeps (a ``DistributedPipe``, its stages'). Every
+    name is checked either way, so that a clash is refused wherever the layer
+    is held.
     """
     for name in [*module._modules, *module._parameters, *module._buffers]:
         if hasattr(owner, name):
@@ -51,6 +58,10 @@ def register_names(owner: nn.Module, module: nn.Sequential) -> None:
                 f"layer name {name!r} clashes with a {type(owner).__name__} attribute; rename "
                 "the layer in the nn.Sequential"
             )
+    if held is not None:
+        for name in held:
+            owner.add_module(name, module._modules[name])
+        return
     for name, child in module._modules.items():
         if child is not None:
             owner.add_module(name, child)

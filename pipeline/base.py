@@ -1,0 +1,210 @@
+"""What Pipe and DistributedPipe share: arguments, the split, programs, hooks, steps.
+
+Both cut an ``nn.Sequential`` into ``len(balance)`` partitions of consecutive
+layers (``pipeline/runtime/layers.py``: a split model's pieces too),
+registered under the plain model's names, and both run ``step`` on the
+engine of ``pipeline/step/``. ``Pipe`` (``pipe.py``) runs every partition in
+this process; ``DistributedPipe`` (``distributed/pipe.py``) only this
+process's stages.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from collections import OrderedDict
+from collections.abc import Iterable
+from contextlib import AbstractContextManager
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from pipeline.arguments import (
+    CallStyle,
+    CheckpointMode,
+    LossReduction,
+    PipeArguments,
+    check_checkpoint,
+)
+from pipeline.runtime.batchnorm import DeferredBatchNorm, statistics_of_one_pass
+from pipeline.runtime.layers import named_layers, register_names
+from pipeline.runtime.microbatch import Batch
+from pipeline.runtime.partitions import Hook, PartitionRuntime, PositionalSequential
+from pipeline.skip.layout import SkipLayout
+from pipeline.step.actions import Program
+from pipeline.step.mail import Transport
+from pipeline.step.runner import StepRun, checkpointed_tasks, loss_scales
+from pipeline.step.schedules import Schedule
+from pipeline.step.simulate import Simulation, validate
+from pipeline.step.stage import LossFn
+
+__all__ = ["PipeBase"]
+
+
+class PipeBase(nn.Module):
+    """The common part of ``Pipe`` and ``DistributedPipe``; not built on its own.
+
+    A subclass's ``__init__`` calls, in order: ``_adopt_arguments``,
+    ``_split``, ``_register_names`` (for the layers it keeps) and
+    ``_start_runtime``; it sets ``partitions``, ``skip_layout`` and ``_finalizer``.
+    """
+
+    # The class as errors name it, and how to evaluate instead of stepping.
+    _NAME: ClassVar[str] = "PipeBase"
+    _EVALUATE: ClassVar[str] = ""
+
+    balance: list[int]
+    chunks: int
+    call_style: CallStyle
+    partitions: list[nn.Sequential]
+    skip_layout: SkipLayout
+    _runtime: PartitionRuntime
+    _finalizer: weakref.finalize
+    _deferred_batch_norms: list[DeferredBatchNorm]
+    _completion_hooks: OrderedDict[int, Hook]
+    _validated: dict[tuple[str, int], tuple[list[Program], Simulation]]
+
+    def _adopt_arguments(self, arguments: PipeArguments) -> None:
+        """Keep the arguments every pipe has (the checkpoint mode through its property)."""
+        self.balance = arguments.balance
+        self.chunks = arguments.chunks
+        self.checkpoint = arguments.checkpoint
+        self.call_style = arguments.call_style
+
+    @property
+    def checkpoint(self) -> CheckpointMode:
+        """Which micro-batches are checkpointed: ``'always'``, ``'except_last'`` or ``'never'``."""
+        return self._checkpoint
+
+    @checkpoint.setter
+    def checkpoint(self, mode: Any) -> None:
+        self._checkpoint = check_checkpoint(mode)
+
+    def _split(self, module: nn.Sequential, deferred_batch_norm: bool) -> list[nn.Sequential]:
+        """The module's layers as ``len(balance)`` partitions, BatchNorm converted if asked."""
+        if deferred_batch_norm:
+            DeferredBatchNorm.convert(module)
+        layers = list(named_layers(module).items())
+        sequential = PositionalSequential if self.call_style == "positional" else nn.Sequential
+        bounds = [sum(self.balance[:j]) for j in range(len(self.balance) + 1)]
+        return [sequential(OrderedDict(layers[a:b])) for a, b in itertools.pairwise(bounds)]
+
+    def _register_names(
+        self, module: nn.Sequential, held: Iterable[nn.Sequential] | None = None
+    ) -> None:
+        """The plain model's names on this pipe, so that ``state_dict()`` keys equal its keys.
+
+        Every name of ``module``, or only the layers of the ``held``
+        partitions (a ``DistributedPipe``'s own stages).
+        """
+        names = None if held is None else [name for p in held for name in p._modules]
+        register_names(self, module, names)
+
+    def _start_runtime(self, devices: list[torch.device], deferred_batch_norm: bool) -> None:
+        """What running the partitions needs, and fresh step state (hooks, programs).
+
+        Called at construction and, for a ``Pipe``, after a copy.
+        """
+        self._deferred_batch_norms = [m for m in self.modules() if isinstance(m, DeferredBatchNorm)]
+        self._runtime = PartitionRuntime(
+            self.partitions,
+            devices,
+            positional=self.call_style == "positional",
+            deferred_batch_norm=deferred_batch_norm,
+        )
+        self._completion_hooks = OrderedDict()
+        self._validated = {}
+
+    # Steps
+
+    def _check_open(self) -> None:
+        if not self._finalizer.alive:
+            raise RuntimeError(
+                f"this {self._NAME} is closed; create a new {self._NAME} to run it again"
+            )
+
+    def _check_step_arguments(self, loss_fn: Any, loss_reduction: Any) -> None:
+        """Refuse, before any work, a step that cannot compute the plain model's gradients."""
+        if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+            raise RuntimeError(
+                f"{self._NAME}.step computes gradients, but grad mode is off here "
+                f"(torch.no_grad() or inference mode); {self._EVALUATE}"
+            )
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable(output, target), got {loss_fn!r}")
+        if loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+
+    def _programs(self, schedule: Schedule, m: int) -> tuple[list[Program], Simulation]:
+        """The schedule's programs for ``m`` micro-batches, validated (once per schedule and m)."""
+        key = (repr(schedule), m)
+        found = self._validated.get(key)
+        if found is None:
+            n = len(self.balance)
+            programs = schedule.programs(m, n)
+            found = self._validated[key] = (programs, validate(programs, m, n))
+        return found
+
+    def _step_run(
+        self,
+        programs: list[Program],
+        batches: list[Batch],
+        targets: list[Batch],
+        rows: list[int],
+        loss_fn: LossFn,
+        loss_reduction: LossReduction,
+        hooks: list[Hook],
+        keep_outputs: bool,
+        *,
+        transport: Transport | None = None,
+        stages: Iterable[int] | None = None,
+    ) -> StepRun:
+        """One step's run: this pipe's partitions and skips, loss scales, checkpointed tasks."""
+        return StepRun(
+            self._runtime,
+            self.skip_layout,
+            batches,
+            targets,
+            loss_fn,
+            loss_scales(rows, loss_reduction),
+            checkpointed_tasks(programs, len(rows), self.checkpoint, self.training),
+            hooks,
+            keep_outputs,
+            transport=transport,
+            stages=stages,
+        )
+
+    def _one_pass(self) -> AbstractContextManager[None]:
+        """Around one pass: DeferredBatchNorm statistics committed once, at its end."""
+        return statistics_of_one_pass(self._deferred_batch_norms, self.training)
+
+    # Hooks and threads
+
+    def register_partition_backward_hook(self, hook: Hook) -> RemovableHandle:
+        """Call ``hook(j)`` in backward once partition ``j``'s gradients are final.
+
+        A gradient hook on a parameter fires once per micro-batch; this one
+        fires once per backward (or step), when every micro-batch has been
+        back-propagated through partition ``j``, so that gradients can be
+        communicated while earlier partitions are still in backward. It runs
+        on an autograd engine thread with ``pipe(x)``, on the thread running
+        the partition with ``step``. With ``pipe(x)``, partition 0 is
+        signalled only when the input requires grad (otherwise its end is the
+        end of backward). A ``DistributedPipe`` signals only this process's
+        stages, once per step; a stage holding weights tied across processes
+        once their gradients are summed::
+
+            pipe.register_partition_backward_hook(lambda j: print(f"partition {j} done"))
+        """
+        handle = RemovableHandle(self._completion_hooks)
+        self._completion_hooks[handle.id] = hook
+        return handle
+
+    def close(self) -> None:
+        """Stop this pipe's threads now (its workers, or its listeners to the peers).
+
+        Garbage collection does it otherwise.
+        """
+        self._finalizer()

@@ -1,0 +1,127 @@
+"""Weights tied across processes: one parameter used by stages of several processes.
+
+Found by identity in the whole model, before each process keeps only its
+stages. Every process holding one keeps a copy, made equal at construction
+(the first holder's values) and kept equal by summing each step's gradients
+over the holders: a process group per set of holders, as Megatron's
+embedding group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import cast
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+__all__ = ["TiedWeights"]
+
+
+class TiedWeights:
+    """This process's tied parameters, by the processes holding them, with their groups."""
+
+    def __init__(self, every: list[nn.Sequential], owner: list[int]) -> None:
+        self.found = _tied_parameters(every, owner)
+        self.groups: dict[tuple[int, ...], tuple[dist.ProcessGroup, list[nn.Parameter]]] = {}
+        # This process's stages that hold tied weights: final only once summed.
+        self.stages: set[int] = set()
+
+    def resolve(
+        self,
+        partitions: list[nn.Sequential],
+        local_stages: list[int],
+        pipelines: list[list[int]],
+        rank: int,
+    ) -> None:
+        """Collective over the job: the holders' groups, this process's parameters and stages."""
+        for holders, subgroup in _tie_groups(pipelines, list(self.found), rank).items():
+            params = []
+            for occurrences in self.found[holders]:
+                stage, name = next((s, n) for s, n in occurrences if s in local_stages)
+                params.append(partitions[stage].get_parameter(name))
+            self.groups[holders] = (subgroup, params)
+        self.stages = {
+            s
+            for s in local_stages
+            for occurrences in self.found.values()
+            for o in occurrences
+            if any(stage == s for stage, _ in o)
+        }
+
+    def synchronize(self) -> None:
+        """Tied weights start equal: the first process holding them sends its values."""
+        with torch.no_grad():
+            for group, params in self.groups.values():
+                for param in params:
+                    dist.broadcast(param, group=group, group_src=0)
+
+    def summing_gradients(self, run_step: Callable[[], None]) -> None:
+        """Run the step, then sum its gradients of tied weights over the processes holding them.
+
+        Only this step's: ``.grad`` may hold earlier steps' too (gradient
+        accumulation, ``DataParallel.no_sync``), summed when they were made;
+        summing them again would count them once more per holder. They are
+        set aside while the step runs and get the sum added in place, so
+        that ``.grad`` stays the tensor it was (``DataParallel`` with
+        ``gradient_as_bucket_view`` made it a view into its bucket). A step
+        that fails leaves them as they were.
+        """
+        params = [p for _, tied in self.groups.values() for p in tied]
+        earlier = [p.grad for p in params]
+        for param in params:
+            param.grad = None
+        try:
+            run_step()
+            for group, tied in self.groups.values():
+                for param in tied:
+                    fresh = param.grad if param.grad is not None else torch.zeros_like(param)
+                    dist.all_reduce(fresh, group=group)
+                    param.grad = fresh
+        except BaseException:
+            for param, grad in zip(params, earlier, strict=True):
+                param.grad = grad
+            raise
+        with torch.no_grad():
+            for param, grad in zip(params, earlier, strict=True):
+                if grad is not None:
+                    param.grad = grad.add_(cast(Tensor, param.grad))
+
+
+def _tied_parameters(
+    partitions: list[nn.Sequential], owner: list[int]
+) -> dict[tuple[int, ...], list[list[tuple[int, str]]]]:
+    """Parameters used by stages of different processes, by the processes holding them.
+
+    Each parameter is listed as its (stage, name) occurrences, in registration
+    order: the same in every process, which builds the whole module.
+    """
+    occurrences: dict[int, list[tuple[int, str]]] = {}
+    for s, partition in enumerate(partitions):
+        for name, param in partition.named_parameters(remove_duplicate=False):
+            occurrences.setdefault(id(param), []).append((s, name))
+    tied: dict[tuple[int, ...], list[list[tuple[int, str]]]] = {}
+    for found in occurrences.values():
+        holders = tuple(sorted({owner[s] for s, _ in found}))
+        if len(holders) > 1:
+            tied.setdefault(holders, []).append(found)
+    return tied
+
+
+def _tie_groups(
+    pipelines: list[list[int]], ties: list[tuple[int, ...]], rank: int
+) -> dict[tuple[int, ...], dist.ProcessGroup]:
+    """A process group per set of tied processes; those this process belongs to.
+
+    ``new_subgroups_by_enumeration`` is collective over the whole job, so the
+    groups of the other pipeline replicas are made too.
+    """
+    found: dict[tuple[int, ...], dist.ProcessGroup] = {}
+    for holders in ties:
+        enumeration = [[ranks[h] for h in holders] for ranks in pipelines]
+        subgroup, _ = dist.new_subgroups_by_enumeration(enumeration)
+        if rank in holders:
+            assert subgroup is not None, "every process is in one of the enumerated groups"
+            found[holders] = subgroup
+    return found
