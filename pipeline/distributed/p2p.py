@@ -35,7 +35,6 @@ import ctypes
 import pickle
 import struct
 import threading
-import time
 from collections import Counter
 from collections.abc import Hashable, Iterable
 from datetime import timedelta
@@ -46,7 +45,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from pipeline.runtime.process_group import collective_device
-from pipeline.step.mail import AbortedError, Message
+from pipeline.step.mail import AbortedError, Mailboxes, MailTimeoutError, Message, describe
 
 __all__ = ["P2PTransport", "PeerError"]
 
@@ -61,61 +60,6 @@ _Receipt = tuple[dist.Work, torch.Tensor]
 
 class PeerError(RuntimeError):
     """Another process of the pipeline failed, died or stalled."""
-
-
-class _Store:
-    """Messages by (step, key); the steps that were aborted, and why."""
-
-    def __init__(self) -> None:
-        self._values: dict[tuple[int, Hashable], Message] = {}
-        self._aborted: dict[int, BaseException] = {}
-        self._broken: BaseException | None = None
-        self._changed = threading.Condition()
-
-    def put(self, key: tuple[int, Hashable], message: Message) -> None:
-        with self._changed:
-            self._values[key] = message
-            self._changed.notify_all()
-
-    def get(self, key: tuple[int, Hashable], timeout: float, waiting_for: str) -> Message:
-        deadline = time.monotonic() + timeout
-        with self._changed:
-            while key not in self._values:
-                failure = self._aborted.get(key[0]) or self._broken
-                if failure is not None:
-                    raise AbortedError(f"gave up waiting for {waiting_for}: {failure}") from failure
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise PeerError(
-                        f"waited {timeout:g} s for {waiting_for}, in vain: that process is "
-                        "stalled or dead (raise the pipeline's timeout if its steps are slow)"
-                    )
-                self._changed.wait(left)
-            return self._values.pop(key)
-
-    def abort(self, step: int, error: BaseException) -> None:
-        with self._changed:
-            self._aborted.setdefault(step, error)
-            self._changed.notify_all()
-
-    def break_down(self, error: BaseException) -> None:
-        """A peer is gone: every wait, now and later, fails with ``error``."""
-        with self._changed:
-            self._broken = self._broken or error
-            self._changed.notify_all()
-
-    def check(self, step: int) -> None:
-        """Raise ``AbortedError`` with the reason if ``step`` was aborted or a peer is gone."""
-        with self._changed:
-            failure = self._aborted.get(step) or self._broken
-        if failure is not None:
-            raise AbortedError(f"stopped: {failure}") from failure
-
-    def begin(self, step: int) -> None:
-        """Forget what earlier steps left (a failed step's messages)."""
-        with self._changed:
-            self._values = {k: v for k, v in self._values.items() if k[0] >= step}
-            self._aborted = {s: e for s, e in self._aborted.items() if s >= step}
 
 
 class P2PTransport:
@@ -152,7 +96,7 @@ class P2PTransport:
         self.step = 0
         self._received: dict[int, Counter[tuple[int, str]]] = {}
         self._received_lock = threading.Lock()
-        self._store = _Store()
+        self._mailboxes = Mailboxes(timeout)
         self._send_locks = {peer: threading.Lock() for peer in self.peers}
         self._pending: list[tuple[dist.Work, torch.Tensor]] = []
         self._pending_lock = threading.Lock()
@@ -172,7 +116,7 @@ class P2PTransport:
         self.step += 1
         with self._received_lock:
             self._received = {s: c for s, c in self._received.items() if s >= self.step}
-        self._store.begin(self.step)
+        self._mailboxes.begin(self.step)
 
     def end_step(self) -> None:
         """Wait until this step's sends are done (their tensors may then be freed)."""
@@ -192,15 +136,21 @@ class P2PTransport:
     def send(self, key: Hashable, message: Message, source: int, target: int, i: int) -> None:
         peer = self.owner[target]
         if peer == self.me:
-            self._store.put((self.step, key), message)
+            self._mailboxes.put(self.step, key, message)
             return
         self._post(peer, _DATA, (self.step, key), message)
 
     def receive(self, key: Hashable, source: int, target: int) -> Message:
         peer = self.owner[source]
         where = "this process" if peer == self.me else f"rank {peer}"
-        waiting_for = f"{_describe(key)} from stage {source} ({where})"
-        message = self._store.get((self.step, key), self.timeout, waiting_for)
+        waiting_for = f"{describe(key)} from stage {source} ({where})"
+        try:
+            message = self._mailboxes.take(self.step, key, waiting_for)
+        except MailTimeoutError as error:
+            raise PeerError(
+                f"{error}: that process is stalled or dead (raise the pipeline's timeout if its "
+                "steps are slow)"
+            ) from None
         device = self.devices[target]
         leaves = [
             x.wait(self.timeout, f"{waiting_for}, mid-message") if isinstance(x, _Arriving) else x
@@ -214,7 +164,7 @@ class P2PTransport:
 
     def abort(self, error: BaseException | None = None) -> None:
         reason = error if error is not None else AbortedError("interrupted")
-        self._store.abort(self.step, reason)
+        self._mailboxes.abort(self.step, reason)
         if isinstance(error, AbortedError):
             return  # a peer's failure reached this process: that peer tells the others
         summary = " ".join(
@@ -227,7 +177,7 @@ class P2PTransport:
                 continue
 
     def check(self) -> None:
-        self._store.check(self.step)
+        self._mailboxes.check(self.step)
 
     def received(self) -> dict[tuple[int, str], int]:
         """The messages of this step that came from other processes: {(rank, kind): count}."""
@@ -280,14 +230,16 @@ class P2PTransport:
                 if kind == _STOP:
                     return
                 if kind == _ABORT:
-                    self._store.abort(key, PeerError(str(message.leaves[0])))
+                    self._mailboxes.abort(key, PeerError(str(message.leaves[0])))
                     continue
                 with self._received_lock:
                     self._received.setdefault(key[0], Counter())[peer, _kind(key[1])] += 1
-                self._store.put(key, message)
+                self._mailboxes.put(key[0], key[1], message)
         except Exception as error:
             if not self._closing:
-                self._store.break_down(PeerError(f"lost the connection to rank {peer}: {error}"))
+                self._mailboxes.break_down(
+                    PeerError(f"lost the connection to rank {peer}: {error}")
+                )
 
     def _wire(self, sender: int, receiver: int) -> dist.ProcessGroup:
         """The group for messages from ``sender`` to ``receiver``: one per direction.
@@ -397,19 +349,5 @@ def _raw_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
-_WHAT = {
-    "act": "the activation",
-    "grad": "the gradient",
-    "skip": "the skip tensor",
-    "skip-grad": "the skip tensor's gradient",
-}
-
-
 def _kind(key: Hashable) -> str:
     return key[0] if isinstance(key, tuple) and key and isinstance(key[0], str) else "other"
-
-
-def _describe(key: Hashable) -> str:
-    if isinstance(key, tuple) and key and key[0] in _WHAT:
-        return f"{_WHAT[key[0]]} of micro-batch {key[-1]}"
-    return repr(key)

@@ -1,4 +1,4 @@
-"""Mail: how the stages of an explicit schedule hand values to each other.
+"""Mail: how the stages of a step hand values to each other, in one process or across processes.
 
 A stage's forward puts its output for micro-batch ``i`` in the next stage's
 mailbox; that stage's forward takes it when it runs, waiting if it is not
@@ -9,13 +9,16 @@ what it received back by mail. A value for another device is copied there by
 the sender (``moved``) and waited for by the receiver (``arrived``).
 
 When an action fails, its worker aborts the mailboxes: every worker waiting
-in ``get`` (now or later) raises ``AbortedError`` at once, so all workers return
-and the failure reaches the caller in bounded time.
+in ``take`` (now or later) raises ``AbortedError`` at once, so all workers return
+and the failure reaches the caller in bounded time. Both transports file
+messages in one ``Mailboxes``: the local one here, the point-to-point one of
+``pipeline/distributed/p2p.py``.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -27,10 +30,12 @@ from pipeline.trace.recording import span
 __all__ = [
     "AbortedError",
     "LocalTransport",
+    "MailTimeoutError",
     "Mailboxes",
     "Message",
     "Transport",
     "arrived",
+    "describe",
     "moved",
 ]
 
@@ -39,40 +44,74 @@ class AbortedError(RuntimeError):
     """Another action of the step failed; this one stopped waiting for its input."""
 
 
+class MailTimeoutError(RuntimeError):
+    """Nothing came under a key within the mailboxes' timeout."""
+
+
 class Mailboxes:
-    """Values by key, each put once and taken once; ``get`` waits for its key."""
+    """Messages by (step, key), each put once and taken once; a take waits for its key.
 
-    def __init__(self) -> None:
-        self._values: dict[Hashable, Any] = {}
+    A failed step is aborted: its takes, waiting or to come, raise
+    ``AbortedError`` with the reason, while later steps' messages (a peer one
+    step ahead) are kept. ``break_down`` fails every take of every step (a
+    lost peer). With a ``timeout``, a take that waits longer raises
+    ``MailTimeoutError``; without one it waits until its message or an abort.
+    """
+
+    def __init__(self, timeout: float | None = None) -> None:
+        self.timeout = timeout
+        self._values: dict[tuple[int, Hashable], Message] = {}
+        self._aborted: dict[int, BaseException] = {}
+        self._broken: BaseException | None = None
         self._changed = threading.Condition()
-        self._aborted = False
 
-    def put(self, key: Hashable, value: Any) -> None:
+    def put(self, step: int, key: Hashable, message: Message) -> None:
+        """File ``message`` under (``step``, ``key``) and wake its take."""
         with self._changed:
-            self._values[key] = value
+            self._values[step, key] = message
             self._changed.notify_all()
 
-    def get(self, key: Hashable) -> Any:
-        """Take the value put under ``key``, waiting for it; ``AbortedError`` if the step failed."""
+    def take(self, step: int, key: Hashable, waiting_for: str) -> Message:
+        """Take the message put under (``step``, ``key``), waiting for it."""
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
         with self._changed:
-            while key not in self._values:
-                if self._aborted:
-                    raise AbortedError(
-                        f"gave up waiting for {key}: another action of the step failed"
-                    )
-                self._changed.wait()
-            return self._values.pop(key)
+            while (step, key) not in self._values:
+                failure = self._aborted.get(step) or self._broken
+                if failure is not None:
+                    raise AbortedError(f"gave up waiting for {waiting_for}: {failure}") from failure
+                if deadline is None:
+                    self._changed.wait()
+                    continue
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise MailTimeoutError(f"waited {self.timeout:g} s for {waiting_for}, in vain")
+                self._changed.wait(left)
+            return self._values.pop((step, key))
 
-    @property
-    def aborted(self) -> bool:
-        return self._aborted
-
-    def abort(self) -> None:
-        """Wake every waiting ``get`` with ``AbortedError``; drop what was never taken."""
+    def abort(self, step: int, error: BaseException) -> None:
+        """Fail ``step``'s takes, waiting or to come, with ``error`` (the first reason stays)."""
         with self._changed:
-            self._aborted = True
-            self._values.clear()
+            self._aborted.setdefault(step, error)
             self._changed.notify_all()
+
+    def break_down(self, error: BaseException) -> None:
+        """A peer is gone: every take, now and later, fails with ``error``."""
+        with self._changed:
+            self._broken = self._broken or error
+            self._changed.notify_all()
+
+    def check(self, step: int) -> None:
+        """Raise ``AbortedError`` with the reason if ``step`` was aborted or a peer is gone."""
+        with self._changed:
+            failure = self._aborted.get(step) or self._broken
+        if failure is not None:
+            raise AbortedError(f"stopped: {failure}") from failure
+
+    def begin(self, step: int) -> None:
+        """Forget what earlier steps left (a failed step's messages)."""
+        with self._changed:
+            self._values = {k: v for k, v in self._values.items() if k[0] >= step}
+            self._aborted = {s: e for s, e in self._aborted.items() if s >= step}
 
 
 @dataclass
@@ -133,6 +172,29 @@ class Transport(Protocol):
         ...
 
 
+_WHAT = {
+    "act": "the activation",
+    "grad": "the gradient",
+    "skip": "the skip tensor",
+    "skip-grad": "the skip tensor's gradient",
+}
+
+
+def describe(key: Hashable) -> str:
+    """How an error names the message of ``key``.
+
+    >>> describe(("act", 2, 3))
+    'the activation of micro-batch 3'
+    """
+    if isinstance(key, tuple) and key and key[0] in _WHAT:
+        return f"{_WHAT[key[0]]} of micro-batch {key[-1]}"
+    return repr(key)
+
+
+# A LocalTransport serves one step: its mailboxes need no other step.
+_ONE_STEP = 0
+
+
 class LocalTransport:
     """Stages of one process: mailboxes, with device copies made by the sender."""
 
@@ -145,14 +207,14 @@ class LocalTransport:
         if device != self.devices[source]:
             with span("copy", i, target):
                 message = moved(message, device)
-        self.mailboxes.put(key, message)
+        self.mailboxes.put(_ONE_STEP, key, message)
 
     def receive(self, key: Hashable, source: int, target: int) -> Message:
-        return arrived(self.mailboxes.get(key))
+        waiting_for = f"{describe(key)} from stage {source}"
+        return arrived(self.mailboxes.take(_ONE_STEP, key, waiting_for))
 
     def abort(self, error: BaseException | None = None) -> None:
-        self.mailboxes.abort()
+        self.mailboxes.abort(_ONE_STEP, AbortedError("another action of the step failed"))
 
     def check(self) -> None:
-        if self.mailboxes.aborted:
-            raise AbortedError("stopped: another action of the step failed")
+        self.mailboxes.check(_ONE_STEP)
