@@ -30,7 +30,7 @@ from pipeline.clock.completion import Arrival, PartitionCompletion
 from pipeline.clock.copy import Copy, Wait
 from pipeline.clock.cycles import clock_cycles
 from pipeline.clock.dependency import depend
-from pipeline.clock.skips import start_step
+from pipeline.clock.skips import skip_portals
 from pipeline.runtime import rng
 from pipeline.runtime.microbatch import Batch
 from pipeline.runtime.partitions import Hook, PartitionCall, PartitionRuntime, protected
@@ -101,9 +101,9 @@ class _ForwardPass:
         self.state = ThreadState.capture()
         self.compute_streams = [current_stream(d) for d in self.runtime.devices]
         self.copy_streams = driver.copy_streams_for(len(batches))
-        self.seeds = rng.StepSeeds()
+        self.seeds = rng.BaseSeed()
         self.completions = self._completions(completion_hooks)
-        self.skips = start_step(driver.skip_layout, len(batches))
+        self.skips = skip_portals(driver.skip_layout, len(batches))
 
     def _completions(self, hooks: list[Hook]) -> list[PartitionCompletion | None]:
         """A completion counter per partition whose inputs all carry gradients."""

@@ -15,6 +15,11 @@ model with skippable layers:
 - ``fence(i, j, batch, move)`` in the fence phase of task ``(i, j)``: the
   skips that partition ``j`` pops from a partition on another device go
   straight there, copied by the driver's own ``move``.
+
+The phony edges that order a skip's gradient (``dependency.py``) are drawn
+here too: a fork off the popping layer's input, a join into the stashing
+layer's output, each on the value's first floating-point tensor
+(``Carrier.unpacked``).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from functools import partial
 
 from torch import Tensor
 
+from pipeline.clock.dependency import fork, join
 from pipeline.clock.portal import Portal
 from pipeline.runtime.microbatch import Batch, Value
 from pipeline.runtime.partitions import PartitionCall
@@ -32,7 +38,7 @@ from pipeline.skip.carrier import Carrier
 from pipeline.skip.layout import Route, SkipLayout
 from pipeline.skip.tracker import SkipKey, SkipTracker, use_tracker
 
-__all__ = ["Move", "PortalTracker", "SkipStep", "start_step"]
+__all__ = ["Move", "PortalTracker", "SkipPortals", "skip_portals"]
 
 # move(tensors, source, target): the driver's copy of a micro-batch's
 # tensors from partition source's device to partition target's.
@@ -58,7 +64,7 @@ class PortalTracker(SkipTracker):
         if is_recomputing():
             return  # the forward's portal already links this skip to its pop
         portal = self.portals.setdefault(key, Portal())
-        output.join(portal.enter(tensor))
+        _join(output, portal.enter(tensor))
 
     def load(self, input: Carrier, key: SkipKey) -> Tensor:
         route = self.layout.route(key)
@@ -66,14 +72,14 @@ class PortalTracker(SkipTracker):
             return super().load(input, key)
         if is_recomputing():
             return self.popped[key]
-        tensor = _portal(self.portals, route).exit(input.fork())
+        tensor = _portal(self.portals, route).exit(_fork(input))
         if is_checkpointing():
             # Requiring grad as in the forward, so recomputation saves the same tensors.
             self.popped[key] = tensor.detach().requires_grad_(tensor.requires_grad)
         return tensor
 
 
-class SkipStep:
+class SkipPortals:
     """The skip state of one forward pass: the portals of each micro-batch."""
 
     def __init__(self, layout: SkipLayout, m: int) -> None:
@@ -92,18 +98,31 @@ class SkipStep:
         input = Carrier.around(batch, f"partition {j}", "input")
         portals = self.portals[i]
         for source, routes in moves:
-            phony = input.fork()
+            phony = _fork(input)
             taken = [_portal(portals, route) for route in routes]
             moved = move([portal.exit(phony) for portal in taken], source, j)
             for portal, tensor in zip(taken, moved, strict=True):
-                input.join(portal.enter(tensor))
+                _join(input, portal.enter(tensor))
 
 
-def start_step(layout: SkipLayout | None, m: int) -> SkipStep | None:
+def skip_portals(layout: SkipLayout | None, m: int) -> SkipPortals | None:
     """The skip state for a forward pass, or None for a model without skips (no cost then)."""
     if not layout:
         return None
-    return SkipStep(layout, m)
+    return SkipPortals(layout, m)
+
+
+def _fork(carrier: Carrier) -> Tensor:
+    """A phony whose gradient the carrier's value's backward waits for."""
+    batch, index = carrier.unpacked()
+    batch[index], phony = fork(batch[index])
+    return phony
+
+
+def _join(carrier: Carrier, phony: Tensor) -> None:
+    """Make ``phony``'s backward wait for the carrier's value's gradient."""
+    batch, index = carrier.unpacked()
+    batch[index] = join(batch[index], phony)
 
 
 def _portal(portals: Portals, route: Route) -> Portal:

@@ -11,8 +11,8 @@ the op, and aten tags every such op ``nondeterministic_seeded``.
 
 So every task runs under ``TaskRandomness.drawing()``, a dispatch mode that
 lets ordinary ops through untouched and runs each random op from a seed of
-its own, derived from the forward pass, the micro-batch, the partition and
-the rank of the draw in the task::
+its own, derived from the run's base seed (a forward pass or a step), the
+micro-batch, the partition and the rank of the draw in the task::
 
     task (i, j):  linear  dropout              matmul  rand_like
                           |lock, seed(i,j,1)|          |lock, seed(i,j,2)|
@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-__all__ = ["StepSeeds", "TaskRandomness"]
+__all__ = ["BaseSeed", "TaskRandomness"]
 
 _SEED_MASK = (1 << 63) - 1
 _MIX_MASK = (1 << 64) - 1
@@ -99,38 +99,39 @@ def _random(func: Any) -> bool:
     return random
 
 
-class StepSeeds:
-    """The base seed of one forward pass, drawn once, when a task first needs it.
+class BaseSeed:
+    """The base seed of one run through the partitions, drawn once, when a task first needs it.
 
-    Drawn from the CPU generator, so ``torch.manual_seed`` makes a run
-    reproducible, and only if some op draws: a model without randomness
-    leaves the generator as the plain model does. A Pipe called from inside
-    another Pipe's task takes its seed from that task instead, so the outer
-    task's recomputation replays the inner Pipe's draws too.
+    One run is a ``pipe(x)`` forward pass, or a ``Pipe.step``. Drawn from the
+    CPU generator, so ``torch.manual_seed`` makes a run reproducible, and
+    only if some op draws: a model without randomness leaves the generator
+    as the plain model does. A Pipe called from inside another Pipe's task
+    takes its seed from that task instead, so the outer task's
+    recomputation replays the inner Pipe's draws too.
     """
 
     def __init__(self) -> None:
         outer: TaskRandomness | None = getattr(_current, "task", None)
-        self._base = None if outer is None else outer.derive_seed()
+        self._value = None if outer is None else outer.derive_seed()
         self._lock = threading.Lock()
 
-    def base(self) -> int:
-        if self._base is None:
+    def value(self) -> int:
+        if self._value is None:
             with self._lock:
-                if self._base is None:
+                if self._value is None:
                     generator = torch.default_generator
                     with _lock(generator), _disable_current_modes():
-                        self._base = int(torch.randint(0, _SEED_MASK, (), generator=generator))
-        return self._base
+                        self._value = int(torch.randint(0, _SEED_MASK, (), generator=generator))
+        return self._value
 
 
 class TaskRandomness:
     """The random draws of task (micro-batch ``i``, partition ``j``): made once, replayable."""
 
-    __slots__ = ("_draws", "_recorded", "_seed", "_step", "_task")
+    __slots__ = ("_base", "_draws", "_recorded", "_seed", "_task")
 
-    def __init__(self, step: StepSeeds, microbatch: int, partition: int) -> None:
-        self._step = step
+    def __init__(self, base: BaseSeed, microbatch: int, partition: int) -> None:
+        self._base = base
         self._task = (microbatch, partition)
         self._seed: int | None = None
         self._draws = 0
@@ -138,7 +139,7 @@ class TaskRandomness:
 
     def seed(self) -> int:
         if self._seed is None:
-            self._seed = _mix(self._step.base(), *self._task)
+            self._seed = _mix(self._base.value(), *self._task)
         return self._seed
 
     def derive_seed(self) -> int:

@@ -1,11 +1,10 @@
-"""Carrier: the tensor of a layer's input or output on which a skip hangs its ordering edges.
+"""Carrier: a layer's input or output as a skip sees it, unpacked only when an engine needs
+one of its tensors.
 
-A skip tensor that leaves its partition travels outside the micro-batch, so
-no real tensor tells the autograd engine that its gradient must be delivered
-before the stashing layer runs its backward. Phony edges tell it
-(``pipeline/clock/dependency.py``): the popping layer forks a phony off its input, the
-stashing layer joins one into its output. They hang on the first
-floating-point tensor of the value, as the driver's own edges do.
+A skip tensor that leaves its partition travels outside the micro-batch; the
+``pipe(x)`` engine then draws phony edges (``pipeline/clock/skips.py``) on
+the first floating-point tensor of the popping layer's input and of the
+stashing layer's output, as its driver does on micro-batches.
 """
 
 from __future__ import annotations
@@ -14,14 +13,13 @@ from typing import Any
 
 from torch import Tensor
 
-from pipeline.clock.dependency import fork, join
 from pipeline.runtime.microbatch import Batch
 
 __all__ = ["Carrier"]
 
 
 class Carrier:
-    """A value passing through ``owner`` ("layer Up", "partition 2") that skips fork or join.
+    """A value passing through ``owner`` ("layer Up", "partition 2") that a skip may hang edges on.
 
     The value is only unpacked when an edge is drawn, so a skip that stays
     in its partition costs nothing here.
@@ -51,18 +49,11 @@ class Carrier:
         """The value with any edges drawn so far."""
         return self._value if self._batch is None else self._batch.value
 
-    def fork(self) -> Tensor:
-        """A phony whose gradient the value's backward waits for."""
-        batch, index = self._unpacked()
-        batch[index], phony = fork(batch[index])
-        return phony
+    def unpacked(self) -> tuple[Batch, int]:
+        """The value as a ``Batch`` edited in place, and the index of the tensor carrying edges.
 
-    def join(self, phony: Tensor) -> None:
-        """Make ``phony``'s backward wait for the value's gradient."""
-        batch, index = self._unpacked()
-        batch[index] = join(batch[index], phony)
-
-    def _unpacked(self) -> tuple[Batch, int]:
+        A clear ``TypeError`` if the value holds no floating-point tensor.
+        """
         if self._batch is None:
             if not isinstance(self._value, Tensor | tuple):
                 raise TypeError(self._no_carrier(type(self._value).__name__))

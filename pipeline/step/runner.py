@@ -70,7 +70,7 @@ class StepRun:
             transport=transport if transport is not None else LocalTransport(runtime.devices),
             state=ThreadState.capture(),
             compute_streams=[current_stream(d) for d in runtime.devices],
-            seeds=rng.StepSeeds(),
+            seeds=rng.BaseSeed(),
             batches=batches,
             targets=targets,
             loss_fn=loss_fn,

@@ -36,7 +36,7 @@ from torch import Tensor
 from pipeline.runtime.microbatch import Batch, Value
 from pipeline.runtime.partitions import Hook, PartitionRuntime, protected
 from pipeline.runtime.recompute import Recomputation
-from pipeline.runtime.rng import StepSeeds, TaskRandomness
+from pipeline.runtime.rng import BaseSeed, TaskRandomness
 from pipeline.runtime.stream import Stream, use_stream
 from pipeline.runtime.threadstate import ThreadState
 from pipeline.skip.carrier import Carrier
@@ -68,7 +68,7 @@ class StepContext:
     runtime: PartitionRuntime
     skip_layout: SkipLayout
     transport: Transport
-    seeds: StepSeeds
+    seeds: BaseSeed
     state: ThreadState
     compute_streams: list[Stream]
     batches: list[Batch]

@@ -190,7 +190,8 @@ def traced(function: PartitionCall, microbatch: int, partition: int) -> Partitio
     """``function`` (a partition's call) reporting to the trace recording now.
 
     Call it once per forward task, as the task starts; the task of
-    micro-batch 0 on partition 0 begins a step. The function's calls are
+    micro-batch 0 on partition 0 begins a step of the trace (one ``pipe(x)``
+    call). The function's calls are
     ``forward`` tasks, or ``recompute`` tasks when made in checkpointing's
     recomputation (reported to the trace and step of the forward). With grad
     enabled, its backward is hooked too. Example::

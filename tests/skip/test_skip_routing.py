@@ -95,7 +95,7 @@ def test_model_without_skips_has_an_empty_layout_and_no_skip_step(
     def refuse(*args: Any) -> None:
         raise AssertionError("a model without skips must not build skip state")
 
-    monkeypatch.setattr(pipeline.clock.skips, "SkipStep", refuse)
+    monkeypatch.setattr(pipeline.clock.skips, "SkipPortals", refuse)
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
     pipe = Pipe(model, [2, 1], chunks=2)
     pipe(torch.randn(4, 4)).sum().backward()
