@@ -115,7 +115,11 @@ def check_balance(balance: Sequence[int] | None, layers: int) -> list[int]:
 
 
 def check_chunks(chunks: Any) -> int:
-    """``chunks`` as an int; a float that is a whole number is accepted, as predecessors do."""
+    """``chunks`` as an int; a float that is a whole number is accepted, as predecessors do.
+
+    >>> check_chunks(8.0)
+    8
+    """
     if isinstance(chunks, float) and chunks.is_integer():
         chunks = int(chunks)
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks <= 0:

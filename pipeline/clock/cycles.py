@@ -30,5 +30,9 @@ def clock_cycles(m: int, n: int) -> Iterator[list[tuple[int, int]]]:
 
 
 def bubble_fraction(m: int, n: int) -> float:
-    """The share of idle partition time in GPipe's schedule: (n-1)/(m+n-1)."""
+    """The share of idle partition time in GPipe's schedule: (n-1)/(m+n-1).
+
+    >>> bubble_fraction(4, 2)
+    0.2
+    """
     return (n - 1) / (m + n - 1)

@@ -151,6 +151,9 @@ def scatter(input: Value, chunks: int) -> list[Batch]:
 
     Follows ``Tensor.chunk``: 10 rows in 4 chunks gives 3, 3, 3 and 1 rows,
     and 3 rows in 4 chunks gives 3 micro-batches of one row.
+
+    >>> [b.rows() for b in scatter(torch.zeros(10, 2), 4)]
+    [3, 3, 3, 1]
     """
     if isinstance(input, Tensor):
         return [Batch(piece) for piece in input.chunk(chunks)]

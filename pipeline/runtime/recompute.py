@@ -85,7 +85,13 @@ class Recomputation:
 
 
 def checkpoint_stop(mode: CheckpointMode, m: int, training: bool) -> int:
-    """Micro-batches with an index below this one are checkpointed (none outside training)."""
+    """Micro-batches with an index below this one are checkpointed (none outside training).
+
+    >>> checkpoint_stop("except_last", 4, training=True)
+    3
+    >>> checkpoint_stop("always", 4, training=False)
+    0
+    """
     if not (training and torch.is_grad_enabled()):
         return 0
     return {"always": m, "except_last": m - 1, "never": 0}[mode]

@@ -2,7 +2,7 @@
 
 ``Pipe.skip_layout`` shows the user where skip tensors travel::
 
-    >>> pipe.skip_layout
+    pipe.skip_layout
     SkipLayout(4 partitions):
       'a' (default): partition 0 -> partition 3, copied cpu -> cuda:0
       'skip' (level1): partition 1 -> partition 2, same device

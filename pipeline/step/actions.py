@@ -27,7 +27,13 @@ _ACTION = re.compile(r"^(\d+)([FBIW])(\d+)$")
 
 @dataclass(frozen=True, order=True)
 class Action:
-    """One stage's forward, backward, input-gradient or weight-gradient work on one micro-batch."""
+    """One stage's forward, backward, input-gradient or weight-gradient work on one micro-batch.
+
+    >>> Action.parse("1F3")
+    Action(stage=1, kind='F', microbatch=3)
+    >>> str(Action(0, "W", 2))
+    '0W2'
+    """
 
     stage: int
     kind: Kind
@@ -50,6 +56,10 @@ class Action:
 
 
 def parse_program(program: str | Sequence[str | Action]) -> Program:
-    """A program from text ("0F0 0F1 0B0") or a list of actions or their texts."""
+    """A program from text ("0F0 0F1 0B0") or a list of actions or their texts.
+
+    >>> [str(a) for a in parse_program("0F0 0F1 0B0")]
+    ['0F0', '0F1', '0B0']
+    """
     items = program.split() if isinstance(program, str) else program
     return [item if isinstance(item, Action) else Action.parse(item) for item in items]

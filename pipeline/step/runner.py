@@ -138,6 +138,11 @@ def loss_scales(rows: list[int], reduction: LossReduction) -> list[float]:
 
     ``'mean'``: a micro-batch of r rows out of R counts r / R (uneven splits
     included); ``'sum'``: each counts once.
+
+    >>> loss_scales([3, 3, 3, 1], "mean")
+    [0.3, 0.3, 0.3, 0.1]
+    >>> loss_scales([3, 1], "sum")
+    [1.0, 1.0]
     """
     total = sum(rows)
     return [r / total if reduction == "mean" else 1.0 for r in rows]

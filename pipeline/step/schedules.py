@@ -58,6 +58,9 @@ class GPipe(Schedule):
 
     The backward order is ``pipe(x)``'s: the last micro-batch's backward
     follows its forward at once.
+
+    >>> [" ".join(map(str, p)) for p in GPipe().programs(2, 2)]
+    ['0F0 0F1 0B1 0B0', '1F0 1F1 1B1 1B0']
     """
 
     name = "gpipe"
@@ -70,7 +73,11 @@ class GPipe(Schedule):
 
 
 class OneFOneB(Schedule):
-    """One forward, one backward: stage ``s`` holds at most ``stages - s`` micro-batches."""
+    """One forward, one backward: stage ``s`` holds at most ``stages - s`` micro-batches.
+
+    >>> [" ".join(map(str, p)) for p in OneFOneB().programs(4, 2)]
+    ['0F0 0F1 0B0 0F2 0B1 0F3 0B2 0B3', '1F0 1B0 1F1 1B1 1F2 1B2 1F3 1B3']
+    """
 
     name = "1f1b"
 
@@ -154,7 +161,8 @@ class Interleaved1F1B(Schedule):
 class Programs(Schedule):
     """Programs written out: one list of actions (or one string such as "0F0 0B0") per worker.
 
-    Example: ``Programs(["0F0 0F1 0B0 0B1", "1F0 1B0 1F1 1B1"])``.
+    >>> Programs(["0F0 0F1 0B0 0B1", "1F0 1B0 1F1 1B1"]).workers(2)
+    2
     """
 
     name = "custom"

@@ -55,7 +55,11 @@ class Simulation:
 
 
 def validate(programs: list[Program], m: int, stages: int) -> Simulation:
-    """Check ``programs`` (one per worker) for ``m`` micro-batches over ``stages`` stages."""
+    """Check ``programs`` (one per worker) for ``m`` micro-batches over ``stages`` stages.
+
+    >>> validate([[Action(0, "F", 0), Action(0, "B", 0)]], 1, 1).peak_in_flight
+    [1]
+    """
     worker_of = _check_actions(programs, m, stages)
     _check_counts(programs, m, stages)
     _check_order(programs)

@@ -29,10 +29,10 @@ class Event:
 
     ``start`` and ``end`` are ``time.perf_counter()`` seconds; ``step`` counts
     the Pipe's forward passes within the trace; ``thread`` names the thread
-    that ran the task. A copy's ``partition`` is the one it copies into::
+    that ran the task. A copy's ``partition`` is the one it copies into.
 
-        Event("forward", microbatch=3, partition=1, step=0, thread="pipe-partition-1",
-              start=0.010, end=0.012).name == "pipe.forward[mb=3,part=1]"
+    >>> Event("forward", 3, 1, 0, "pipe-partition-1", 0.010, 0.012).name
+    'pipe.forward[mb=3,part=1]'
     """
 
     kind: Kind
