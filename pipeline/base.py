@@ -29,16 +29,25 @@ from pipeline.arguments import (
     check_checkpoint,
 )
 from pipeline.runtime.batchnorm import DeferredBatchNorm, statistics_of_one_pass
+from pipeline.runtime.evaluation import evaluating, evaluation_seed
 from pipeline.runtime.layers import named_layers, register_names
 from pipeline.runtime.microbatch import Batch
 from pipeline.runtime.partitions import Hook, PartitionRuntime, PositionalSequential
 from pipeline.skip.layout import SkipLayout
 from pipeline.step.actions import Program
+from pipeline.step.losses import (
+    LossDivisor,
+    LossFn,
+    check_divisor,
+    check_grad_scaler,
+    loss_scales,
+    resolve_reduction,
+)
 from pipeline.step.mail import Transport
-from pipeline.step.runner import StepRun, checkpointed_tasks, loss_scales
+from pipeline.step.reports import ActionRecord, PartitionReport, measure
+from pipeline.step.runner import StepRun, checkpointed_tasks
 from pipeline.step.schedules import Schedule
 from pipeline.step.simulate import Simulation, validate
-from pipeline.step.stage import LossFn
 
 __all__ = ["PipeBase"]
 
@@ -116,6 +125,7 @@ class PipeBase(nn.Module):
         )
         self._completion_hooks = OrderedDict()
         self._validated = {}
+        self._evaluations = 0
 
     # Steps
 
@@ -125,17 +135,55 @@ class PipeBase(nn.Module):
                 f"this {self._NAME} is closed; create a new {self._NAME} to run it again"
             )
 
-    def _check_step_arguments(self, loss_fn: Any, loss_reduction: Any) -> None:
-        """Refuse, before any work, a step that cannot compute the plain model's gradients."""
+    def _check_step_arguments(
+        self, loss_fn: Any, loss_reduction: Any, loss_divisor: Any = None, grad_scaler: Any = None
+    ) -> LossReduction:
+        """Refuse, before any work, a step that cannot compute the plain model's gradients.
+
+        Returns the reduction the step weighs its micro-batches' losses by.
+        """
         if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
             raise RuntimeError(
                 f"{self._NAME}.step computes gradients, but grad mode is off here "
                 f"(torch.no_grad() or inference mode); {self._EVALUATE}"
             )
+        reduction = self._check_loss(loss_fn, loss_reduction, loss_divisor)
+        check_grad_scaler(grad_scaler, self._runtime.devices[-1])
+        return reduction
+
+    def _check_loss(self, loss_fn: Any, loss_reduction: Any, loss_divisor: Any) -> LossReduction:
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable(output, target), got {loss_fn!r}")
-        if loss_reduction not in ("mean", "sum"):
-            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+        reduction = resolve_reduction(loss_fn, loss_reduction)
+        check_divisor(loss_divisor, reduction)
+        return reduction
+
+    def _check_evaluate_arguments(
+        self, target: Any, loss_fn: Any, loss_reduction: Any, loss_divisor: Any
+    ) -> LossReduction | None:
+        """Refuse, before any work, an evaluation whose loss arguments do not fit together.
+
+        Returns the reduction of its loss, or None without a ``loss_fn``.
+        """
+        self._check_open()
+        if loss_fn is not None:
+            return self._check_loss(loss_fn, loss_reduction, loss_divisor)
+        given = [
+            name
+            for name, value in (
+                ("a target", target),
+                ("loss_reduction", loss_reduction),
+                ("loss_divisor", loss_divisor),
+            )
+            if value is not None
+        ]
+        if given:
+            raise TypeError(
+                f"{self._NAME}.evaluate got {' and '.join(given)} but no loss_fn: pass "
+                "evaluate(input, target, loss_fn) for the loss, or evaluate(input) for the "
+                "outputs"
+            )
+        return None
 
     def _programs(self, schedule: Schedule, m: int) -> tuple[list[Program], Simulation]:
         """The schedule's programs for ``m`` micro-batches, validated (once per schedule and m)."""
@@ -160,21 +208,71 @@ class PipeBase(nn.Module):
         *,
         transport: Transport | None = None,
         stages: Iterable[int] | None = None,
+        loss_divisor: LossDivisor | None = None,
+        grad_scaler: torch.amp.GradScaler | None = None,
+        measure_memory: bool = False,
     ) -> StepRun:
         """One step's run: this pipe's partitions and skips, loss scales, checkpointed tasks."""
+        if grad_scaler is not None:
+            # Its scale is made on first use: here, on the loss's device, not by a worker.
+            grad_scaler.scale(torch.zeros((), device=self._runtime.devices[-1]))
         return StepRun(
             self._runtime,
             self.skip_layout,
             batches,
             targets,
             loss_fn,
-            loss_scales(rows, loss_reduction),
+            loss_scales(rows, loss_reduction, loss_divisor),
             checkpointed_tasks(programs, len(rows), self.checkpoint, self.training),
             hooks,
             keep_outputs,
             transport=transport,
             stages=stages,
+            grad_scaler=grad_scaler,
+            measure_memory=measure_memory,
         )
+
+    def _evaluation_run(
+        self,
+        batches: list[Batch],
+        targets: list[Batch],
+        rows: list[int],
+        loss_fn: LossFn | None,
+        loss_reduction: LossReduction | None,
+        loss_divisor: LossDivisor | None,
+        keep_outputs: bool,
+        *,
+        transport: Transport | None = None,
+        stages: Iterable[int] | None = None,
+    ) -> StepRun:
+        """An evaluation's run: forwards only, the loss weighed as a step weighs it."""
+        return StepRun(
+            self._runtime,
+            self.skip_layout,
+            batches,
+            targets,
+            loss_fn,
+            loss_scales(rows, loss_reduction or "mean", loss_divisor),
+            set(),
+            [],
+            keep_outputs,
+            transport=transport,
+            stages=stages,
+            forward_only=True,
+        )
+
+    def _evaluating(self) -> AbstractContextManager[None]:
+        """Around an evaluation: eval mode, no grad, generators as they were (``evaluation.py``)."""
+        self._evaluations += 1
+        return evaluating(self, self._runtime.devices, evaluation_seed(self._evaluations))
+
+    @staticmethod
+    def _measured(
+        run: StepRun, programs: list[Program]
+    ) -> tuple[float, tuple[ActionRecord, ...], tuple[PartitionReport, ...]]:
+        """What a report measured of ``run``'s stages here: a worker per program (or process)."""
+        worker_of = {a.stage: w for w, program in enumerate(programs) for a in program}
+        return measure(run.timed, worker_of, run.peak_in_flight, run.peak_activation_bytes)
 
     def _one_pass(self) -> AbstractContextManager[None]:
         """Around one pass: DeferredBatchNorm statistics committed once, at its end."""

@@ -6,7 +6,7 @@ import operator
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, overload
+from typing import Any, Literal, overload
 
 import torch
 from torch import nn
@@ -30,7 +30,9 @@ from pipeline.runtime.partitions import PositionalSequential
 from pipeline.runtime.recompute import checkpoint_stop
 from pipeline.runtime.worker import Worker, stop_workers
 from pipeline.skip.layout import inspect_skip_layout
+from pipeline.step.losses import LossDivisor
 from pipeline.step.reports import StepReport
+from pipeline.step.runner import forward_programs
 from pipeline.step.schedules import Schedule, resolve_schedule
 from pipeline.trace.recording import begin_explicit_step
 
@@ -77,7 +79,7 @@ class Pipe(PipeBase):
     """
 
     _NAME = "Pipe"
-    _EVALUATE = "call pipe(x) to evaluate"
+    _EVALUATE = "call pipe.evaluate(x) (or pipe.evaluate(x, y, loss_fn)) to evaluate"
 
     devices: list[torch.device]
 
@@ -163,8 +165,11 @@ class Pipe(PipeBase):
         loss_fn: Callable[[Value, Value], torch.Tensor],
         *,
         schedule: str | Schedule = "1f1b",
-        loss_reduction: LossReduction = "mean",
+        loss_reduction: LossReduction | None = None,
+        loss_divisor: LossDivisor | None = None,
         return_outputs: bool = False,
+        grad_scaler: torch.amp.GradScaler | None = None,
+        measure_memory: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, Value]:
         """Run a training step, forward and backward, as the explicit ``schedule``.
 
@@ -183,11 +188,23 @@ class Pipe(PipeBase):
         micro-batch. With ``loss_reduction="mean"`` each micro-batch's loss
         counts by its share of the rows, so the result is the mean over the
         mini-batch even when the last micro-batch is smaller; with ``"sum"``
-        the losses are added. ``return_outputs=True`` also returns the
-        model's output (detached)::
+        the losses are added, and with ``"sum"`` and ``loss_divisor=N`` the
+        sum is divided by ``N``: a mean over what you count in the batch,
+        such as the tokens ``ignore_index`` leaves. A loss module
+        (``nn.MSELoss(reduction="sum")``) gives its own reduction, the
+        default; ``"mean"`` otherwise. ``return_outputs=True`` also returns
+        the model's output (detached)::
 
             loss = pipe.step(x, y, nn.functional.cross_entropy, schedule="1f1b")
             optimizer.step()
+
+        With ``grad_scaler`` (a ``torch.amp.GradScaler``), each micro-batch's
+        backward starts from its scaled loss, as ``scaler.scale(loss).backward()``
+        does, and the unscaled loss is returned; then call
+        ``scaler.step(optimizer)`` and ``scaler.update()`` as usual.
+        ``measure_memory=True`` measures each partition's peak activation
+        memory into ``pipe.last_step`` (it costs a few microseconds per saved
+        tensor).
 
         Interrupted (Ctrl-C, any exception in the caller), ``step`` raises once
         the workers have ended the action they were in: after that, nothing
@@ -195,36 +212,62 @@ class Pipe(PipeBase):
         may hold part of the interrupted step's, as after an interrupted
         ``loss.backward()``: zero them before the next step.
         """
-        self._check_step(loss_fn, loss_reduction)
+        reduction = self._check_step(loss_fn, loss_reduction, loss_divisor, grad_scaler)
         chosen = resolve_schedule(schedule)
-        if not isinstance(input, tuple) or self.call_style != "positional":
-            check_input(input)
-        check_input(target)
         with self._runtime.lock:
-            return self._step(input, target, loss_fn, chosen, loss_reduction, return_outputs)
+            return self._step(
+                self._scatter_input(input),
+                self._scatter_target(target),
+                loss_fn,
+                chosen,
+                reduction,
+                return_outputs,
+                loss_divisor,
+                grad_scaler,
+                measure_memory,
+            )
 
-    def _check_step(self, loss_fn: Any, loss_reduction: Any) -> None:
-        if torch.compiler.is_compiling():
-            raise RuntimeError(_COMPILE_MESSAGE)
-        self._check_open()
-        if not self.partitions:
-            raise ValueError("Pipe.step needs at least one partition; this Pipe is empty")
+    def _check_step(
+        self, loss_fn: Any, loss_reduction: Any, loss_divisor: Any, grad_scaler: Any
+    ) -> LossReduction:
+        self._check_call("step")
         if torch._C._current_graph_task_id() != -1:
             raise RuntimeError(
                 "Pipe.step cannot run inside a backward pass (a hook or an autograd "
                 "Function's backward): its workers' backward would wait for the device thread "
                 "running this one; call it from ordinary code"
             )
-        self._check_step_arguments(loss_fn, loss_reduction)
+        return self._check_step_arguments(loss_fn, loss_reduction, loss_divisor, grad_scaler)
+
+    def _check_call(self, method: str) -> None:
+        if torch.compiler.is_compiling():
+            raise RuntimeError(_COMPILE_MESSAGE)
+        self._check_open()
+        if not self.partitions:
+            raise ValueError(f"Pipe.{method} needs at least one partition; this Pipe is empty")
+
+    def _scatter_input(self, input: Value) -> list[Batch]:
+        """The input as micro-batches on the first device, as ``step`` and ``evaluate`` take it."""
+        if not isinstance(input, tuple) or self.call_style != "positional":
+            check_input(input)
+        return scatter(to_device(input, self.devices[0]), self.chunks)
+
+    def _scatter_target(self, target: Value) -> list[Batch]:
+        """The target as micro-batches on the last device."""
+        check_input(target)
+        return scatter(to_device(target, self.devices[-1]), self.chunks)
 
     def _step(
         self,
-        input: Value,
-        target: Value,
+        batches: list[Batch],
+        targets: list[Batch],
         loss_fn: Callable[[Value, Value], torch.Tensor],
         schedule: Schedule,
         loss_reduction: LossReduction,
         return_outputs: bool,
+        loss_divisor: LossDivisor | None,
+        grad_scaler: torch.amp.GradScaler | None,
+        measure_memory: bool,
     ) -> torch.Tensor | tuple[torch.Tensor, Value]:
         n = len(self.partitions)
         workers = schedule.workers(n)
@@ -233,14 +276,7 @@ class Pipe(PipeBase):
                 f"{schedule!r} needs {workers} workers, but the Pipe has {n} partitions (one "
                 "worker each)"
             )
-        batches = scatter(to_device(input, self.devices[0]), self.chunks)
-        targets = scatter(to_device(target, self.devices[-1]), self.chunks)
-        rows = [b.rows() for b in batches]
-        if [t.rows() for t in targets] != rows:
-            raise ValueError(
-                f"target splits into micro-batches of {[t.rows() for t in targets]} rows but the "
-                f"input into {rows}: give the target the input's batch size (dim 0)"
-            )
+        rows = _rows_of(batches, targets)
         programs, simulation = self._programs(schedule, len(batches))
         run = self._step_run(
             programs,
@@ -251,15 +287,96 @@ class Pipe(PipeBase):
             loss_reduction,
             list(self._completion_hooks.values()),
             return_outputs,
+            loss_divisor=loss_divisor,
+            grad_scaler=grad_scaler,
+            measure_memory=measure_memory,
         )
         begin_explicit_step(simulation.mean_idle_fraction)
         with self._one_pass():
             run.run(programs, self._workers)
-        self.last_step = StepReport(schedule, simulation, list(run.peak_in_flight.values()))
+        self.last_step = StepReport(schedule, simulation, *self._measured(run, programs))
         loss = run.loss()
         if return_outputs:
             return loss, gather(run.outputs)
         return loss
+
+    @overload
+    def evaluate(self, input: Value) -> Value: ...
+
+    @overload
+    def evaluate(
+        self,
+        input: Value,
+        target: Value,
+        loss_fn: Callable[[Value, Value], torch.Tensor],
+        *,
+        loss_reduction: LossReduction | None = None,
+        loss_divisor: LossDivisor | None = None,
+        return_outputs: Literal[False] = False,
+    ) -> torch.Tensor: ...
+
+    @overload
+    def evaluate(
+        self,
+        input: Value,
+        target: Value,
+        loss_fn: Callable[[Value, Value], torch.Tensor],
+        *,
+        loss_reduction: LossReduction | None = None,
+        loss_divisor: LossDivisor | None = None,
+        return_outputs: Literal[True],
+    ) -> tuple[torch.Tensor, Value]: ...
+
+    def evaluate(
+        self,
+        input: Value,
+        target: Value | None = None,
+        loss_fn: Callable[[Value, Value], torch.Tensor] | None = None,
+        *,
+        loss_reduction: LossReduction | None = None,
+        loss_divisor: LossDivisor | None = None,
+        return_outputs: bool = False,
+    ) -> Any:
+        """The plain model's outputs, or loss, in ``eval()`` mode under ``torch.no_grad()``.
+
+        ``pipe.evaluate(x)`` returns the output, on the last device;
+        ``pipe.evaluate(x, y, loss_fn)`` the loss, weighed over the
+        micro-batches as ``step`` weighs it (``loss_reduction``,
+        ``loss_divisor``), and with ``return_outputs=True`` the loss and the
+        output. The micro-batches overlap across partitions, forward only::
+
+            val_loss = pipe.evaluate(x, y, nn.functional.cross_entropy)
+
+        It leaves the pipe as it found it: every submodule's train/eval mode
+        (mixed modes too), ``.grad``, running statistics, and the default
+        random generators (a layer that draws even in eval mode draws fresh
+        numbers on each call, reproducible under ``torch.manual_seed``).
+        """
+        self._check_call("evaluate")
+        reduction = self._check_evaluate_arguments(target, loss_fn, loss_reduction, loss_divisor)
+        if loss_fn is not None and target is None:
+            raise TypeError("Pipe.evaluate got a loss_fn but no target: pass both, or neither")
+        with self._runtime.lock:
+            batches = self._scatter_input(input)
+            targets = self._scatter_target(target) if loss_fn is not None else []
+            rows = _rows_of(batches, targets) if targets else [b.rows() for b in batches]
+            n = len(self.partitions)
+            with self._evaluating():
+                run = self._evaluation_run(
+                    batches,
+                    targets,
+                    rows,
+                    loss_fn,
+                    reduction,
+                    loss_divisor,
+                    keep_outputs=return_outputs or loss_fn is None,
+                )
+                run.run(forward_programs(len(batches), n, n), self._workers)
+        if loss_fn is None:
+            return gather(run.outputs)
+        if return_outputs:
+            return run.loss(), gather(run.outputs)
+        return run.loss()
 
     def __getstate__(self) -> dict[str, Any]:
         # Threads, queues and locks are not copied: a copy, an unpickled Pipe
@@ -359,6 +476,17 @@ def _place(partitions: list[nn.Sequential], devices: list[torch.device]) -> None
     check_sharing(partitions, devices)
     for partition, device in zip(partitions, devices, strict=True):
         partition.to(device)
+
+
+def _rows_of(batches: list[Batch], targets: list[Batch]) -> list[int]:
+    """The micro-batches' rows, once the target splits like the input."""
+    rows = [b.rows() for b in batches]
+    if [t.rows() for t in targets] != rows:
+        raise ValueError(
+            f"target splits into micro-batches of {[t.rows() for t in targets]} rows but the "
+            f"input into {rows}: give the target the input's batch size (dim 0)"
+        )
+    return rows
 
 
 def _check_holds_tensor(input: Value) -> None:

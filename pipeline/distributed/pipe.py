@@ -35,6 +35,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from pipeline.arguments import CallStyle, CheckpointMode, LossReduction, PipeArguments
 from pipeline.base import PipeBase
@@ -46,7 +47,10 @@ from pipeline.distributed.ties import TiedWeights
 from pipeline.runtime.microbatch import Batch, Value, check_input, gather, scatter, to_device
 from pipeline.runtime.process_group import collective_device, resolve_group
 from pipeline.skip.layout import SkipLayout, inspect_skip_layout
+from pipeline.step.losses import LossDivisor
+from pipeline.step.mail import Message
 from pipeline.step.reports import DistributedStepReport
+from pipeline.step.runner import StepRun, forward_programs
 from pipeline.step.schedules import Schedule, resolve_schedule
 
 __all__ = ["DistributedPipe"]
@@ -87,10 +91,7 @@ class DistributedPipe(PipeBase):
     """
 
     _NAME = "DistributedPipe"
-    _EVALUATE = (
-        "to evaluate, save_shard() on every process and load_shards() into the plain model or "
-        "a pipeline.Pipe"
-    )
+    _EVALUATE = "call pipe.evaluate(x) (or pipe.evaluate(x, y, loss_fn)) on every process"
 
     def __init__(
         self,
@@ -188,8 +189,11 @@ class DistributedPipe(PipeBase):
         loss_fn: Callable[[Value, Value], Tensor],
         *,
         schedule: str | Schedule = "1f1b",
-        loss_reduction: LossReduction = "mean",
+        loss_reduction: LossReduction | None = None,
+        loss_divisor: LossDivisor | None = None,
         return_outputs: bool = False,
+        grad_scaler: torch.amp.GradScaler | None = None,
+        measure_memory: bool = False,
     ) -> Tensor | tuple[Tensor, Value | None]:
         """Run a training step over every process; see ``Pipe.step``.
 
@@ -198,7 +202,10 @@ class DistributedPipe(PipeBase):
         ``None`` elsewhere). Each process's gradients accumulate into its own
         parameters' ``.grad``; the loss is returned on every process, on its
         device (and the output, with ``return_outputs``, where the last stage
-        runs, ``None`` elsewhere).
+        runs, ``None`` elsewhere). ``loss_divisor`` is used where the last
+        stage runs; give it on every process. A ``grad_scaler`` must be a
+        ``ShardedGradScaler`` over a group holding the pipeline's processes,
+        so that an inf found by one stage skips the optimizer step on all.
         """
         first, last = 0 in self.local_stages, len(self.balance) - 1 in self.local_stages
         # A refusal is raised only after the agreement, which the other
@@ -207,15 +214,21 @@ class DistributedPipe(PipeBase):
         chosen: Schedule | None = None
         batches: list[Batch] = []
         targets: list[Batch] = []
+        reduction: LossReduction | None = None
         try:
-            chosen = self._check_step(loss_fn, schedule, loss_reduction)
+            chosen, reduction = self._check_step(
+                loss_fn, schedule, loss_reduction, loss_divisor, grad_scaler
+            )
             batches = self._scatter(input, "input", needed=first)
             targets = self._scatter(target, "target", needed=last)
         except Exception as error:
             refusal = error
-        choice = None if chosen is None else f"{chosen!r} {loss_reduction}"
+        choice = None
+        if chosen is not None:
+            choice = f"{chosen!r} {_loss_choice(reduction, loss_divisor)}"
+            choice += f", grad_scaler {_given(grad_scaler)}"
         rows = self._agree(batches, targets, choice, refusal)
-        assert chosen is not None, "the agreement raises on every process if one refused"
+        assert chosen is not None and reduction is not None, "else every process raised"
         programs, simulation = self._programs(chosen, len(rows))
         run = self._step_run(
             programs,
@@ -223,11 +236,14 @@ class DistributedPipe(PipeBase):
             targets,
             rows,
             loss_fn,
-            loss_reduction,
+            reduction,
             [self._stage_done],
             return_outputs,
             transport=self._transport,
             stages=self.local_stages,
+            loss_divisor=loss_divisor,
+            grad_scaler=grad_scaler,
+            measure_memory=measure_memory,
         )
 
         def run_here() -> None:
@@ -241,17 +257,32 @@ class DistributedPipe(PipeBase):
             for hook in self._completion_hooks.values():
                 hook(j)
         self.last_step = DistributedStepReport(
-            chosen, simulation, run.peak_in_flight, self._transport.received()
+            chosen,
+            simulation,
+            *self._measured(run, programs),
+            rank=self.rank,
+            received=self._transport.received(),
         )
         loss = self._loss_everywhere(run.loss() if last else None)
         if not return_outputs:
             return loss
         return loss, gather(run.outputs) if last else None
 
-    def _check_step(self, loss_fn: Any, schedule: str | Schedule, loss_reduction: Any) -> Schedule:
-        """The step's schedule, once this process's own arguments pass (as far as it can tell)."""
+    def _check_step(
+        self,
+        loss_fn: Any,
+        schedule: str | Schedule,
+        loss_reduction: Any,
+        loss_divisor: Any,
+        grad_scaler: Any,
+    ) -> tuple[Schedule, LossReduction]:
+        """The step's schedule and reduction, once this process's own arguments pass.
+
+        (As far as this process can tell: the agreement compares them.)
+        """
         self._check_open()
-        self._check_step_arguments(loss_fn, loss_reduction)
+        reduction = self._check_step_arguments(loss_fn, loss_reduction, loss_divisor, grad_scaler)
+        self._check_scaler_agrees(grad_scaler)
         chosen = resolve_schedule(schedule)
         workers = chosen.workers(len(self.balance))
         if workers != self.size:
@@ -259,7 +290,30 @@ class DistributedPipe(PipeBase):
                 f"{chosen!r} runs {len(self.balance)} stages on {workers} workers, but the "
                 f"group has {self.size} processes: use a schedule with one worker per process"
             )
-        return chosen
+        return chosen, reduction
+
+    def _check_scaler_agrees(self, grad_scaler: torch.amp.GradScaler | None) -> None:
+        """Refuse a GradScaler that would let some stages step and others skip."""
+        if grad_scaler is None or not grad_scaler.is_enabled():
+            return
+        if isinstance(grad_scaler, ShardedGradScaler):
+            # None is the default group (torch's default argument, read before it existed).
+            group = grad_scaler.process_group or dist.group.WORLD
+            missing = set(dist.get_process_group_ranks(self.group)) - set(
+                dist.get_process_group_ranks(group)
+            )
+            if not missing:
+                return
+            problem = f"its process group lacks the pipeline's (global) ranks {sorted(missing)}"
+        else:
+            problem = f"a {type(grad_scaler).__name__} decides on each process alone"
+        raise ValueError(
+            f"grad_scaler: {problem}. Each process holds only some stages' gradients, so "
+            "an inf found in one stage must skip the optimizer step on every process: use "
+            "torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler(device, "
+            "process_group=...) with a group holding every process of the pipeline (the "
+            "default, the whole job, does)"
+        )
 
     def _scatter(self, value: Value | None, what: str, needed: bool) -> list[Batch]:
         if not needed:
@@ -278,6 +332,7 @@ class DistributedPipe(PipeBase):
         targets: list[Batch],
         choice: str | None,
         refusal: Exception | None,
+        with_target: bool = True,
     ) -> list[int]:
         """The micro-batches' sizes, as stage 0's process split them, known to every process.
 
@@ -305,13 +360,13 @@ class DistributedPipe(PipeBase):
         choices = camps([theirs[1] for theirs in rows])
         if len(choices) > 1:
             raise ValueError(
-                "the processes of the pipeline chose different schedules or loss reductions for "
-                f"this step: {ranks_text(choices)} chose differently (this process, rank "
-                f"{self.rank}: {choice}); every process must call step() with the same ones"
+                "the processes of the pipeline chose different schedules or loss arguments for "
+                f"this call: {ranks_text(choices)} chose differently (this process, rank "
+                f"{self.rank}: {choice}); every process must pass the same ones"
             )
         input_rows = _split_sizes(rows[self.owner[0]][2:])
         target_rows = _split_sizes(rows[self.owner[-1]][3 + m :])
-        if input_rows != target_rows:
+        if with_target and input_rows != target_rows:
             raise ValueError(
                 f"the target splits into micro-batches of {target_rows} rows but the input into "
                 f"{input_rows}: give the target the input's batch size (dim 0)"
@@ -335,15 +390,98 @@ class DistributedPipe(PipeBase):
         value, dtype = message.tolist()
         return torch.tensor(value, dtype=_LOSS_DTYPES[int(dtype)], device=self.device)
 
+    # Evaluation
+
+    def evaluate(
+        self,
+        input: Value | None,
+        target: Value | None = None,
+        loss_fn: Callable[[Value, Value], Tensor] | None = None,
+        *,
+        loss_reduction: LossReduction | None = None,
+        loss_divisor: LossDivisor | None = None,
+        return_outputs: bool = False,
+    ) -> Any:
+        """The plain model's outputs or loss in ``eval()`` under no_grad; see ``Pipe.evaluate``.
+
+        Every process of the group calls it, with the same ``loss_fn`` (or
+        none), reduction and ``return_outputs``. ``input`` is needed only
+        where stage 0 runs and ``target`` only where the last stage runs.
+        The loss comes back on every process, and so does the output
+        (without a ``loss_fn``, or with ``return_outputs=True``): each
+        micro-batch's output travels from the last stage's process to the
+        others as the stages' messages do.
+        """
+        first, last = 0 in self.local_stages, len(self.balance) - 1 in self.local_stages
+        refusal: Exception | None = None
+        batches: list[Batch] = []
+        targets: list[Batch] = []
+        reduction: LossReduction | None = None
+        wants_outputs = return_outputs or loss_fn is None
+        try:
+            reduction = self._check_evaluate_arguments(
+                target, loss_fn, loss_reduction, loss_divisor
+            )
+            batches = self._scatter(input, "input", needed=first)
+            targets = self._scatter(target, "target", needed=last and loss_fn is not None)
+        except Exception as error:
+            refusal = error
+        choice = "evaluate the outputs" if loss_fn is None else "evaluate the loss"
+        choice += f" ({_loss_choice(reduction, loss_divisor)}), outputs {wants_outputs}"
+        rows = self._agree(batches, targets, choice, refusal, with_target=loss_fn is not None)
+        programs = forward_programs(len(rows), len(self.balance), self.size)
+        with self._evaluating():
+            run = self._evaluation_run(
+                batches,
+                targets,
+                rows,
+                loss_fn,
+                reduction,
+                loss_divisor,
+                keep_outputs=wants_outputs and last,
+                transport=self._transport,
+                stages=self.local_stages,
+            )
+            self._transport.begin_step()
+            run.run_here(programs[self.rank])
+            outputs = self._outputs_everywhere(run, len(rows)) if wants_outputs else None
+            self._transport.end_step()
+        if loss_fn is None:
+            return outputs
+        loss = self._loss_everywhere(run.loss() if last else None)
+        return (loss, outputs) if return_outputs else loss
+
+    def _outputs_everywhere(self, run: StepRun, m: int) -> Value:
+        """The model's output on every process, passed down the ranks from the last stage's.
+
+        Stage ``r`` runs on rank ``r`` for ``r`` below the group's size, and
+        the last stage on the last rank, so ranks ``r + 1`` and ``r`` are
+        neighbours: each micro-batch's output is a message from one to the
+        next, under the step's transport (never pickled).
+        """
+        r = self.rank
+        batches = []
+        for i in range(m):
+            if r == self.size - 1:
+                batch = run.outputs[i]
+            else:
+                message = self._transport.receive(("output", i), r + 1, r)
+                batch = Batch.of(message.leaves, message.spec)
+            if r > 0:
+                outgoing = Message(batch.leaves, batch.spec, [False] * len(batch.leaves))
+                self._transport.send(("output", i), outgoing, r, r - 1, i)
+            batches.append(batch)
+        return gather(batches)
+
     # Module protocol
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Refused: this process holds only some stages; ``step`` runs the whole model."""
+        """Refused: this process holds only some stages; ``step`` and ``evaluate`` run them all."""
         raise RuntimeError(
             "a DistributedPipe holds only this process's stages, so it cannot be called like "
             "the model: train with pipe.step(input, target, loss_fn) on every process; to "
-            "evaluate or predict, save_shard() on every process and load_shards() into the "
-            "plain model or a pipeline.Pipe"
+            "evaluate or predict, call pipe.evaluate(input) (the outputs) or "
+            "pipe.evaluate(input, target, loss_fn) (the loss) on every process"
         )
 
     def load_state_dict(
@@ -360,6 +498,15 @@ class DistributedPipe(PipeBase):
     def __iter__(self) -> Iterator[nn.Module]:
         for s in self.local_stages:
             yield from self.partitions[s]
+
+
+def _loss_choice(reduction: LossReduction | None, divisor: LossDivisor | None) -> str:
+    """What every process must agree on of a call's loss arguments: ``mean, loss_divisor none``."""
+    return f"{reduction}, loss_divisor {_given(divisor)}"
+
+
+def _given(value: Any) -> str:
+    return "none" if value is None else "given"
 
 
 def _split_sizes(split: list[int]) -> list[int]:

@@ -177,6 +177,7 @@ _WHAT = {
     "grad": "the gradient",
     "skip": "the skip tensor",
     "skip-grad": "the skip tensor's gradient",
+    "output": "the model's output",
 }
 
 

@@ -25,7 +25,7 @@ from functools import partial
 import torch
 from torch import Tensor
 
-from pipeline.arguments import CheckpointMode, LossReduction
+from pipeline.arguments import CheckpointMode
 from pipeline.runtime import rng
 from pipeline.runtime.microbatch import Batch
 from pipeline.runtime.partitions import Hook, PartitionRuntime
@@ -34,15 +34,17 @@ from pipeline.runtime.stream import current_stream
 from pipeline.runtime.threadstate import ThreadState
 from pipeline.runtime.worker import Failure, Replies, Worker, add_note
 from pipeline.skip.layout import SkipLayout
-from pipeline.step.actions import Program
+from pipeline.step.actions import Action, Program
+from pipeline.step.losses import LossFn, Scale
 from pipeline.step.mail import AbortedError, LocalTransport, Transport
-from pipeline.step.stage import LossFn, StageRun, StepContext
+from pipeline.step.reports import Timed
+from pipeline.step.stage import StageRun, StepContext
 
-__all__ = ["StepRun", "checkpointed_tasks", "loss_scales"]
+__all__ = ["StepRun", "checkpointed_tasks", "forward_programs"]
 
 
 class StepRun:
-    """The state of one ``Pipe.step``: stages, transport, losses."""
+    """The state of one ``Pipe.step`` (or evaluation): stages, transport, losses."""
 
     def __init__(
         self,
@@ -50,19 +52,23 @@ class StepRun:
         skip_layout: SkipLayout,
         batches: list[Batch],
         targets: list[Batch],
-        loss_fn: LossFn,
-        scales: list[float],
+        loss_fn: LossFn | None,
+        scales: list[Scale],
         checkpointed: set[tuple[int, int]],
         hooks: list[Hook],
         keep_outputs: bool,
         *,
         transport: Transport | None = None,
         stages: Iterable[int] | None = None,
+        grad_scaler: torch.amp.GradScaler | None = None,
+        forward_only: bool = False,
+        measure_memory: bool = False,
     ) -> None:
         """The step's ``StepContext``, and a ``StageRun`` per stage run here.
 
         ``transport`` and ``stages`` (the stages this process runs) default
-        to every stage of ``runtime`` in this process.
+        to every stage of ``runtime`` in this process; the other options are
+        ``StepContext``'s.
         """
         self.context = StepContext(
             runtime=runtime,
@@ -78,6 +84,9 @@ class StepRun:
             checkpointed=checkpointed,
             hooks=hooks,
             keep_outputs=keep_outputs,
+            grad_scaler=grad_scaler,
+            forward_only=forward_only,
+            measure_memory=measure_memory,
         )
         self.transport = self.context.transport
         local = range(len(runtime)) if stages is None else stages
@@ -132,20 +141,36 @@ class StepRun:
         """Per stage run here, the most micro-batches it held at once."""
         return {j: stage.peak_in_flight for j, stage in self.stage_runs.items()}
 
+    @property
+    def timed(self) -> list[Timed]:
+        """Every action run here, as its stage timed it."""
+        return [t for stage in self.stage_runs.values() for t in stage.timed]
 
-def loss_scales(rows: list[int], reduction: LossReduction) -> list[float]:
-    """What each micro-batch's loss is multiplied by, so the step's gradient is the batch's.
+    @property
+    def peak_activation_bytes(self) -> dict[int, int | None]:
+        """Per stage run here, the peak bytes saved for backward (None unless measured)."""
+        return {
+            j: None if stage.meter is None else stage.meter.peak
+            for j, stage in self.stage_runs.items()
+        }
 
-    ``'mean'``: a micro-batch of r rows out of R counts r / R (uneven splits
-    included); ``'sum'``: each counts once.
 
-    >>> loss_scales([3, 3, 3, 1], "mean")
-    [0.3, 0.3, 0.3, 0.1]
-    >>> loss_scales([3, 1], "sum")
-    [1.0, 1.0]
+def forward_programs(m: int, stages: int, workers: int) -> list[Program]:
+    """An evaluation's programs: each worker's stages in order, each over every micro-batch.
+
+    Stage ``s`` runs on worker ``s % workers``, as in a step. A forward
+    waits only for the previous stage's forward of its micro-batch, and
+    every worker runs its stages in increasing order, so the programs cannot
+    deadlock; stages on different workers overlap, micro-batch after
+    micro-batch, as ``pipe(x)``'s forward does.
+
+    >>> [" ".join(map(str, p)) for p in forward_programs(2, 4, 2)]
+    ['0F0 0F1 2F0 2F1', '1F0 1F1 3F0 3F1']
     """
-    total = sum(rows)
-    return [r / total if reduction == "mean" else 1.0 for r in rows]
+    return [
+        [Action(s, "F", i) for s in range(w, stages, workers) for i in range(m)]
+        for w in range(workers)
+    ]
 
 
 def checkpointed_tasks(

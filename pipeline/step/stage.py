@@ -10,10 +10,17 @@ works on an autograd graph of its own, on the stage's worker:
   checkpointed forward runs without grad and keeps only its inputs.
 - ``B``: recompute if checkpointed (same random draws, same buffers, same
   autocast), run backward from the outputs with the gradients the next stage
-  mailed back (from the loss on the last stage), and mail the gradients of
-  the inputs back. On stage 0 they continue into the caller's graph (the
-  input may require grad). ``I`` and ``W`` do the same in two halves
-  (``split_backward.py``).
+  mailed back (from the loss on the last stage, scaled by the step's
+  GradScaler if any), and mail the gradients of the inputs back. On stage 0
+  they continue into the caller's graph (the input may require grad). ``I``
+  and ``W`` do the same in two halves (``split_backward.py``).
+
+An evaluation runs the ``F`` actions alone (``forward_only``), without grad:
+a stage keeps nothing of a micro-batch once its forward is done.
+
+Each action is timed (``reports.py``): its start and end, the time it waited
+for mail (reported to ``pipeline.trace()`` as a ``wait`` inside the action)
+and the time its backward recomputed.
 
 A skip between partitions is an extra boundary value of its micro-batch: the
 stashing stage mails it to the popping stage, which makes it a leaf and
@@ -23,9 +30,11 @@ outputs and its outgoing skips together. Stages in between never see it.
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable, Hashable, Iterator
-from contextlib import ExitStack, contextmanager
+import time
+from collections.abc import Hashable, Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, cast
@@ -33,7 +42,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
-from pipeline.runtime.microbatch import Batch, Value
+from pipeline.runtime.microbatch import Batch
 from pipeline.runtime.partitions import Hook, PartitionRuntime, protected
 from pipeline.runtime.recompute import Recomputation
 from pipeline.runtime.rng import BaseSeed, TaskRandomness
@@ -43,7 +52,10 @@ from pipeline.skip.carrier import Carrier
 from pipeline.skip.layout import SkipLayout
 from pipeline.skip.tracker import SkipKey, SkipTracker, use_tracker
 from pipeline.step.actions import Action
+from pipeline.step.activations import ActivationMeter
+from pipeline.step.losses import LossFn, Scale, scaled
 from pipeline.step.mail import Message, Transport
+from pipeline.step.reports import Timed
 from pipeline.step.split_backward import WeightWork, backward_input
 from pipeline.trace.event import Kind as EventKind
 from pipeline.trace.recording import span
@@ -51,18 +63,18 @@ from pipeline.trace.recording import span
 __all__ = ["LossFn", "StageRun", "StepContext"]
 
 
-LossFn = Callable[[Value, Value], Tensor]
-
-
 @dataclass(frozen=True)
 class StepContext:
     """What the stages of one step share, built by the runner: all that a stage reads.
 
     ``batches`` feed stage 0 and ``targets`` the last stage (empty where those
-    run in another process); ``scales[i]`` weighs micro-batch ``i``'s loss;
-    ``checkpointed`` holds the (micro-batch, stage) tasks whose forward drops
-    its activations; ``hooks`` are called with ``j`` on stage ``j``'s worker
-    once its gradients are final, one call at a time (``hooks_lock``).
+    run in another process); ``scales[i]`` weighs micro-batch ``i``'s loss
+    (``loss_fn`` is None in an evaluation without loss); ``checkpointed``
+    holds the (micro-batch, stage) tasks whose forward drops its activations;
+    ``hooks`` are called with ``j`` on stage ``j``'s worker once its gradients
+    are final, one call at a time (``hooks_lock``). ``grad_scaler`` scales
+    each loss that backward starts from; ``forward_only`` runs an evaluation;
+    ``measure_memory`` gives each stage an ``ActivationMeter``.
     """
 
     runtime: PartitionRuntime
@@ -73,11 +85,14 @@ class StepContext:
     compute_streams: list[Stream]
     batches: list[Batch]
     targets: list[Batch]
-    loss_fn: LossFn
-    scales: list[float]
+    loss_fn: LossFn | None
+    scales: list[Scale]
     checkpointed: set[tuple[int, int]]
     hooks: list[Hook]
     keep_outputs: bool
+    grad_scaler: torch.amp.GradScaler | None = None
+    forward_only: bool = False
+    measure_memory: bool = False
     hooks_lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -123,12 +138,27 @@ class StageRun:
         self.outputs: dict[int, Batch] = {}
         self.peak_in_flight = 0
         self.done = 0
+        # Each action as it ran; and, within the action running now, its waits
+        # and recomputation (a stage's actions run one at a time, on one thread).
+        self.timed: list[Timed] = []
+        self._waited = self._recomputed = 0.0
+        self.meter = (
+            ActivationMeter(context.runtime.partitions[j].parameters())
+            if context.measure_memory
+            else None
+        )
 
     def act(self, action: Action) -> None:
-        """Run ``action`` (one of this stage's) on its micro-batch."""
+        """Run ``action`` (one of this stage's) on its micro-batch, timed."""
+        self._waited = self._recomputed = 0.0
+        start = time.perf_counter()
+        self._act(action)
+        self.timed.append(Timed(action, start, time.perf_counter(), self._waited, self._recomputed))
+
+    def _act(self, action: Action) -> None:
         i = action.microbatch
         if action.kind == "F":
-            with span("forward", i, self.j), self._forward_context():
+            with span("forward", i, self.j), self._forward_context(), self._metered():
                 self.forward(i)
             return
         if action.kind == "W":
@@ -149,8 +179,9 @@ class StageRun:
         inputs, sources = self._inputs(i)
         randomness = TaskRandomness(self.context.seeds, i, self.j)
         stashed = _Stashed(i, inputs, randomness, (i, self.j) in self.context.checkpointed, sources)
-        self.stash[i] = stashed
-        self.peak_in_flight = max(self.peak_in_flight, len(self.stash))
+        if not self.context.forward_only:
+            self.stash[i] = stashed
+            self.peak_in_flight = max(self.peak_in_flight, len(self.stash))
         with randomness.drawing():
             if stashed.checkpointed:
                 output = self._checkpointed_forward(stashed)
@@ -158,8 +189,9 @@ class StageRun:
                 output = self._call(i, stashed, recomputing=False)
                 stashed.outputs = output.leaves
             if self.last:
-                stashed.loss = self._loss(i, output)
-                self._keep_result(i, stashed.loss.detach(), output)
+                if self.context.loss_fn is not None:
+                    stashed.loss = self._loss(i, output)
+                self._keep_result(i, stashed.loss, output)
         if not self.last:
             self._send_output(i, stashed, output)
 
@@ -169,7 +201,7 @@ class StageRun:
             batch = self.context.batches[i]
             leaves = [_leaf(x) if _needs_grad(x) else x for x in batch.leaves]
             return Batch.of(leaves, batch.spec), list(batch.leaves)
-        message = self._receive(("act", self.j, i), self.j - 1)
+        message = self._receive(("act", self.j, i), self.j - 1, i)
         leaves = [
             _leaf(x) if wanted else x
             for x, wanted in zip(message.leaves, message.differentiable, strict=True)
@@ -215,6 +247,7 @@ class StageRun:
     def _loss(self, i: int, output: Batch) -> Tensor:
         """Micro-batch ``i``'s loss, scaled by its share of the mini-batch's loss."""
         context = self.context
+        assert context.loss_fn is not None, "called only with a loss_fn"
         loss = context.loss_fn(output.value, context.targets[i].value)
         if not isinstance(loss, Tensor) or loss.dim() != 0:
             shape = f" of shape {tuple(loss.shape)}" if isinstance(loss, Tensor) else ""
@@ -222,7 +255,7 @@ class StageRun:
                 f"loss_fn returned {type(loss).__name__}{shape}; it must return a scalar "
                 "tensor, the loss of one micro-batch (reduced with 'mean' or 'sum')"
             )
-        return loss * context.scales[i]
+        return scaled(loss, context.scales[i])
 
     def _send_output(self, i: int, stashed: _Stashed, output: Batch) -> None:
         # A checkpointed forward records no graph, so it cannot tell which
@@ -239,8 +272,10 @@ class StageRun:
     def backward(self, i: int, split: bool) -> None:
         stashed = self.stash[i]
         if stashed.checkpointed:
-            with span("recompute", i, self.j):
+            start = time.perf_counter()
+            with span("recompute", i, self.j), self._metered():
                 self._recompute(i, stashed)
+            self._recomputed += time.perf_counter() - start
         roots, grads = self._roots(i, stashed)
         inputs = [x for x in stashed.inputs.leaves if _needs_grad(x)]
         skips = list(stashed.skips_in.items())
@@ -270,12 +305,13 @@ class StageRun:
         """What this stage's backward starts from: the loss, or outputs and outgoing skips."""
         if self.last:
             assert stashed.loss is not None
-            return [stashed.loss], [None]
-        grads = self._receive(("grad", self.j, i), self.j + 1).leaves
+            scaler = self.context.grad_scaler
+            return [stashed.loss if scaler is None else scaler.scale(stashed.loss)], [None]
+        grads = self._receive(("grad", self.j, i), self.j + 1, i).leaves
         pairs = list(zip(stashed.outputs, grads, strict=True))
         for key, tensor in stashed.skips_out.items():
             popping = self.context.skip_layout.route(key).target
-            received = self._receive(self._skip_mail("skip-grad", key, i), popping)
+            received = self._receive(self._skip_mail("skip-grad", key, i), popping, i)
             pairs.append((tensor, received.leaves[0]))
         kept = [(o, g) for o, g in pairs if _needs_grad(o) and g is not None]
         return [o for o, _ in kept], [g for _, g in kept]
@@ -299,9 +335,10 @@ class StageRun:
         if self.done == self.context.m:
             self._finished()
 
-    def _keep_result(self, i: int, loss: Tensor, output: Batch) -> None:
-        """Micro-batch ``i``'s scaled loss, and its output if the caller wants outputs."""
-        self.losses[i] = loss
+    def _keep_result(self, i: int, loss: Tensor | None, output: Batch) -> None:
+        """Micro-batch ``i``'s scaled loss (detached), and its output if the caller wants it."""
+        if loss is not None:
+            self.losses[i] = loss.detach()
         if self.context.keep_outputs:
             self.outputs[i] = Batch.of(
                 [x.detach() if isinstance(x, Tensor) else x for x in output.leaves], output.spec
@@ -318,14 +355,23 @@ class StageRun:
     def _send(self, key: Hashable, message: Message, stage: int, i: int) -> None:
         self.context.transport.send(key, message, self.j, stage, i)
 
-    def _receive(self, key: Hashable, stage: int) -> Message:
-        return self.context.transport.receive(key, stage, self.j)
+    def _receive(self, key: Hashable, stage: int, i: int) -> Message:
+        """The message under ``key`` from ``stage``; the wait counts as waiting, not compute."""
+        start = time.perf_counter()
+        with span("wait", i, self.j):
+            message = self.context.transport.receive(key, stage, self.j)
+        self._waited += time.perf_counter() - start
+        return message
 
     def _skip_mail(self, kind: str, key: SkipKey, i: int) -> tuple[str, int, int]:
         """The mail key of a skip (or its gradient), meaningful in every process."""
         return kind, self.context.skip_layout.number(key), i
 
     # Contexts
+
+    def _metered(self) -> AbstractContextManager[None]:
+        """Tensors saved for backward counted by the stage's meter, if memory is measured."""
+        return self.meter.hooks() if self.meter is not None else contextlib.nullcontext()
 
     @contextmanager
     def _forward_context(self) -> Iterator[None]:
@@ -378,7 +424,7 @@ class _StageTracker(SkipTracker):
         if self.recomputing:
             return cast(Tensor, _view(self.stashed.skips_in[key]))
         i = self.stashed.i
-        message = self.stage._receive(self.stage._skip_mail("skip", key, i), route.source)
+        message = self.stage._receive(self.stage._skip_mail("skip", key, i), route.source, i)
         tensor = message.leaves[0]
         leaf = _leaf(tensor) if message.differentiable[0] else tensor
         self.stashed.skips_in[key] = leaf

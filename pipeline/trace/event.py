@@ -6,9 +6,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal, TypeAlias
 
-__all__ = ["COMPUTE_KINDS", "KINDS", "Event", "Kind", "covered_time", "task_name"]
+__all__ = ["COMPUTE_KINDS", "KINDS", "Event", "Kind", "busy_time", "covered_time", "task_name"]
 
-Kind: TypeAlias = Literal["forward", "backward", "recompute", "input_grad", "weight_grad", "copy"]
+Kind: TypeAlias = Literal[
+    "forward", "backward", "recompute", "input_grad", "weight_grad", "copy", "wait"
+]
 KINDS: tuple[Kind, ...] = (
     "forward",
     "backward",
@@ -16,8 +18,11 @@ KINDS: tuple[Kind, ...] = (
     "input_grad",
     "weight_grad",
     "copy",
+    "wait",
 )
-# Copies are issued by the driver thread, not computed by the partition.
+# Copies are issued by the driver thread, not computed by the partition. A
+# wait (an action of Pipe.step waiting for a message) lies inside its action's
+# event, and is not computed either.
 COMPUTE_KINDS: frozenset[Kind] = frozenset(
     {"forward", "backward", "recompute", "input_grad", "weight_grad"}
 )
@@ -29,7 +34,8 @@ class Event:
 
     ``start`` and ``end`` are ``time.perf_counter()`` seconds; ``step`` counts
     the Pipe's forward passes within the trace; ``thread`` names the thread
-    that ran the task. A copy's ``partition`` is the one it copies into.
+    that ran the task. A copy's ``partition`` is the one it copies into; a
+    wait's is the partition whose action waited.
 
     >>> Event("forward", 3, 1, 0, "pipe-partition-1", 0.010, 0.012).name
     'pipe.forward[mb=3,part=1]'
@@ -61,6 +67,18 @@ def task_name(kind: Kind, microbatch: int, partition: int) -> str:
     """
     where = f"{partition - 1}->{partition}" if kind == "copy" else str(partition)
     return f"pipe.{kind}[mb={microbatch},part={where}]"
+
+
+def busy_time(events: Iterable[Event]) -> float:
+    """The time ``events`` computed: covered by a compute task, less the waits inside them.
+
+    >>> busy_time([Event("forward", 0, 1, 0, "t", 0.0, 3.0),
+    ...            Event("wait", 0, 1, 0, "t", 0.0, 1.0)])
+    2.0
+    """
+    events = list(events)
+    computing = covered_time(e for e in events if e.kind in COMPUTE_KINDS)
+    return computing - covered_time(e for e in events if e.kind == "wait")
 
 
 def covered_time(events: Iterable[Event]) -> float:

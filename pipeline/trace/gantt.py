@@ -1,7 +1,8 @@
 """Gantt: a text chart of a traced step, one line per partition.
 
-Each column is a slice of time; it shows the task that fills most of it, or
-``.`` when the partition was idle for most of it::
+Each column is a slice of time; it shows the task that fills most of it, ``~``
+when an action of ``Pipe.step`` waited for a message for most of it, or ``.``
+when the partition was idle for most of it::
 
     time 0 .. 12.31 ms, 1 column = 0.17 ms
     partition 0 |FFFFffffFFFFffff........BBBBBbbbbbBBBBBbbbbb| idle 33.3%
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pipeline.trace.event import COMPUTE_KINDS, Event, Kind, covered_time
+from pipeline.trace.event import Event, Kind, busy_time
 
 __all__ = ["LEGEND", "render"]
 
@@ -23,10 +24,11 @@ _LETTERS: dict[Kind, str] = {
     "input_grad": "I",
     "weight_grad": "W",
     "copy": "C",
+    "wait": "~",
 }
 LEGEND = (
     "F forward, B backward, R recompute, I input gradient, W weight gradient, C copy\n"
-    "lower case: odd micro-batch; . idle"
+    "lower case: odd micro-batch; ~ waiting for a message; . idle"
 )
 
 
@@ -39,7 +41,7 @@ def render(events: Sequence[Event], width: int = 72) -> str:
     partition 0 |FF..| idle 50.0%
     partition 1 |..FF| idle 50.0%
     F forward, B backward, R recompute, I input gradient, W weight gradient, C copy
-    lower case: odd micro-batch; . idle
+    lower case: odd micro-batch; ~ waiting for a message; . idle
     """
     if width < 1:
         raise ValueError(f"width must be a positive number of columns, got {width}")
@@ -54,7 +56,7 @@ def render(events: Sequence[Event], width: int = 72) -> str:
     for j in range(n):
         row = [e for e in events if e.partition == j]
         cells = "".join(_cell(row, origin + c * column, column) for c in range(width))
-        busy = covered_time(e for e in row if e.kind in COMPUTE_KINDS)
+        busy = busy_time(row)
         idle = 1.0 - busy / span if span > 0 else 0.0
         lines.append(f"{f'partition {j}'.ljust(label)} |{cells}| idle {idle:.1%}")
     lines.append(LEGEND)
@@ -63,12 +65,17 @@ def render(events: Sequence[Event], width: int = 72) -> str:
 
 def _cell(events: Sequence[Event], start: float, length: float) -> str:
     best: Event | None = None
-    best_overlap = 0.0
+    best_overlap = waited = 0.0
     for e in events:
-        overlap = min(e.end, start + length) - max(e.start, start)
-        if overlap > best_overlap:
+        overlap = max(min(e.end, start + length) - max(e.start, start), 0.0)
+        if e.kind == "wait":
+            waited += overlap
+        elif overlap > best_overlap:
             best, best_overlap = e, overlap
-    if best is None or best_overlap < length / 2:
+    # A wait lies inside its action's task: the task fills only the rest.
+    if waited >= length / 2:
+        return _LETTERS["wait"]
+    if best is None or best_overlap - waited < length / 2:
         return "."
     letter = _LETTERS[best.kind]
     return letter if best.microbatch % 2 == 0 else letter.lower()

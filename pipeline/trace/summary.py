@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pipeline.clock.cycles import bubble_fraction
-from pipeline.trace.event import COMPUTE_KINDS, KINDS, Event, Kind, covered_time
+from pipeline.trace.event import COMPUTE_KINDS, KINDS, Event, Kind, busy_time
 
 __all__ = ["PartitionSummary", "Summary", "summarize"]
 
@@ -17,8 +17,10 @@ class PartitionSummary:
     """One partition's time over the traced steps, in seconds.
 
     ``busy`` is the time it computed (forward, backward or recompute; overlaps
-    counted once); ``idle_fraction`` is the rest of the steps' time, as a
-    share of it. ``time_by_kind`` sums the durations of each kind of task.
+    counted once), less the time its actions waited for a message
+    (``Pipe.step``); ``idle_fraction`` is the rest of the steps' time, as a
+    share of it, waits included. ``time_by_kind`` sums the durations of each
+    kind of task (``"wait"``: the waits, which lie inside their actions).
     """
 
     partition: int
@@ -122,10 +124,10 @@ def _partition_summary(partition: int, events: list[Event], window: float) -> Pa
     time_by_kind: dict[Kind, float] = dict.fromkeys(KINDS, 0.0)
     for e in events:
         time_by_kind[e.kind] += e.duration
-        if e.kind in COMPUTE_KINDS:
+        if e.kind in COMPUTE_KINDS or e.kind == "wait":
             by_step[e.step].append(e)
     # Steps are covered separately so that time between steps is not busy.
-    busy = sum(covered_time(step_events) for step_events in by_step.values())
+    busy = sum(busy_time(step_events) for step_events in by_step.values())
     idle = 1.0 - busy / window if window > 0 else 0.0
     # Clamped because summing the covered pieces may round past the window.
     return PartitionSummary(partition, busy, min(max(idle, 0.0), 1.0), time_by_kind)

@@ -485,6 +485,35 @@ def pipe_step_matches_full_batch() -> None:
     )
 
 
+@scenario
+def a_mean_over_every_replicas_tokens_with_a_divisor() -> None:
+    # Replicas holding different numbers of tokens: each divides its summed
+    # loss by the global count over the number of replicas, which averaging
+    # turns into the plain model's mean over every token.
+    torch.manual_seed(20)
+    layers = [nn.Embedding(5, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, 5)]
+    full_batch = nn.Sequential(*copy.deepcopy(layers))
+    dp = DataParallel(Pipe(nn.Sequential(*layers), [2, 2], devices=["cpu"] * 2, chunks=2))
+    gen = torch.Generator().manual_seed(21)
+    tokens = torch.randint(0, 5, (4 * world(), 3), generator=gen)
+    targets = torch.randint(0, 5, (4 * world(), 3), generator=gen)
+    targets[: 2 * world(), 1:] = -100  # rank 0's shard keeps the fewest
+    count = (shard(targets) != -100).sum()
+    dist.all_reduce(count)
+
+    def summed(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(output.flatten(0, 1), target.flatten(), reduction="sum")
+
+    loss = dp.step(
+        shard(tokens), shard(targets), summed, loss_reduction="sum", loss_divisor=count / world()
+    )
+    expected = F.cross_entropy(full_batch(tokens).flatten(0, 1), targets.flatten())
+    expected.backward()
+    dist.all_reduce(loss)
+    torch.testing.assert_close(loss / world(), expected.detach())
+    assert_grads_close(dp.module, full_batch, "the mean over every replica's tokens")
+
+
 @contextmanager
 def no_sync_of(dp: DataParallel) -> Iterator[DataParallel]:
     """``dp`` inside its no_sync(): its step must leave local, unaveraged gradients."""

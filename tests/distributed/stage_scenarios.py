@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from pipeline import DataParallel, Pipe
 from pipeline.distributed import DistributedPipe, PeerError, load_shards, save_shard
@@ -439,7 +440,7 @@ def bad_arguments_are_refused_by_every_process_before_any_work() -> None:
     expect_error(ValueError, lambda: DistributedPipe(blocks(2), [1, 1], timeout=0), "timeout")
     pipe = DistributedPipe(blocks(2 * world(), seed=13), [2] * world(), chunks=2)
     x, y = batch()
-    expect_error(RuntimeError, lambda: pipe(x), "train with pipe.step", "load_shards")
+    expect_error(RuntimeError, lambda: pipe(x), "train with pipe.step", "pipe.evaluate(input)")
     message = expect_error(ValueError, lambda: pipe.step(None if rank() == 0 else x, y, F.mse_loss))
     assert ("needs the input" if rank() == 0 else "rank 0 of the pipeline refused") in message
     expect_error(ValueError, lambda: pipe.step(x, y[:-2], F.mse_loss), "target splits into")
@@ -456,6 +457,199 @@ def bad_arguments_are_refused_by_every_process_before_any_work() -> None:
     plain = blocks(2 * world(), seed=13)
     F.mse_loss(plain(x), y).backward()
     assert_grads_equal(pipe, plain, "the step after refused ones")
+    pipe.close()
+
+
+class Scores(nn.Module):
+    """Ends a model: a dict of a tensor and a plain value."""
+
+    def forward(self, x: Tensor) -> dict[str, Any]:
+        return {"logits": x, "kind": "scores"}
+
+
+def evaluated_model(stages: int) -> nn.Sequential:
+    """BatchNorm (running statistics) and dropout in every stage; a structured output."""
+    torch.manual_seed(22)
+    layers: list[nn.Module] = []
+    for _ in range(stages):
+        layers += [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.BatchNorm1d(WIDTH)), nn.Dropout(0.3)]
+    layers[-1] = Scores()
+    return nn.Sequential(*layers).double()
+
+
+def summed_logits(output: dict[str, Any], target: Tensor) -> Tensor:
+    return F.mse_loss(output["logits"], target, reduction="sum")
+
+
+@scenario
+def evaluate_returns_loss_and_outputs_on_every_process() -> None:
+    x, y = batch(rows=11)
+    for stages in (world(), 2 * world()):
+        plain = evaluated_model(stages).eval()
+        with torch.no_grad():
+            expected = plain(x)
+        pipe = DistributedPipe(evaluated_model(stages), [2] * stages, chunks=3)
+        first, last = 0 in pipe.local_stages, stages - 1 in pipe.local_stages
+        pipe.partitions[pipe.local_stages[0]][0][1].eval()  # mixed modes
+        for param in pipe.parameters():
+            param.grad = torch.ones_like(param)
+        modes = [m.training for m in pipe.modules()]
+        state = {k: v.clone() for k, v in pipe.state_dict().items()}
+        generator = torch.get_rng_state()
+        what = f"{stages} stages"
+
+        outputs = pipe.evaluate(x if first else None)
+        assert outputs["kind"] == "scores", what
+        torch.testing.assert_close(outputs["logits"], expected["logits"], msg=what)
+        loss, again = pipe.evaluate(
+            x if first else None, y if last else None, summed_logits, loss_reduction="sum",
+            loss_divisor=11 * WIDTH, return_outputs=True,
+        )  # fmt: skip
+        torch.testing.assert_close(loss, F.mse_loss(expected["logits"], y), msg=what)
+        torch.testing.assert_close(again["logits"], expected["logits"], msg=what)
+
+        assert [m.training for m in pipe.modules()] == modes, what
+        assert all(torch.equal(p.grad, torch.ones_like(p)) for p in pipe.parameters()), what
+        assert all(torch.equal(v, state[k]) for k, v in pipe.state_dict().items()), what
+        assert torch.equal(torch.get_rng_state(), generator), what
+        pipe.close()
+
+
+@scenario
+def evaluate_arguments_are_agreed_by_every_process() -> None:
+    pipe = DistributedPipe(blocks(2 * world(), seed=23), [2] * world(), chunks=2)
+    x, y = batch()
+    odd, last = rank() == 1, rank() == world() - 1
+    start = time.monotonic()
+    expect_error(
+        ValueError,
+        lambda: pipe.evaluate(x, y if odd else None, F.mse_loss if odd else None),
+        "chose different schedules or loss arguments",
+        split_at_rank_1(),
+    )
+    refused_last = f"rank {world() - 1} of the pipeline refused"
+    expect_error(
+        ValueError,
+        lambda: pipe.evaluate(x, None if last else y, F.mse_loss),
+        "needs the target" if last else refused_last,
+    )
+    expect_error(
+        ValueError,
+        lambda: pipe.evaluate(
+            x, y, nn.MSELoss(reduction="sum"), loss_reduction="mean" if odd else None
+        ),
+        "has reduction='sum'" if odd else "rank 1 of the pipeline refused",
+    )
+    assert time.monotonic() - start < 15, "a refusal took the group's timeout"
+    plain = blocks(2 * world(), seed=23).eval()
+    torch.testing.assert_close(pipe.evaluate(x, y, F.mse_loss), F.mse_loss(plain(x), y).detach())
+    pipe.close()
+
+
+def token_model(stages: int) -> nn.Sequential:
+    """An embedding, then 2 layers a stage, ending in a head over the vocabulary (5)."""
+    torch.manual_seed(24)
+    layers: list[nn.Module] = [nn.Embedding(5, WIDTH), nn.Tanh()]
+    for _ in range(stages - 1):
+        layers += [nn.Linear(WIDTH, WIDTH), nn.Tanh()]
+    layers[-1] = nn.Linear(WIDTH, 5)
+    return nn.Sequential(*layers).double()
+
+
+def summed_tokens(output: Tensor, target: Tensor) -> Tensor:
+    return F.cross_entropy(output.reshape(-1, 5), target.reshape(-1), reduction="sum")
+
+
+@scenario
+def loss_reductions_and_divisors_equal_the_plain_model() -> None:
+    x, y = batch()
+    plain = blocks(2 * world(), seed=25)
+    loss_fn = nn.MSELoss(reduction="sum")
+    expected = loss_fn(plain(x), y)
+    expected.backward()
+    pipe = DistributedPipe(blocks(2 * world(), seed=25), [2] * world(), chunks=4)
+    torch.testing.assert_close(pipe.step(x, y, loss_fn), expected.detach())
+    assert_grads_equal(pipe, plain, "a loss module's sum")
+    pipe.close()
+
+    gen = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, 5, (4, 5), generator=gen)
+    targets = torch.randint(0, 5, (4, 5), generator=gen)
+    for row, kept in enumerate([5, 1, 3, 2]):  # micro-batches of unequal token counts
+        targets[row, kept:] = -100
+    plain = token_model(world())
+    expected = F.cross_entropy(plain(tokens).reshape(-1, 5), targets.reshape(-1))
+    expected.backward()
+    pipe = DistributedPipe(token_model(world()), [2] * world(), chunks=4)
+    count = (targets != -100).sum()
+    loss = pipe.step(tokens, targets, summed_tokens, loss_reduction="sum", loss_divisor=count)
+    torch.testing.assert_close(loss, expected.detach())
+    assert_grads_equal(pipe, plain, "the mean over tokens")
+    pipe.close()
+
+
+@scenario
+def a_grad_scaler_must_agree_on_infs_across_processes() -> None:
+    x, y = batch()
+    pipe = DistributedPipe(blocks(2 * world(), seed=26).float(), [2] * world(), chunks=2)
+    alone, _ = dist.new_subgroups(group_size=1)
+    for scaler, fragment in [
+        (torch.amp.GradScaler("cpu"), "a GradScaler decides on each process alone"),
+        (ShardedGradScaler("cpu", process_group=alone), "lacks the pipeline's (global) ranks"),
+    ]:
+        expect_error(
+            ValueError,
+            lambda scaler=scaler: pipe.step(x.float(), y.float(), F.mse_loss, grad_scaler=scaler),
+            fragment,
+            "ShardedGradScaler(device, process_group=...)",
+        )
+    assert all(p.grad is None for p in pipe.parameters())
+
+    plain = blocks(2 * world(), seed=26).float()
+    scalers = [
+        ShardedGradScaler("cpu", init_scale=2.0**10, growth_interval=2),
+        torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2),
+    ]
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (pipe, plain)]
+    reference = dict(plain.named_parameters())
+    for step in range(3):
+        for optimizer in optimizers:
+            optimizer.zero_grad()
+        loss = pipe.step(x.float(), y.float(), F.mse_loss, grad_scaler=scalers[0])
+        expected = F.mse_loss(plain(x.float()), y.float())
+        scalers[1].scale(expected).backward()
+        torch.testing.assert_close(loss, expected.detach())
+        if step == 1:  # an overflow in stage 0's gradients only: every process skips
+            reference["0.0.weight"].grad[0] = float("inf")  # type: ignore[index]
+            if rank() == 0:
+                dict(pipe.named_parameters())["0.0.weight"].grad[0] = float("inf")  # type: ignore[index]
+        for scaler, optimizer in zip(scalers, optimizers, strict=True):
+            scaler.step(optimizer)
+            scaler.update()
+        assert scalers[0].get_scale() == scalers[1].get_scale(), f"step {step}"
+        for name, param in pipe.named_parameters():
+            torch.testing.assert_close(param, reference[name], msg=f"step {step}: {name}")
+    pipe.close()
+
+
+@scenario
+def last_step_reports_this_process_stages() -> None:
+    x, y = batch()
+    pipe = DistributedPipe(blocks(4 * world()), [2] * (2 * world()), chunks=2 * world())
+    pipe.step(x, y, F.mse_loss, schedule=Interleaved1F1B(virtual=2), measure_memory=True)
+    report = pipe.last_step
+    assert report is not None
+    assert [p.partition for p in report.partitions] == pipe.local_stages
+    assert {r.action.stage for r in report.actions} == set(pipe.local_stages)
+    assert all(r.worker == rank() for r in report.actions)
+    assert report.peak_in_flight == {
+        s: report.simulation.peak_in_flight[s] for s in pipe.local_stages
+    }
+    assert all(p.peak_activation_bytes for p in report.partitions)
+    assert sum(report.received.values()) > 0
+    text = repr(report)
+    assert text.startswith(f"DistributedStepReport(rank {rank()}: Interleaved1F1B(virtual=2)")
+    assert "\n" not in text and "received" in text
     pipe.close()
 
 

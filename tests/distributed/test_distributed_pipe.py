@@ -31,6 +31,11 @@ SHARED = [
     "a_pipe_closed_right_after_construction_lets_its_peers_close_at_once",
     "dropout_batch_norm_and_autocast_match_the_single_process_pipe",
     "tuples_dicts_and_plain_values_cross_processes",
+    "evaluate_returns_loss_and_outputs_on_every_process",
+    "evaluate_arguments_are_agreed_by_every_process",
+    "loss_reductions_and_divisors_equal_the_plain_model",
+    "a_grad_scaler_must_agree_on_infs_across_processes",
+    "last_step_reports_this_process_stages",
 ]
 
 
@@ -67,6 +72,7 @@ def test_three_stage_processes_with_skips_over_the_middle_one(group_runner: Grou
         "skips_go_straight_to_non_adjacent_processes",
         "tied_weights_across_processes_stay_equal_and_train_like_the_plain_model",
         "tuples_dicts_and_plain_values_cross_processes",
+        "evaluate_returns_loss_and_outputs_on_every_process",
     ]
     check(group_runner(names, script=STAGES, world_size=3, wall_timeout_s=150), names)
 

@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pipeline import DeferredBatchNorm, Pipe
@@ -77,3 +78,32 @@ def test_convert_returns_a_lone_batch_norm_replaced() -> None:
     assert isinstance(DeferredBatchNorm.convert(nn.BatchNorm1d(2)), DeferredBatchNorm)
     with pytest.raises(ValueError, match="expected at least 2D input"):
         DeferredBatchNorm(2)(torch.zeros(2))
+
+
+def test_a_batch_norm_after_another_sees_inputs_normalised_per_micro_batch() -> None:
+    # The first BatchNorm's input is the plain model's, so its statistics are
+    # too. The second one's input comes from the first's output, normalised
+    # per micro-batch in the pipe and over the whole batch in the plain model:
+    # its statistics are those of the inputs it got, not the plain model's.
+    torch.manual_seed(12)
+    model = nn.Sequential(
+        nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Tanh(), nn.Linear(6, 6), nn.BatchNorm1d(6)
+    ).double()
+    plain, untouched = copy.deepcopy(model), copy.deepcopy(model)
+    pipe = Pipe(model, [2, 3], devices=["cpu"] * 2, chunks=3, deferred_batch_norm=True)
+    x = torch.randn(12, 4, dtype=torch.double)
+    pipe(x)
+    plain(x)
+    state, expected = pipe.state_dict(), plain.state_dict()
+    for name in ("running_mean", "running_var"):
+        torch.testing.assert_close(state[f"1.{name}"], expected[f"1.{name}"], msg=name)
+        assert not torch.allclose(state[f"4.{name}"], expected[f"4.{name}"]), name
+    first = untouched[1]
+    normalised = [
+        F.batch_norm(h, None, None, first.weight, first.bias, training=True, eps=first.eps)
+        for h in untouched[0](x).chunk(3)
+    ]
+    with torch.no_grad():  # one BatchNorm step over the whole batch of what it got
+        untouched[4](untouched[3](torch.tanh(torch.cat(normalised))))
+    for name in ("4.running_mean", "4.running_var"):
+        torch.testing.assert_close(state[name], untouched.state_dict()[name], msg=name)

@@ -1,0 +1,84 @@
+"""Activation memory of a stage: the bytes autograd saved for its backward, at their peak.
+
+Measured only when a step asks (``measure_memory=True``): a stage's forward
+(and the recomputation inside its backward) runs under saved-tensor hooks
+that count each storage a saved tensor uses, once however many tensors view
+it, until autograd lets the last of them go (the backward ran, or the graph
+was dropped)::
+
+    F 0   saves a, b    live {a, b}        peak a + b
+    F 1   saves c       live {a, b, c}     peak a + b + c
+    B 0   frees a, b    live {c}
+
+Parameters are not activations and are left out. The count is the same on
+CPU and CUDA: bytes autograd holds, not what the allocator reserved (its
+caches, its rounding, the workspace of kernels); a view counts its whole
+storage. It costs a few microseconds per saved tensor, so it is off by
+default.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Iterable
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["ActivationMeter"]
+
+
+class ActivationMeter:
+    """Counts the storages saved for backward under ``hooks()``, and their peak in bytes."""
+
+    def __init__(self, parameters: Iterable[Tensor]) -> None:
+        self._excluded = {p.untyped_storage().data_ptr() for p in parameters}
+        # Storage address -> [bytes, saved tensors still holding it].
+        self._live: dict[int, list[int]] = {}
+        # Released from whichever thread drops the graph.
+        self._lock = threading.Lock()
+        self.current = 0
+        self.peak = 0
+
+    def hooks(self) -> AbstractContextManager[None]:
+        """Within the block, on this thread, tensors saved for backward are counted."""
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+
+    def _pack(self, tensor: Tensor) -> Any:
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if key in self._excluded:
+            return tensor
+        with self._lock:
+            entry = self._live.setdefault(key, [storage.nbytes(), 0])
+            if entry[1] == 0:
+                self.current += entry[0]
+                self.peak = max(self.peak, self.current)
+            entry[1] += 1
+        saved = _Saved(tensor)
+        weakref.finalize(saved, self._release, key)
+        return saved
+
+    def _release(self, key: int) -> None:
+        with self._lock:
+            entry = self._live[key]
+            entry[1] -= 1
+            if entry[1] == 0:
+                self.current -= entry[0]
+                del self._live[key]
+
+
+class _Saved:
+    """A counted saved tensor: its collection tells the meter autograd let it go."""
+
+    __slots__ = ("__weakref__", "tensor")
+
+    def __init__(self, tensor: Tensor) -> None:
+        self.tensor = tensor
+
+
+def _unpack(saved: Any) -> Tensor:
+    return saved.tensor if isinstance(saved, _Saved) else saved

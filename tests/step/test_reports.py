@@ -1,0 +1,166 @@
+"""pipe.last_step: every action as it ran, waits apart from compute, peaks, a readable report;
+and pipeline.trace() showing the same waits as waits."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Hashable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from step_models import SCHEDULES, WIDTH, block
+from torch import Tensor, nn
+
+import pipeline
+from pipeline import Pipe
+from pipeline.step.mail import Mailboxes, Message
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_last_step_records_every_action_once(schedule: str) -> None:
+    pipe = Pipe(nn.Sequential(*(block() for _ in range(4))), [1] * 4, devices=["cpu"] * 4, chunks=4)
+    x = torch.randn(8, WIDTH)
+    pipe.step(x, x, F.mse_loss, schedule=SCHEDULES[schedule]())
+    report = pipe.last_step
+    assert report is not None
+    programs = report.schedule.programs(4, 4)
+    assert sorted(r.action for r in report.actions) == sorted(a for p in programs for a in p)
+    worker_of = {a.stage: w for w, p in enumerate(programs) for a in p}
+    for r in report.actions:
+        assert r.worker == worker_of[r.action.stage]
+        assert 0 <= r.start <= r.end <= report.duration + 1e-9
+        assert 0 <= r.waited <= r.end - r.start
+    assert report.actions[0].start == 0.0
+    assert [r.start for r in report.actions] == sorted(r.start for r in report.actions)
+    for part in report.partitions:
+        mine = [r for r in report.actions if r.action.stage == part.partition]
+        assert part.busy == pytest.approx(sum(r.compute for r in mine))
+        assert part.waiting == pytest.approx(sum(r.waited for r in mine))
+        in_actions = sum(r.end - r.start for r in report.actions if r.worker == part.worker)
+        assert part.idle == pytest.approx(max(report.duration - in_actions, 0.0))
+        assert sum(v for k, v in part.time_by_kind.items() if k != "R") == pytest.approx(part.busy)
+    assert report.peak_in_flight == report.simulation.peak_in_flight
+
+
+class Sleep(nn.Module):
+    """Takes a known time: sleeps in forward (backward takes next to none)."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+        self.linear = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: Tensor) -> Tensor:
+        time.sleep(self.seconds)
+        return self.linear(x)
+
+
+class HoldFirst(nn.Module):
+    """On its first call, waits until ``event`` is set, then sleeps ``seconds``."""
+
+    def __init__(self, event: threading.Event, seconds: float) -> None:
+        super().__init__()
+        self.event = event
+        self.seconds = seconds
+        self.calls = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.calls += 1
+        if self.calls == 1:
+            assert self.event.wait(timeout=30), "partition 1 never waited for its input"
+            time.sleep(self.seconds)
+        return x
+
+
+HELD = 0.05  # partition 1 waits at least this long for micro-batch 0
+COMPUTE = 0.01  # each forward of partition 1
+
+
+def test_waits_are_reported_as_waiting_not_busy(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Partition 0 holds micro-batch 0 back until partition 1 waits for it:
+    # partition 1 then waits at least HELD, however the threads are scheduled.
+    waiting = threading.Event()
+    take = Mailboxes.take
+
+    def noting_take(self: Mailboxes, step: int, key: Hashable, waiting_for: str) -> Message:
+        if key == ("act", 1, 0):
+            waiting.set()
+        return take(self, step, key, waiting_for)
+
+    monkeypatch.setattr(Mailboxes, "take", noting_take)
+    model = nn.Sequential(HoldFirst(waiting, HELD), Sleep(COMPUTE), Sleep(COMPUTE))
+    pipe = Pipe(model, [2, 1], devices=["cpu"] * 2, chunks=4, checkpoint="never")
+    x = torch.randn(8, WIDTH)
+    with pipeline.trace() as t:
+        pipe.step(x, x, F.mse_loss, schedule="gpipe")
+    report = pipe.last_step
+    assert report is not None
+
+    first = next(r for r in report.actions if str(r.action) == "1F0")
+    assert first.waited >= HELD
+    assert first.compute == pytest.approx(first.end - first.start - first.waited)
+    assert COMPUTE <= first.compute < first.waited + COMPUTE  # not the wait
+    part = report.partitions[1]
+    assert part.waiting >= HELD
+    # Busy is the sleeps (4 forwards), give or take generous overhead, not the wait.
+    assert 4 * COMPUTE <= part.time_by_kind["F"] <= 4 * COMPUTE + 1.0
+
+    # The trace shows the same wait inside the forward span, and does not count it.
+    waits = [e for e in t.events if e.kind == "wait" and (e.partition, e.microbatch) == (1, 0)]
+    assert len(waits) == 1 and waits[0].duration >= HELD
+    summary = t.summary().partitions[1]
+    spans = sum(e.duration for e in t.events if e.partition == 1 and e.kind != "wait")
+    assert summary.busy <= spans - HELD + 1e-6
+    assert summary.time_by_kind["wait"] >= HELD
+    chart = t.render(width=200).splitlines()[2]
+    assert chart.startswith("partition 1") and "~" in chart
+    assert any(e["cat"] == "wait" for e in t.chrome_trace()["traceEvents"] if e["ph"] == "X")
+
+
+class Tanh(nn.Module):
+    """A partition saving exactly its output (tanh saves its result) besides its input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH).double()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.tanh(self.linear(x))
+
+
+@pytest.mark.parametrize(("schedule", "held"), [("gpipe", 4), ("1f1b", 2)])
+def test_activation_peak_follows_the_micro_batches_held(schedule: str, held: int) -> None:
+    model = nn.Sequential(Tanh(), Tanh())
+    pipe = Pipe(model, [1, 1], devices=["cpu"] * 2, chunks=4, checkpoint="never")
+    x = torch.randn(8, WIDTH, dtype=torch.double)
+    pipe.step(x, x, F.mse_loss, schedule=schedule, measure_memory=True)
+    report = pipe.last_step
+    assert report is not None and report.peak_in_flight[0] == held
+    # Partition 0 saves its input (views of x: x's storage, once) and, per
+    # micro-batch of 2 rows, its tanh output.
+    row = WIDTH * 8
+    assert report.partitions[0].peak_activation_bytes == 8 * row + held * 2 * row
+    pipe.step(x, x, F.mse_loss, schedule=schedule)
+    assert pipe.last_step is not None
+    assert all(p.peak_activation_bytes is None for p in pipe.last_step.partitions)
+
+
+def test_repr_is_one_line_and_the_table_has_a_row_per_partition() -> None:
+    pipe = Pipe(nn.Sequential(block(), block(), block()), [1, 1, 1], devices=["cpu"] * 3, chunks=3)
+    x = torch.randn(6, WIDTH)
+    pipe.step(x, x, F.mse_loss, schedule="zb-h1", measure_memory=True)
+    report = pipe.last_step
+    text = repr(report)
+    assert "\n" not in text and len(text) < 200
+    assert text.startswith("StepReport(ZeroBubbleH1(), 3 micro-batches x 3 partitions, ")
+    assert "busy" in text and "waiting" in text and "simulated idle" in text
+    assert "activations at peak" in text
+    lines = report.table().splitlines()  # type: ignore[union-attr]
+    assert lines[0] == text
+    assert lines[1].split() == [
+        "part", "worker", "F", "ms", "I", "ms", "W", "ms", "R", "ms", "busy", "waiting",
+        "idle", "peak", "mb", "activations",
+    ]  # fmt: skip
+    assert [line.split()[0] for line in lines[2:]] == ["0", "1", "2"]
