@@ -30,9 +30,10 @@ from pipeline.runtime.partitions import PositionalSequential
 from pipeline.runtime.recompute import checkpoint_stop
 from pipeline.runtime.worker import Worker, stop_workers
 from pipeline.skip.layout import inspect_skip_layout
+from pipeline.step.actions import Program
 from pipeline.step.losses import LossDivisor
 from pipeline.step.reports import StepReport
-from pipeline.step.runner import forward_programs
+from pipeline.step.runner import StepRun, forward_programs
 from pipeline.step.schedules import Schedule, resolve_schedule
 from pipeline.trace.recording import begin_explicit_step
 
@@ -293,12 +294,16 @@ class Pipe(PipeBase):
         )
         begin_explicit_step(simulation.mean_idle_fraction)
         with self._one_pass():
-            run.run(programs, self._workers)
+            self._run_programs(run, programs)
         self.last_step = StepReport(schedule, simulation, *self._measured(run, programs))
         loss = run.loss()
         if return_outputs:
             return loss, gather(run.outputs)
         return loss
+
+    def _run_programs(self, run: StepRun, programs: list[Program]) -> None:
+        """Run a step's (or an evaluation's) programs on the workers."""
+        run.run(programs, self._workers)
 
     @overload
     def evaluate(self, input: Value) -> Value: ...
@@ -371,7 +376,7 @@ class Pipe(PipeBase):
                     loss_divisor,
                     keep_outputs=return_outputs or loss_fn is None,
                 )
-                run.run(forward_programs(len(batches), n, n), self._workers)
+                self._run_programs(run, forward_programs(len(batches), n, n))
         if loss_fn is None:
             return gather(run.outputs)
         if return_outputs:

@@ -73,8 +73,10 @@ def test_evaluate_leaves_grads_statistics_modes_and_generators() -> None:
     buffers = {k: v.clone() for k, v in pipe.state_dict().items()}
     generator = torch.get_rng_state()
 
+    report = pipe.last_step
     pipe.evaluate(x, y, F.mse_loss, return_outputs=True)
 
+    assert pipe.last_step is report  # what the last step ran
     assert [m.training for m in pipe.modules()] == modes
     assert [p.grad for p in pipe.parameters()] == grads  # the same tensors
     for before, after in zip(values, [g for g in grads if g is not None], strict=True):
