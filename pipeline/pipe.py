@@ -366,6 +366,7 @@ class Pipe(PipeBase):
             targets = self._scatter_target(target) if loss_fn is not None else []
             rows = _rows_of(batches, targets) if targets else [b.rows() for b in batches]
             n = len(self.partitions)
+            begin_explicit_step()
             with self._evaluating():
                 run = self._evaluation_run(
                     batches,

@@ -180,8 +180,11 @@ def span(kind: Kind, microbatch: int, partition: int) -> AbstractContextManager[
     return _span(kind, microbatch, partition, recording, _step_of(recording))
 
 
-def begin_explicit_step(schedule_bound: float) -> None:
-    """Begin a step of ``Pipe.step`` in the trace recording now, with its simulated idle share."""
+def begin_explicit_step(schedule_bound: float | None = None) -> None:
+    """Begin a step of ``Pipe.step`` in the trace recording now, with its simulated idle share.
+
+    An evaluation (``Pipe.evaluate``) begins one too, without a simulation.
+    """
     if _active is not None:
         _active._begin_step(schedule_bound)
 
