@@ -126,11 +126,22 @@ def test_two_threads_stepping_one_pipe_run_one_after_the_other() -> None:
 
 
 def test_partition_backward_hooks_fire_once_per_partition_after_its_last_backward() -> None:
+    # As docs/guide.md states: every partition, partition 0 too although the
+    # input does not require grad, on a worker, with its gradients final.
+    model = layered(4, "none")[0]
+    x, y = torch.randn(8, WIDTH, dtype=torch.double), torch.randn(8, WIDTH, dtype=torch.double)
+    plain = copy.deepcopy(model)
+    F.mse_loss(plain(x), y).backward()
     for schedule in SCHEDULES:
-        pipe = Pipe(layered(4, "none")[0], [2] * 4, devices=["cpu"] * 4, chunks=4)
+        pipe = Pipe(copy.deepcopy(model), [2] * 4, devices=["cpu"] * 4, chunks=4)
         seen: list[int] = []
-        pipe.register_partition_backward_hook(seen.append)
-        x, y = torch.randn(8, WIDTH, dtype=torch.double), torch.randn(8, WIDTH, dtype=torch.double)
+
+        def hook(j: int, pipe: Pipe = pipe, seen: list[int] = seen) -> None:
+            assert threading.current_thread() is not threading.main_thread()
+            assert_same(grads(pipe.partitions[j]), grads(plain[2 * j : 2 * j + 2]), f"{j}")
+            seen.append(j)
+
+        pipe.register_partition_backward_hook(hook)
         pipe.step(x, y, F.mse_loss, schedule=SCHEDULES[schedule]())
         assert sorted(seen) == [0, 1, 2, 3], schedule
 
