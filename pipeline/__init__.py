@@ -12,7 +12,7 @@ from pipeline.runtime.batchnorm import DeferredBatchNorm
 from pipeline.runtime.microbatch import NoChunk
 from pipeline.runtime.phase import is_checkpointing, is_recomputing
 from pipeline.split import split
-from pipeline.trace import Trace, trace
+from pipeline.trace import Trace, profile, trace
 
 __all__ = [
     "BalanceError",
@@ -26,6 +26,7 @@ __all__ = [
     "from_partitioned_state_dict",
     "is_checkpointing",
     "is_recomputing",
+    "profile",
     "skip",
     "split",
     "trace",

@@ -35,6 +35,7 @@ from pipeline.step.losses import LossDivisor
 from pipeline.step.reports import StepReport
 from pipeline.step.runner import StepRun, forward_programs
 from pipeline.step.schedules import Schedule, resolve_schedule
+from pipeline.trace.profiling import warn_if_workers_unseen
 from pipeline.trace.recording import begin_explicit_step
 
 __all__ = ["BalanceError", "Pipe", "PositionalSequential", "StepReport"]
@@ -135,6 +136,7 @@ class Pipe(PipeBase):
             _check_holds_tensor(input)
             return input
         check_input(input)
+        warn_if_workers_unseen(stacklevel=4)  # forward, Module._call_impl, __call__, the caller
         # One call at a time: two threads calling one Pipe run one after the other.
         with self._runtime.lock:
             return self._run(input)
@@ -215,6 +217,7 @@ class Pipe(PipeBase):
         """
         reduction = self._check_step(loss_fn, loss_reduction, loss_divisor, grad_scaler)
         chosen = resolve_schedule(schedule)
+        warn_if_workers_unseen(stacklevel=2)
         with self._runtime.lock:
             return self._step(
                 self._scatter_input(input),
@@ -361,6 +364,7 @@ class Pipe(PipeBase):
         reduction = self._check_evaluate_arguments(target, loss_fn, loss_reduction, loss_divisor)
         if loss_fn is not None and target is None:
             raise TypeError("Pipe.evaluate got a loss_fn but no target: pass both, or neither")
+        warn_if_workers_unseen(stacklevel=2)
         with self._runtime.lock:
             batches = self._scatter_input(input)
             targets = self._scatter_target(target) if loss_fn is not None else []

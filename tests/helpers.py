@@ -11,6 +11,8 @@ from torch import Tensor, nn
 
 from pipeline import Pipe
 from pipeline.skip import pop, skippable, stash
+from pipeline.step.actions import Program
+from pipeline.trace.event import Kind, task_name
 
 
 def mlp(width: int = 8, depth: int = 6, dtype: torch.dtype = torch.float64) -> nn.Sequential:
@@ -42,6 +44,19 @@ def cpu_pipe(
         checkpoint=checkpoint,  # type: ignore[arg-type]
         **options,
     )
+
+
+_TASK_KINDS: dict[str, Kind] = {
+    "F": "forward",
+    "B": "backward",
+    "I": "input_grad",
+    "W": "weight_grad",
+}
+
+
+def task_names(program: Program) -> set[str]:
+    """The names of a program's actions in traces and profiles (``pipe.forward[mb=0,part=1]``)."""
+    return {task_name(_TASK_KINDS[a.kind], a.microbatch, a.stage) for a in program}
 
 
 @skippable(stash=["skip"])

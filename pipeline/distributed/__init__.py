@@ -1,13 +1,13 @@
-"""Stages in processes: DistributedPipe, the P2P transport it sends on, shard checkpoints.
+"""Stages in processes: DistributedPipe, the P2P transport it sends on, DCP checkpoints.
 
 The torchrun helpers (``pipeline/runtime/process_group.py``) and ``DataParallel``
 (``pipeline/data_parallel/``) are importable from here too, as before.
 """
 
 from pipeline.data_parallel import DataParallel
+from pipeline.distributed.checkpoints import load_checkpoint, save_checkpoint
 from pipeline.distributed.p2p import PeerError
 from pipeline.distributed.pipe import DistributedPipe
-from pipeline.distributed.shards import load_shards, save_shard
 from pipeline.runtime.process_group import (
     TorchrunEnv,
     init_process_group_from_env,
@@ -22,7 +22,7 @@ __all__ = [
     "PeerError",
     "TorchrunEnv",
     "init_process_group_from_env",
-    "load_shards",
+    "load_checkpoint",
     "read_torchrun_env",
-    "save_shard",
+    "save_checkpoint",
 ]

@@ -495,6 +495,10 @@ class DistributedPipe(PipeBase):
         mine = OrderedDict((k, v) for k, v in state_dict.items() if k in own)
         return super().load_state_dict(mine, strict=strict, assign=assign)
 
+    def _tied_names(self) -> list[tuple[str, ...]]:
+        """Every name of each weight tied across processes: the plain model's, in its order."""
+        return self._ties.names()
+
     def __iter__(self) -> Iterator[nn.Module]:
         for s in self.local_stages:
             yield from self.partitions[s]

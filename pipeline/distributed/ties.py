@@ -50,6 +50,10 @@ class TiedWeights:
             if any(stage == s for stage, _ in o)
         }
 
+    def names(self) -> list[tuple[str, ...]]:
+        """Every name of each tied parameter, in the whole model's order (every stage's)."""
+        return [tuple(name for _, name in o) for found in self.found.values() for o in found]
+
     def synchronize(self) -> None:
         """Tied weights start equal: the first process holding them sends its values."""
         with torch.no_grad():

@@ -17,10 +17,9 @@ output, only while tracing). Outside a trace, a task costs a check of two flags.
 Under ``torch.profiler`` the same tasks appear as ranges with the events'
 names (``pipe.forward[mb=3,part=1]``). The profiler records the thread that
 started it and autograd's threads; the forward tasks run on the Pipe's
-worker threads, which it records when asked to profile every thread::
+worker threads, which ``pipeline.profile()`` (``profiling.py``) records too::
 
-    from torch.profiler import _ExperimentalConfig, profile
-    with profile(experimental_config=_ExperimentalConfig(profile_all_threads=True)) as prof:
+    with pipeline.profile() as prof:
         pipe(x).sum().backward()
 """
 

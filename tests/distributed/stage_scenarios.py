@@ -11,8 +11,8 @@ import copy
 import json
 import os
 import sys
-import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Any, cast
 
@@ -23,12 +23,13 @@ from torch import Tensor, nn
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from pipeline import DataParallel, Pipe
-from pipeline.distributed import DistributedPipe, PeerError, load_shards, save_shard
-from pipeline.schedules import Interleaved1F1B
+from pipeline.distributed import DistributedPipe, PeerError
+from pipeline.schedules import Interleaved1F1B, resolve_schedule
 from pipeline.skip import Namespace
 from tests import gloo_groups
+from tests.distributed import checkpoint_scenarios  # noqa: F401 (its scenarios run here too)
 from tests.gloo_groups import breaks_group, expect_error, main, rank, scenario, world
-from tests.helpers import Pop, Stash
+from tests.helpers import Pop, Stash, task_names
 
 WIDTH = 8
 MODES = ("always", "except_last", "never")
@@ -313,34 +314,6 @@ def tied_weights_accumulate_over_steps_like_the_plain_model() -> None:
     pipe.close()
 
 
-@scenario
-def a_checkpoint_loads_into_the_plain_model_a_pipe_and_another_balance() -> None:
-    model = blocks(2 * world(), seed=6)
-    pipe = DistributedPipe(model, [2] * world(), chunks=2)
-    x, y = batch()
-    pipe.step(x, y, F.mse_loss)
-    for param in pipe.parameters():
-        param.data.add_(torch.randn_like(param))  # weights of its own, not the initial ones
-    directory = Path(tempfile.gettempdir()) / f"stage-checkpoint-{os.environ['MASTER_PORT']}"
-    save_shard(pipe, directory)
-    dist.barrier()
-    state = load_shards(directory)
-    plain = blocks(2 * world(), seed=99)
-    plain.load_state_dict(state)
-    local = Pipe(blocks(2 * world(), seed=98), [2] * world(), devices=["cpu"] * world())
-    local.load_state_dict(state)
-    rebalanced = DistributedPipe(blocks(2 * world(), seed=97), [1, 2 * world() - 1], chunks=2)
-    rebalanced.load_state_dict(state)
-    plain_params, local_params = dict(plain.named_parameters()), dict(local.named_parameters())
-    for name, param in [*pipe.named_parameters(), *rebalanced.named_parameters()]:
-        torch.testing.assert_close(param, plain_params[name], msg=name)
-        torch.testing.assert_close(param, local_params[name], msg=name)
-    dist.barrier()
-    pipe.close()
-    rebalanced.close()
-    local.close()
-
-
 def noisy_model(dtype: torch.dtype) -> nn.Sequential:
     """Dropout and BatchNorm in every stage."""
     torch.manual_seed(14)
@@ -416,6 +389,25 @@ def tuples_dicts_and_plain_values_cross_processes() -> None:
         pipe.step(x, y, F.mse_loss, schedule=schedule)
         assert_grads_equal(pipe, plain, f"structures, {schedule}")
         pipe.close()
+
+
+@scenario
+def every_action_of_step_shows_under_the_plain_profiler_on_the_calling_thread() -> None:
+    pipe = DistributedPipe(blocks(2 * world()), [2] * world(), chunks=3)
+    x, y = batch()
+    for schedule in ("1f1b", "zb-h1"):
+        program = resolve_schedule(schedule).programs(3, world())[rank()]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # nor a warning of threads it cannot see
+            with torch.profiler.profile() as prof, torch.profiler.record_function("caller"):
+                pipe.step(x, y, F.mse_loss, schedule=schedule)
+        threads: dict[str, set[int]] = {}
+        for event in prof.events():
+            threads.setdefault(event.name, set()).add(event.thread)
+        expected = task_names(program)
+        assert expected <= threads.keys(), f"{schedule}: {sorted(expected - threads.keys())}"
+        assert set().union(*(threads[name] for name in expected)) == threads["caller"], schedule
+    pipe.close()
 
 
 @scenario

@@ -21,7 +21,9 @@ SHARED = [
     "meta_layers_get_their_own_reset_and_real_layers_keep_their_values",
     "tied_weights_across_processes_stay_equal_and_train_like_the_plain_model",
     "tied_weights_accumulate_over_steps_like_the_plain_model",
-    "a_checkpoint_loads_into_the_plain_model_a_pipe_and_another_balance",
+    "two_stages_save_and_another_balance_a_pipe_and_the_plain_model_resume",
+    "the_plain_model_or_a_pipe_saves_and_two_stages_resume",
+    "torch_calls_with_a_flattened_optimizer_state_resume_two_stages",
     "a_failing_process_makes_the_others_fail_at_once_naming_it",
     "bad_arguments_are_refused_by_every_process_before_any_work",
     "arguments_that_differ_between_processes_are_refused_by_every_process_at_construction",
@@ -36,6 +38,7 @@ SHARED = [
     "loss_reductions_and_divisors_equal_the_plain_model",
     "a_grad_scaler_must_agree_on_infs_across_processes",
     "last_step_reports_this_process_stages",
+    "every_action_of_step_shows_under_the_plain_profiler_on_the_calling_thread",
 ]
 
 
@@ -89,6 +92,7 @@ def test_a_pp_2_by_dp_2_grid(group_runner: GroupRunner) -> None:
     names = [
         "a_pipeline_refused_in_a_grid_stops_every_pipeline",
         "a_pp_by_dp_grid_equals_single_process_training_on_the_full_batch",
+        "a_grid_saves_and_another_grid_a_pipe_and_the_plain_model_resume",
     ]
     check(group_runner(names, script=STAGES, world_size=4, wall_timeout_s=150), names)
 

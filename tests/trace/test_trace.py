@@ -1,4 +1,4 @@
-"""Tests of pipeline.trace: the recorded tasks, their reports, and the profiler ranges."""
+"""Tests of pipeline.trace: the recorded tasks and their reports (the profiler: test_profiling)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,6 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
-from torch._C._profiler import _ExperimentalConfig
-from torch.profiler import profile
 
 import pipeline
 from pipeline.arguments import CheckpointMode
@@ -146,26 +144,6 @@ def test_render_draws_the_last_step_one_line_per_partition() -> None:
     assert lines[1] == "partition 0 |Ff...bbRB| idle 33.3%"
     assert lines[2] == "partition 1 |.CfbbBB..| idle 38.9%"
     assert len(lines) == 5  # the time axis, two partitions, the two-line legend
-
-
-def profiled_names(pipe: pipeline.Pipe, *, all_threads: bool) -> set[str]:
-    config = _ExperimentalConfig(profile_all_threads=all_threads)
-    with profile(experimental_config=config) as prof:
-        pipe(torch.randn(2 * M, 8)).sum().backward()
-    return {e.name for e in prof.events()}
-
-
-def test_profiler_shows_named_ranges() -> None:
-    pipe = small_pipe("except_last")
-    names = profiled_names(pipe, all_threads=True)
-    assert {
-        "pipe.forward[mb=3,part=2]",
-        "pipe.copy[mb=0,part=0->1]",
-        "pipe.recompute[mb=0,part=1]",
-    } <= names
-    # By default the profiler records the caller's and autograd's threads, not the workers.
-    names = profiled_names(pipe, all_threads=False)
-    assert {"pipe.copy[mb=0,part=0->1]", "pipe.recompute[mb=0,part=1]"} <= names
 
 
 def test_tracing_off_records_and_hooks_nothing(monkeypatch: pytest.MonkeyPatch) -> None:

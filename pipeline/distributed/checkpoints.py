@@ -1,0 +1,335 @@
+"""Checkpoints on torch.distributed.checkpoint (DCP), under the plain model's names.
+
+``save_checkpoint`` writes a model's and its optimizer's state, and
+``load_checkpoint`` reads them into another layout: the plain model, a
+``Pipe``, a ``DistributedPipe`` of any balance or number of processes, any of
+them wrapped in ``pipeline.DataParallel`` (a pp x dp grid) or torch's DDP::
+
+    save_checkpoint("ckpt/step-1000", pipe, optimizer)  # every process of the job
+    load_checkpoint("ckpt/step-1000", model, optimizer)  # in any other layout
+
+Each process writes the keys of the parameters it holds; the optimizer's state
+is flattened, keyed per parameter (``optim.state.<name>.exp_avg``,
+``optim.param_groups.<name>.lr``), so that any layout reads the keys of its
+own parameters. torch's own calls (``get_state_dict``, ``dcp.save``,
+``dcp.load``, ``set_state_dict``) go wrong here in four ways, which these
+functions avoid:
+
+- With the default options the optimizer's param groups are keyed by their
+  index: every process writes ``optim.param_groups.0.lr`` for its own
+  parameters, DCP keeps one process's copy, and the others load a group
+  without ``lr`` or ``betas`` (``KeyError: 'betas'`` at the next step).
+  Flattened, every key belongs to one parameter.
+- ``DataParallel`` and DDP prefix every name with ``module.``: unwrapped here.
+- A tied parameter has several names (an embedding and the output head), and
+  torch keys its optimizer state under the first one its module lists, which
+  depends on the layout. Here every name is written, and a layout reads the
+  first of the plain model's names that the checkpoint has: the same key on
+  every process holding the parameter, so that their copies stay equal.
+- An optimizer that has not stepped yet gets state from torch's calls by a
+  zero-lr step: when saving, the live optimizer then counts one step too
+  many and trains differently; when loading into one whose parameters hold a
+  ``.grad``, the step is skipped and no state is loaded at all. Here saving
+  leaves the optimizer as it was (the checkpoint holds no state for it), and
+  loading always reads the checkpoint's state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from collections.abc import Iterator, Mapping, MutableMapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.state_dict_loader import load
+from torch.distributed.checkpoint.state_dict_saver import save
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.nn.parallel import DistributedDataParallel
+
+from pipeline.data_parallel.wrapper import DataParallel
+from pipeline.distributed.pipe import DistributedPipe
+
+__all__ = ["load_checkpoint", "save_checkpoint"]
+
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+# The sections of a flattened optimizer state: "state.<name>.<field>",
+# "param_groups.<name>.<field>".
+_STATE, _GROUPS = "state.", "param_groups."
+
+
+def save_checkpoint(
+    path: str | os.PathLike[str],
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    extra: Mapping[str, Any] | None = None,
+    process_group: dist.ProcessGroup | None = None,
+) -> None:
+    """Save ``module``'s state (and ``optimizer``'s) in the directory ``path``, with DCP.
+
+    Collective: every process of ``process_group`` (default: the whole job;
+    one process when torch.distributed is not initialized) calls it, each
+    with its own part (every replica of a grid too: DCP writes one copy of
+    what replicas hold alike). ``module`` is the plain model, a ``Pipe``, a
+    ``DistributedPipe``, or one of them in ``DataParallel`` or DDP; the keys
+    are the plain model's. ``extra``'s entries are saved beside them, under
+    their names: what DCP saves (tensors, plain values, objects with
+    ``state_dict`` and ``load_state_dict`` such as an LR scheduler)::
+
+        save_checkpoint(f"ckpt/{step}", pipe, optimizer, extra={"scheduler": scheduler})
+    """
+    holder = _unwrapped(module)
+    names = _Names(holder)
+    state: dict[str, Any] = {"model": names.every_name(get_model_state_dict(holder))}
+    if optimizer is not None:
+        state["optim"] = names.every_name(_optimizer_state(holder, optimizer))
+    state.update(_extra(extra))
+    with _single_process_quietly():
+        save(state, checkpoint_id=path, process_group=process_group)
+
+
+def load_checkpoint(
+    path: str | os.PathLike[str],
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    extra: MutableMapping[str, Any] | None = None,
+    process_group: dist.ProcessGroup | None = None,
+) -> None:
+    """Load what ``save_checkpoint`` saved in ``path`` into ``module`` (and ``optimizer``).
+
+    Collective, like ``save_checkpoint``; the layout may differ from the
+    saving one (another balance, number of processes or replicas, a ``Pipe``,
+    the plain model). The optimizer's state and its param groups' settings
+    (``lr``, ``betas``, ...) become the checkpoint's: a parameter without
+    state there has none after the load. ``.grad`` is left as it is.
+    ``extra``'s entries are loaded by name: tensors and objects with
+    ``load_state_dict`` in place, other values replaced in ``extra``. A key
+    this process needs and the checkpoint lacks fails the load on every
+    process (``RuntimeError`` naming the key here), the optimizer left as it was.
+    """
+    holder = _unwrapped(module)
+    names = _Names(holder)
+    stored = set(FileSystemReader(path).read_metadata().state_dict_metadata)
+    model = _Reading("model.", get_model_state_dict(holder), names, stored)
+    state: dict[str, Any] = {"model": model.asked}
+    target = None if optimizer is None else _OptimizerTarget(holder, optimizer, names, stored)
+    if target is not None:
+        state["optim"] = target.reading.asked
+    state.update(_extra(extra))
+    try:
+        with _single_process_quietly():
+            load(state, checkpoint_id=path, process_group=process_group)
+    except BaseException as error:
+        if target is not None:
+            target.undo()
+        missing = sorted(
+            f"{section}.{key}"
+            for section in ("model", "optim")
+            for key in state.get(section, {})
+            if f"{section}.{key}" not in stored
+        )
+        if missing and isinstance(error, CheckpointException):
+            raise RuntimeError(_missing_text(path, missing, stored)) from error
+        raise
+    set_model_state_dict(holder, model.loaded())
+    if target is not None:
+        target.load()
+    if extra is not None:
+        # DCP loads a value that is neither a tensor nor Stateful by replacing it.
+        extra.update({k: state[k] for k, v in extra.items() if not isinstance(v, Stateful)})
+
+
+def _extra(extra: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``extra``'s entries, saved beside the model's and the optimizer's state."""
+    taken = sorted({"model", "optim"}.intersection(extra or {}))
+    if taken:
+        raise ValueError(
+            f"extra must not use the names {taken}: they hold the model's and the optimizer's "
+            "state; give its entries other names"
+        )
+    return dict(extra or {})
+
+
+def _missing_text(path: str | os.PathLike[str], missing: list[str], stored: set[str]) -> str:
+    shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+    if all(key.startswith("optim.") for key in missing) and not any(
+        key.startswith("optim.") for key in stored
+    ):
+        why = "it was saved without an optimizer: load it without one"
+    else:
+        why = "it was saved from a model with other parameters, or an optimizer of another kind"
+    return (
+        f"the checkpoint {os.fspath(path)!r} lacks {shown}, which this process needs; {why} "
+        "(nothing was loaded)"
+    )
+
+
+def _unwrapped(module: nn.Module) -> nn.Module:
+    """The model inside ``DataParallel`` or DDP (whose ``module.`` the plain model's names lack)."""
+    while isinstance(module, (DataParallel, DistributedDataParallel)):
+        module = module.module
+    return module
+
+
+class _Names:
+    """Every name the plain model gives each parameter of a module (several when tied).
+
+    In the plain model's order, which every layout keeps: the same on every
+    process, so that all holders of a tied parameter read the same key.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        by_object: dict[int, list[str]] = {}
+        for name, param in module.named_parameters(remove_duplicate=False):
+            by_object.setdefault(id(param), []).append(name)
+        groups = [tuple(names) for names in by_object.values()]
+        if isinstance(module, DistributedPipe):
+            # A weight tied across processes has names in the others' stages too.
+            tied = {name: names for names in module._tied_names() for name in names}
+            groups = [tied.get(group[0], group) for group in groups]
+        self.known = {name for group in groups for name in group}
+        self.aliases = {name: group for group in groups if len(group) > 1 for name in group}
+
+    def parameter_of(self, key: str, section: str) -> str | None:
+        """The parameter name in ``key`` of ``section`` (``"state.3.weight.step"``: ``"3.weight"``).
+
+        The longest name that ``key`` continues with a dot: nested optimizer
+        state has dots after the name too.
+        """
+        if not key.startswith(section):
+            return None
+        parts = key[len(section) :].split(".")
+        prefixes = (".".join(parts[:k]) for k in range(len(parts) - 1, 0, -1))
+        return next((name for name in prefixes if name in self.known), None)
+
+    def keys(self, key: str) -> tuple[str, ...]:
+        """``key`` under every name of its parameter, in order (``(key,)`` if it has one)."""
+        if key in self.aliases:
+            return self.aliases[key]
+        for section in (_STATE, _GROUPS):
+            name = self.parameter_of(key, section)
+            if name is not None and name in self.aliases:
+                field = key[len(section) + len(name) :]
+                return tuple(f"{section}{alias}{field}" for alias in self.aliases[name])
+        return (key,)
+
+    def every_name(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        """``state`` with each tied parameter's entries under all of its names."""
+        return {alias: value for key, value in state.items() for alias in self.keys(key)}
+
+    def without_state(self, target: Mapping[str, Any], stored: set[str]) -> set[str]:
+        """The parameters in ``target`` (flattened) without optimizer state in the checkpoint."""
+        saved = {self.parameter_of(key, "optim." + _STATE) for key in stored}
+        return {
+            name
+            for key in target
+            if (name := self.parameter_of(key, _STATE)) is not None
+            and not any(alias in saved for alias in self.aliases.get(name, (name,)))
+        }
+
+
+class _Reading:
+    """The keys to read for a target state: each under the first of its names the checkpoint has.
+
+    Every key is asked once, so that two names of one parameter held here
+    read the same value; a key the checkpoint lacks is asked under its own
+    name, for DCP to refuse it naming it.
+    """
+
+    def __init__(
+        self, section: str, target: Mapping[str, Any], names: _Names, stored: set[str]
+    ) -> None:
+        self.asked: dict[str, Any] = {}
+        self._source: dict[str, str] = {}
+        for key, value in target.items():
+            found = next((k for k in names.keys(key) if section + k in stored), key)
+            self.asked.setdefault(found, value)
+            self._source[key] = found
+
+    def loaded(self) -> dict[str, Any]:
+        """The target's keys with what DCP read (into the tensors, or in place of other values)."""
+        return {key: self.asked[found] for key, found in self._source.items()}
+
+
+def _optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's flattened state to save, the optimizer left as it was.
+
+    torch gives an optimizer without state some by a zero-lr step (when no
+    parameter has a ``.grad``); it is dropped again, from the optimizer and
+    from what is saved.
+    """
+    fresh = not optimizer.state
+    state = get_optimizer_state_dict(module, optimizer, options=_FLAT)
+    if fresh:
+        optimizer.state.clear()
+        state = {k: v for k, v in state.items() if not k.startswith(_STATE)}
+    return state
+
+
+class _OptimizerTarget:
+    """An optimizer made ready to load: its flattened state, with a tensor for DCP to read into.
+
+    The old state is dropped and torch gives every parameter state by a
+    zero-lr step, which it skips when a parameter has a ``.grad``: they are
+    set aside around it. A parameter that has no state in the checkpoint is
+    not read, and has none after the load.
+    """
+
+    def __init__(
+        self, module: nn.Module, optimizer: torch.optim.Optimizer, names: _Names, stored: set[str]
+    ) -> None:
+        self._module, self._optimizer = module, optimizer
+        self._before = optimizer.state_dict()
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        grads = [p.grad for p in params]
+        optimizer.state.clear()
+        for param in params:
+            param.grad = None
+        try:
+            self._target = get_optimizer_state_dict(module, optimizer, options=_FLAT)
+        finally:
+            for param, grad in zip(params, grads, strict=True):
+                param.grad = grad
+        self._stateless = names.without_state(self._target, stored)
+        wanted = {
+            key: value
+            for key, value in self._target.items()
+            if names.parameter_of(key, _STATE) not in self._stateless
+        }
+        self.reading = _Reading("optim.", wanted, names, stored)
+
+    def load(self) -> None:
+        """Into the optimizer, once DCP has read: a parameter without saved state keeps none."""
+        loaded = {**self._target, **self.reading.loaded()}
+        set_optimizer_state_dict(self._module, self._optimizer, loaded, options=_FLAT)
+        for name in self._stateless:
+            self._optimizer.state.pop(self._module.get_parameter(name), None)
+
+    def undo(self) -> None:
+        """The optimizer as it was (a failed load)."""
+        self._optimizer.load_state_dict(self._before)
+
+
+@contextlib.contextmanager
+def _single_process_quietly() -> Iterator[None]:
+    """Without a process group DCP reads and writes in this process alone, as asked: no warning."""
+    if dist.is_available() and dist.is_initialized():
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield

@@ -1,0 +1,364 @@
+"""Checkpoint scenarios: saved in one layout, loaded in another, trained on, by every rank.
+
+They run in the process groups of tests/distributed/test_distributed_pipe.py
+(stage_scenarios.py imports them), so as to start none of their own.
+Each scenario trains a model 2 AdamW steps in one layout, saves, loads into
+other layouts (another balance, a Pipe or the plain model in one process, a
+pp x dp grid) and trains 2 more steps: the weights must be those of the plain
+model trained 4 steps without the round trip (float64). The helpers serve
+tests/distributed/test_checkpoints.py's one-process tests too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+from pipeline import DataParallel, Pipe
+from pipeline.distributed import DistributedPipe, load_checkpoint, save_checkpoint
+from tests.gloo_groups import rank, scenario, world
+
+WIDTH = 8
+STEPS = 4
+SAVED_AFTER = 2
+
+
+class Embed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.token = nn.Embedding(11, WIDTH)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return self.token(tokens)
+
+
+class Head(nn.Module):
+    """The output layer, tied to the embedding."""
+
+    def __init__(self, embedding: nn.Embedding) -> None:
+        super().__init__()
+        self.embedding = embedding
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x @ self.embedding.weight.t()
+
+
+@dataclass(frozen=True)
+class Model:
+    """A model to checkpoint, its balances (two stages, another two, a Pipe's), its data."""
+
+    name: str
+    build: Callable[[int], nn.Sequential]
+    balances: tuple[list[int], list[int], list[int]]
+    tokens: bool
+
+    def batch(self, step: int, rows: int = 8) -> tuple[Tensor, Tensor]:
+        gen = torch.Generator().manual_seed(100 + step)
+        if self.tokens:
+            x, y = torch.randint(0, 11, (2, rows), generator=gen)
+        else:
+            x, y = torch.randn(2, rows, WIDTH, generator=gen, dtype=torch.double)
+        return x, y
+
+    def loss(self, output: Tensor, target: Tensor) -> Tensor:
+        return F.cross_entropy(output, target) if self.tokens else F.mse_loss(output, target)
+
+
+def _blocks(seed: int) -> nn.Sequential:
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    for _ in range(4):
+        layers += [nn.Linear(WIDTH, WIDTH), nn.Tanh()]
+    return nn.Sequential(*layers).double()
+
+
+def _tied(seed: int) -> nn.Sequential:
+    """Embedding, 2 x (Linear, Tanh), a head tied to the embedding: the tie crosses stages."""
+    torch.manual_seed(seed)
+    embed = Embed()
+    layers = [embed, nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH), nn.Tanh()]
+    return nn.Sequential(*layers, Head(embed.token)).double()
+
+
+BLOCKS = Model("blocks", _blocks, ([4, 4], [2, 6], [3, 5]), tokens=False)
+TIED = Model("tied", _tied, ([3, 3], [2, 4], [2, 4]), tokens=True)
+MODELS = (BLOCKS, TIED)
+
+
+def adamw(module: nn.Module) -> torch.optim.AdamW:
+    """AdamW with two param groups: weights with decay, the rest without."""
+    named = list(module.named_parameters())
+    return torch.optim.AdamW(
+        [
+            {"params": [p for n, p in named if n.endswith("weight")], "weight_decay": 0.1},
+            {"params": [p for n, p in named if not n.endswith("weight")], "weight_decay": 0.0},
+        ],
+        lr=0.05,
+    )
+
+
+def train(
+    model: Model,
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    step: int,
+    replica: int = 0,
+    replicas: int = 1,
+) -> None:
+    """One step on the step's batch (this replica's share of it)."""
+    x, y = model.batch(step)
+    share = slice(replica * len(x) // replicas, (replica + 1) * len(x) // replicas)
+    optimizer.zero_grad()
+    if isinstance(module, (Pipe, DistributedPipe, DataParallel)):
+        module.step(x[share], y[share], model.loss)
+    else:
+        model.loss(module(x), y).backward()
+    optimizer.step()
+
+
+@dataclass
+class Uninterrupted:
+    """The plain model trained STEPS steps: the weights after each, by every name of each.
+
+    ``state`` and ``settings``: its optimizer's state and param group
+    settings when the layouts save (after SAVED_AFTER steps), by name too.
+    """
+
+    weights: list[dict[str, Tensor]]
+    state: dict[str, dict[str, Any]]
+    settings: dict[str, dict[str, Any]]
+
+
+def uninterrupted(model: Model) -> Uninterrupted:
+    plain = model.build(0)
+    optimizer = adamw(plain)
+    weights = []
+    saved: dict[str, Any] = {}
+    for step in range(STEPS):
+        if step == SAVED_AFTER:
+            saved = copy.deepcopy(optimizer.state_dict())  # parameters by position
+        train(model, plain, optimizer, step)
+        weights.append({n: p.detach().clone() for n, p in _named(plain)})
+    order = [p for group in optimizer.param_groups for p in group["params"]]
+    position = {id(p): i for i, p in enumerate(order)}
+    state, settings = {}, {}
+    for name, param in _named(plain):
+        i = position[id(param)]
+        state[name] = saved["state"].get(i, {})
+        group = next(g for g in saved["param_groups"] if i in g["params"])
+        settings[name] = {k: v for k, v in group.items() if k != "params"}
+    return Uninterrupted(weights, state, settings)
+
+
+def _named(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return list(module.named_parameters(remove_duplicate=False))
+
+
+def assert_resumes(
+    model: Model,
+    reference: Uninterrupted,
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    what: str,
+    replica: int = 0,
+    replicas: int = 1,
+) -> None:
+    """The loaded optimizer holds the saved AdamW state; the next steps give the same weights."""
+    inner = module.module if isinstance(module, DataParallel) else module
+    assert_adamw_state(reference, inner, optimizer, what)
+    for step in range(SAVED_AFTER, STEPS):
+        train(model, module, optimizer, step, replica, replicas)
+        for name, param in _named(inner):
+            torch.testing.assert_close(
+                param.detach(),
+                reference.weights[step][name],
+                rtol=0,
+                atol=1e-12,
+                msg=lambda m, name=name, step=step: f"{what}, step {step}, {name}: {m}",
+            )
+
+
+def assert_adamw_state(
+    reference: Uninterrupted, module: nn.Module, optimizer: torch.optim.Optimizer, what: str
+) -> None:
+    """Every parameter's step, exp_avg, exp_avg_sq and group settings are the saved ones."""
+    group_of = {p: g for g in optimizer.param_groups for p in g["params"]}
+    for name, param in _named(module):
+        saved, state = reference.state[name], optimizer.state[param]
+        assert state.keys() == saved.keys() == {"step", "exp_avg", "exp_avg_sq"}, f"{what}, {name}"
+        for field in saved:
+            torch.testing.assert_close(
+                state[field], saved[field], rtol=0, atol=1e-12, msg=f"{what}, {name}.{field}"
+            )
+        for setting in ("lr", "betas", "eps", "weight_decay"):
+            mine, theirs = group_of[param][setting], reference.settings[name][setting]
+            assert mine == theirs, f"{what}, {name}: {setting} {mine}, saved {theirs}"
+
+
+@contextlib.contextmanager
+def shared_directory(name: str) -> Iterator[Path]:
+    """A directory every rank of this group sees, removed once all are done with it."""
+    directory = Path(tempfile.gettempdir()) / f"checkpoints-{os.environ['MASTER_PORT']}" / name
+    try:
+        yield directory
+    finally:
+        dist.barrier()
+        if rank() == 0:
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+def each_process_alone() -> dist.ProcessGroup:
+    """A group of this process only (made collectively): DCP in one process of the job."""
+    alone, _ = dist.new_subgroups_by_enumeration([[r] for r in range(world())])
+    assert alone is not None
+    return alone
+
+
+def two_stages(model: Model, balance: list[int], seed: int) -> DistributedPipe:
+    return DistributedPipe(model.build(seed), balance, chunks=2)
+
+
+# World 2: two stage processes.
+
+
+@scenario
+def two_stages_save_and_another_balance_a_pipe_and_the_plain_model_resume() -> None:
+    alone = each_process_alone()
+    for model in MODELS:
+        reference = uninterrupted(model)
+        first, other, pipe_balance = model.balances
+        with shared_directory(f"pp2-{model.name}") as path:
+            saving = two_stages(model, first, seed=0)
+            optimizer = adamw(saving)
+            for step in range(SAVED_AFTER):
+                train(model, saving, optimizer, step)
+            save_checkpoint(path, saving, optimizer)
+            saving.close()
+
+            loading = two_stages(model, other, seed=7)
+            optimizer = adamw(loading)
+            load_checkpoint(path, loading, optimizer)
+            assert_resumes(model, reference, loading, optimizer, f"{model.name}: pp=2 {other}")
+            loading.close()
+
+            # Each process alone: one process of another job.
+            pipe = Pipe(model.build(7), pipe_balance, devices=["cpu"] * 2, chunks=2)
+            plain = model.build(7)
+            for module, what in ((pipe, f"Pipe {pipe_balance}"), (plain, "the plain model")):
+                optimizer = adamw(module)
+                load_checkpoint(path, module, optimizer, process_group=alone)
+                assert_resumes(model, reference, module, optimizer, f"{model.name}: {what}")
+            pipe.close()
+
+
+@scenario
+def the_plain_model_or_a_pipe_saves_and_two_stages_resume() -> None:
+    alone = each_process_alone()
+    for model, saver in ((BLOCKS, "the plain model"), (TIED, "a Pipe")):
+        reference = uninterrupted(model)
+        first, _, pipe_balance = model.balances
+        with shared_directory(f"one-process-{model.name}") as path:
+            if rank() == 0:  # one process of another job
+                module = model.build(0)
+                if saver == "a Pipe":
+                    module = Pipe(module, pipe_balance, devices=["cpu"] * 2, chunks=2)
+                optimizer = adamw(module)
+                for step in range(SAVED_AFTER):
+                    train(model, module, optimizer, step)
+                save_checkpoint(path, module, optimizer, process_group=alone)
+                if isinstance(module, Pipe):
+                    module.close()
+            dist.barrier()
+            loading = two_stages(model, first, seed=7)
+            optimizer = adamw(loading)
+            load_checkpoint(path, loading, optimizer)
+            assert_resumes(model, reference, loading, optimizer, f"{model.name} from {saver}")
+            loading.close()
+
+
+@scenario
+def torch_calls_with_a_flattened_optimizer_state_resume_two_stages() -> None:
+    # The recipe of docs/distributed_pipe.md for torch's own calls: no tie, no DataParallel.
+    model = BLOCKS
+    reference = uninterrupted(model)
+    first, other, _ = model.balances
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+    with shared_directory("torch-calls") as path:
+        saving = two_stages(model, first, seed=0)
+        optimizer = adamw(saving)
+        for step in range(SAVED_AFTER):
+            train(model, saving, optimizer, step)
+        model_state, optimizer_state = get_state_dict(saving, optimizer, options=flat)
+        dcp.save({"model": model_state, "optim": optimizer_state}, checkpoint_id=path)
+        saving.close()
+        loading = two_stages(model, other, seed=7)
+        optimizer = adamw(loading)
+        model_state, optimizer_state = get_state_dict(loading, optimizer, options=flat)
+        state: dict[str, Any] = {"model": model_state, "optim": optimizer_state}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(
+            loading,
+            optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=flat,
+        )
+        assert_resumes(model, reference, loading, optimizer, "torch's calls")
+        loading.close()
+
+
+# World 4: pipelines {0, 1} and {2, 3}; stage s of each averaged with its twin.
+
+
+def grid(model: Model, balance: list[int], seed: int) -> tuple[DataParallel, int]:
+    pipelines = [[0, 1], [2, 3]]
+    pp_group, _ = dist.new_subgroups_by_enumeration(pipelines)
+    dp_group, _ = dist.new_subgroups_by_enumeration([[0, 2], [1, 3]])
+    assert pp_group is not None and dp_group is not None
+    pipe = DistributedPipe(model.build(seed), balance, group=pp_group, chunks=2)
+    return DataParallel(pipe, process_group=dp_group), rank() // 2
+
+
+@scenario
+def a_grid_saves_and_another_grid_a_pipe_and_the_plain_model_resume() -> None:
+    model = TIED
+    reference = uninterrupted(model)
+    first, other, pipe_balance = model.balances
+    alone = each_process_alone()
+    with shared_directory("grid") as path:
+        saving, replica = grid(model, first, seed=0)
+        optimizer = adamw(saving)
+        for step in range(SAVED_AFTER):
+            train(model, saving, optimizer, step, replica, replicas=2)
+        save_checkpoint(path, saving, optimizer)
+        saving.module.close()
+
+        loading, replica = grid(model, other, seed=7)
+        optimizer = adamw(loading)
+        load_checkpoint(path, loading, optimizer)
+        assert_resumes(model, reference, loading, optimizer, f"grid {other}", replica, 2)
+        loading.module.close()
+
+        if rank() in (0, 1):  # one process of another job each
+            module: nn.Module = model.build(7)
+            if rank() == 0:
+                module = Pipe(module, pipe_balance, devices=["cpu"] * 2, chunks=2)
+            optimizer = adamw(module)
+            load_checkpoint(path, module, optimizer, process_group=alone)
+            assert_resumes(model, reference, module, optimizer, f"rank {rank()} alone")
+            if isinstance(module, Pipe):
+                module.close()

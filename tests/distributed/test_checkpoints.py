@@ -1,0 +1,139 @@
+"""save_checkpoint and load_checkpoint in one process: the plain model and a Pipe.
+
+Across processes (2 stage processes, a pp=2 x dp=2 grid) the round trips are
+checkpoint_scenarios.py's, run in test_distributed_pipe.py's groups. Here:
+the plain model and a Pipe resume each other, an optimizer before its first
+step, gradients present when loading, an LR scheduler alongside, a
+checkpoint that lacks keys.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline import Pipe
+from pipeline.distributed import load_checkpoint, save_checkpoint
+from tests.distributed.checkpoint_scenarios import (
+    BLOCKS,
+    MODELS,
+    SAVED_AFTER,
+    STEPS,
+    Model,
+    adamw,
+    assert_resumes,
+    train,
+    uninterrupted,
+)
+
+
+def cpu_pipe(model: Model, seed: int) -> Pipe:
+    return Pipe(model.build(seed), model.balances[2], devices=["cpu"] * 2, chunks=2)
+
+
+@pytest.mark.parametrize("model", MODELS, ids=lambda m: m.name)
+def test_a_pipe_and_the_plain_model_resume_each_other(model: Model, tmp_path: Path) -> None:
+    reference = uninterrupted(model)
+    pipe = cpu_pipe(model, seed=0)
+    optimizer = adamw(pipe)
+    for step in range(SAVED_AFTER):
+        train(model, pipe, optimizer, step)
+    save_checkpoint(tmp_path, pipe, optimizer)
+    assert_resumes(model, reference, pipe, optimizer, "the saving Pipe, trained on")
+    pipe.close()
+    plain = model.build(7)
+    optimizer = adamw(plain)
+    load_checkpoint(tmp_path, plain, optimizer)
+    assert_resumes(model, reference, plain, optimizer, "the plain model")
+
+
+def test_an_optimizer_before_its_first_step_is_saved_as_it_is(tmp_path: Path) -> None:
+    # torch's calls give it state by a zero-lr step: step 1 too many, later steps differ.
+    model = BLOCKS
+    plain, reference = model.build(0), model.build(0)
+    optimizer, reference_optimizer = adamw(plain), adamw(reference)
+    save_checkpoint(tmp_path, plain, optimizer)
+    assert not optimizer.state
+    pipe = cpu_pipe(model, seed=7)
+    loaded = adamw(pipe)
+    load_checkpoint(tmp_path, pipe, loaded)
+    assert not loaded.state
+    for step in range(STEPS):
+        for module, opt in ((plain, optimizer), (pipe, loaded), (reference, reference_optimizer)):
+            train(model, module, opt, step)
+        expected = dict(reference.named_parameters())
+        for module in (plain, pipe):
+            for name, param in module.named_parameters():
+                torch.testing.assert_close(param, expected[name], rtol=0, atol=1e-12, msg=name)
+    pipe.close()
+
+
+def test_a_fresh_optimizer_whose_parameters_hold_grads_loads_the_state(tmp_path: Path) -> None:
+    # torch's calls skip giving it state when a .grad is there, and then load none.
+    model = BLOCKS
+    reference = uninterrupted(model)
+    plain = model.build(0)
+    optimizer = adamw(plain)
+    for step in range(SAVED_AFTER):
+        train(model, plain, optimizer, step)
+    save_checkpoint(tmp_path, plain, optimizer)
+    pipe = cpu_pipe(model, seed=7)
+    loaded = adamw(pipe)
+    x, y = model.batch(99)
+    pipe.step(x, y, model.loss)  # a warm-up pass: every parameter holds a .grad
+    grads = {name: p.grad.clone() for name, p in pipe.named_parameters() if p.grad is not None}
+    load_checkpoint(tmp_path, pipe, loaded)
+    for name, param in pipe.named_parameters():
+        torch.testing.assert_close(param.grad, grads[name], rtol=0, atol=0, msg=name)
+    assert_resumes(model, reference, pipe, loaded, "loaded with grads present")
+    pipe.close()
+
+
+def test_an_lr_scheduler_rides_along_in_extra(tmp_path: Path) -> None:
+    model = BLOCKS
+    plain = model.build(0)
+    optimizer = adamw(plain)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    for step in range(SAVED_AFTER):
+        train(model, plain, optimizer, step)
+        scheduler.step()
+    save_checkpoint(tmp_path, plain, optimizer, extra={"scheduler": scheduler})
+    pipe = cpu_pipe(model, seed=7)
+    loaded = adamw(pipe)
+    loaded_scheduler = torch.optim.lr_scheduler.StepLR(loaded, step_size=1, gamma=0.5)
+    load_checkpoint(tmp_path, pipe, loaded, extra={"scheduler": loaded_scheduler})
+    assert loaded_scheduler.last_epoch == scheduler.last_epoch == SAVED_AFTER
+    assert [g["lr"] for g in loaded.param_groups] == [0.05 / 4] * 2
+    for step in range(SAVED_AFTER, STEPS):
+        for module, opt, sched in ((plain, optimizer, scheduler), (pipe, loaded, loaded_scheduler)):
+            train(model, module, opt, step)
+            sched.step()
+        expected = dict(plain.named_parameters())
+        for name, param in pipe.named_parameters():
+            torch.testing.assert_close(param, expected[name], rtol=0, atol=1e-12, msg=name)
+    pipe.close()
+
+
+def test_a_missing_key_is_named_and_the_optimizer_is_left_as_it_was(tmp_path: Path) -> None:
+    model = BLOCKS
+    plain = model.build(0)
+    save_checkpoint(tmp_path, plain)  # without the optimizer
+    optimizer = adamw(plain)
+    train(model, plain, optimizer, 0)
+    before = {k: v.clone() for k, v in optimizer.state[plain[0].weight].items()}
+    with pytest.raises(
+        RuntimeError,
+        match=r"lacks optim\.param_groups\.0\.bias\.amsgrad, .* more, .*saved without an optimizer",
+    ):
+        load_checkpoint(tmp_path, plain, optimizer)
+    after = optimizer.state[plain[0].weight]
+    assert after.keys() == before.keys()
+    for field, value in before.items():
+        torch.testing.assert_close(after[field], value, rtol=0, atol=0)
+    deeper = torch.nn.Sequential(*model.build(0), torch.nn.Linear(8, 8)).double()
+    with pytest.raises(
+        RuntimeError, match=r"lacks model\.8\.bias, model\.8\.weight, .*other parameters"
+    ):
+        load_checkpoint(tmp_path, deeper)
