@@ -291,6 +291,30 @@ def the_plain_model_or_a_pipe_saves_and_two_stages_resume() -> None:
 
 
 @scenario
+def every_holder_of_a_tied_weight_reads_the_same_key() -> None:
+    # A checkpoint whose two names of the tied weight differ (an untied model saved it):
+    # both processes read the first name, so that their copies stay equal.
+    untied = TIED.build(0)
+    untied[5].embedding = nn.Embedding(11, WIDTH).double()
+    first = untied[0].token.weight.detach().clone()
+    assert not torch.equal(first, untied[5].embedding.weight)
+    alone = each_process_alone()
+    with shared_directory("untied") as path:
+        if rank() == 0:
+            save_checkpoint(path, untied, process_group=alone)
+        dist.barrier()
+        pipe = two_stages(TIED, TIED.balances[0], seed=7)
+        load_checkpoint(path, pipe)
+        (tied,) = [
+            p
+            for name, p in pipe.named_parameters()
+            if name.endswith("token.weight") or name.endswith("embedding.weight")
+        ]
+        torch.testing.assert_close(tied.detach(), first, rtol=0, atol=0)
+        pipe.close()
+
+
+@scenario
 def torch_calls_with_a_flattened_optimizer_state_resume_two_stages() -> None:
     # The recipe of docs/distributed_pipe.md for torch's own calls: no tie, no DataParallel.
     model = BLOCKS

@@ -23,6 +23,7 @@ SHARED = [
     "tied_weights_accumulate_over_steps_like_the_plain_model",
     "two_stages_save_and_another_balance_a_pipe_and_the_plain_model_resume",
     "the_plain_model_or_a_pipe_saves_and_two_stages_resume",
+    "every_holder_of_a_tied_weight_reads_the_same_key",
     "torch_calls_with_a_flattened_optimizer_state_resume_two_stages",
     "a_failing_process_makes_the_others_fail_at_once_naming_it",
     "bad_arguments_are_refused_by_every_process_before_any_work",
