@@ -11,7 +11,8 @@ for forward (no_grad), and for backward (the Pipe's backward time minus the
 plain model's, over m * n). For scale, the round trip of an empty task to a
 ``pipeline.runtime.worker.Worker`` thread and back: the hand-off every task pays.
 Then what the trace wrappers cost per task when no trace runs (calls of a
-no-op partition, wrapped and not), and what a running trace adds per task.
+no-op partition, wrapped and not), what a Pipe call's profiler check costs
+when no profiler runs, and what a running trace adds per task.
 The last line is JSON.
 
 Run: python examples/benchmarks/overhead.py [--rounds 100]
@@ -33,6 +34,7 @@ from torch import nn
 
 import pipeline
 from pipeline.runtime.worker import Replies, Worker, stop_workers
+from pipeline.trace.profiling import warn_if_workers_unseen
 from pipeline.trace.recording import span, traced
 
 LAYERS = 16
@@ -114,6 +116,26 @@ def untraced_wrapper_cost(calls: int = 200_000) -> float:
     return (times["wrapped"] - times["partial"]) / calls * 1e6
 
 
+def unprofiled_check_cost(calls: int = 200_000) -> float:
+    """Microseconds a Pipe call's profiler check adds when no profiler runs.
+
+    The check (``warn_if_workers_unseen``) against an empty function called alike.
+    """
+
+    def empty(stacklevel: int = 1) -> None:
+        return None
+
+    def loop(check: Callable[..., None]) -> Run:
+        def calls_of() -> None:
+            for _ in range(calls):
+                check(stacklevel=2)
+
+        return calls_of
+
+    times = best_times({"empty": loop(empty), "check": loop(warn_if_workers_unseen)}, rounds=5)
+    return (times["check"] - times["empty"]) / calls * 1e6
+
+
 def traced_cost(pipe: pipeline.Pipe, x: torch.Tensor, rounds: int) -> float:
     """Microseconds per task that a running ``pipeline.trace()`` adds to a training step."""
 
@@ -178,8 +200,10 @@ def main() -> None:
     handoff = handoff_round_trip()
     print(f"an empty task's round trip to a worker thread: {handoff:.1f} us (median)")
     off = untraced_wrapper_cost()
+    check = unprofiled_check_cost()
     on = traced_cost(pipe, x, args.rounds)
     print(f"trace wrappers with no trace running: {off:.2f} us per task")
+    print(f"a Pipe call's profiler check with no profiler running: {check * 1e3:.0f} ns")
     print(f"a running pipeline.trace() adds {on:.1f} us per task (forward + backward)")
     print_json(
         {
@@ -190,6 +214,7 @@ def main() -> None:
             "overhead_per_task": overhead,
             "handoff_round_trip_us": handoff,
             "untraced_wrapper_us": off,
+            "unprofiled_check_us": check,
             "traced_us_per_task": on,
             "torchgpipe": torchgpipe is not None,
         }
