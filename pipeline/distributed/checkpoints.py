@@ -12,7 +12,7 @@ Each process writes the keys of the parameters it holds; the optimizer's state
 is flattened, keyed per parameter (``optim.state.<name>.exp_avg``,
 ``optim.param_groups.<name>.lr``), so that any layout reads the keys of its
 own parameters. torch's own calls (``get_state_dict``, ``dcp.save``,
-``dcp.load``, ``set_state_dict``) go wrong here in four ways, which these
+``dcp.load``, ``set_state_dict``) go wrong here in five ways, which these
 functions avoid:
 
 - With the default options the optimizer's param groups are keyed by their
@@ -32,6 +32,10 @@ functions avoid:
   ``.grad``, the step is skipped and no state is loaded at all. Here saving
   leaves the optimizer as it was (the checkpoint holds no state for it), and
   loading always reads the checkpoint's state.
+- A stage process without state (a ``Tanh`` alone) is refused, and a param
+  group without parameters (the biases' group of a process holding a
+  bias-free head alone) fails the load: here the one has nothing to save or
+  load, the other keeps its settings.
 """
 
 from __future__ import annotations
@@ -93,7 +97,7 @@ def save_checkpoint(
     """
     holder = _unwrapped(module)
     names = _Names(holder)
-    state: dict[str, Any] = {"model": names.every_name(get_model_state_dict(holder))}
+    state: dict[str, Any] = {"model": names.every_name(_model_state(holder))}
     if optimizer is not None:
         state["optim"] = names.every_name(_optimizer_state(holder, optimizer))
     state.update(_extra(extra))
@@ -124,7 +128,7 @@ def load_checkpoint(
     holder = _unwrapped(module)
     names = _Names(holder)
     stored = set(FileSystemReader(path).read_metadata().state_dict_metadata)
-    model = _Reading("model.", get_model_state_dict(holder), names, stored)
+    model = _Reading("model.", _model_state(holder), names, stored)
     state: dict[str, Any] = {"model": model.asked}
     target = None if optimizer is None else _OptimizerTarget(holder, optimizer, names, stored)
     if target is not None:
@@ -145,7 +149,8 @@ def load_checkpoint(
         if missing and isinstance(error, CheckpointException):
             raise RuntimeError(_missing_text(path, missing, stored)) from error
         raise
-    set_model_state_dict(holder, model.loaded())
+    if model.asked:  # torch's call refuses a module without state
+        set_model_state_dict(holder, model.loaded())
     if target is not None:
         target.load()
     if extra is not None:
@@ -265,6 +270,20 @@ class _Reading:
         return {key: self.asked[found] for key, found in self._source.items()}
 
 
+def _model_state(module: nn.Module) -> dict[str, Any]:
+    """``module``'s state by torch's call, which refuses a module without any.
+
+    A stage process whose layers hold no parameter or buffer (a ``Tanh``
+    alone) has none to save or load.
+    """
+    return get_model_state_dict(module) if module.state_dict() else {}
+
+
+def _holds_parameters(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether any param group of ``optimizer`` has a parameter (torch's calls refuse none)."""
+    return any(group["params"] for group in optimizer.param_groups)
+
+
 def _optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The optimizer's flattened state to save, the optimizer left as it was.
 
@@ -272,6 +291,8 @@ def _optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dic
     parameter has a ``.grad``); it is dropped again, from the optimizer and
     from what is saved.
     """
+    if not _holds_parameters(optimizer):
+        return {}
     fresh = not optimizer.state
     state = get_optimizer_state_dict(module, optimizer, options=_FLAT)
     if fresh:
@@ -300,7 +321,11 @@ class _OptimizerTarget:
         for param in params:
             param.grad = None
         try:
-            self._target = get_optimizer_state_dict(module, optimizer, options=_FLAT)
+            self._target = (
+                get_optimizer_state_dict(module, optimizer, options=_FLAT)
+                if _holds_parameters(optimizer)
+                else {}
+            )
         finally:
             for param, grad in zip(params, grads, strict=True):
                 param.grad = grad
@@ -314,14 +339,39 @@ class _OptimizerTarget:
 
     def load(self) -> None:
         """Into the optimizer, once DCP has read: a parameter without saved state keeps none."""
+        if not self._target:
+            return  # no parameter here: nothing to load
         loaded = {**self._target, **self.reading.loaded()}
-        set_optimizer_state_dict(self._module, self._optimizer, loaded, options=_FLAT)
+        with _without_empty_groups(self._optimizer):
+            set_optimizer_state_dict(self._module, self._optimizer, loaded, options=_FLAT)
         for name in self._stateless:
             self._optimizer.state.pop(self._module.get_parameter(name), None)
 
     def undo(self) -> None:
         """The optimizer as it was (a failed load)."""
         self._optimizer.load_state_dict(self._before)
+
+
+@contextlib.contextmanager
+def _without_empty_groups(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """The optimizer's param groups without a parameter set aside, then put back in place.
+
+    torch's flattened load fails on a group without parameters (a stage
+    process whose layers have weights and no bias, the biases' group empty);
+    such a group has no state and, flattened, no settings in a checkpoint:
+    it keeps its own.
+    """
+    groups = optimizer.param_groups
+    if all(group["params"] for group in groups):
+        yield
+        return
+    optimizer.param_groups = [group for group in groups if group["params"]]
+    try:
+        yield
+    finally:
+        # A load replaces the groups holding parameters by new ones, in order.
+        loaded = iter(optimizer.param_groups)
+        optimizer.param_groups = [next(loaded) if group["params"] else group for group in groups]
 
 
 @contextlib.contextmanager

@@ -358,12 +358,12 @@ def grid(model: Model, balance: list[int], seed: int) -> tuple[DataParallel, int
 
 
 @scenario
-def a_grid_saves_and_another_grid_a_pipe_and_the_plain_model_resume() -> None:
+def a_grid_saves_and_another_grid_four_stages_a_pipe_and_the_plain_model_resume() -> None:
     model = TIED
     reference = uninterrupted(model)
     first, other, pipe_balance = model.balances
     alone = each_process_alone()
-    with shared_directory("grid") as path:
+    with shared_directory("grid") as path, shared_directory("four") as resaved:
         saving, replica = grid(model, first, seed=0)
         optimizer = adamw(saving)
         for step in range(SAVED_AFTER):
@@ -377,12 +377,22 @@ def a_grid_saves_and_another_grid_a_pipe_and_the_plain_model_resume() -> None:
         assert_resumes(model, reference, loading, optimizer, f"grid {other}", replica, 2)
         loading.module.close()
 
+        # Another number of stage processes: one pipeline of 4, the tie from rank 0 to
+        # rank 3. Rank 1 holds a Tanh alone (no state); rank 3 the head alone (an empty
+        # param group, the biases'). It saves again what it loaded, for the loads below.
+        four = DistributedPipe(model.build(7), [2, 1, 2, 1], chunks=2)
+        optimizer = adamw(four)
+        load_checkpoint(path, four, optimizer)
+        save_checkpoint(resaved, four, optimizer)
+        assert_resumes(model, reference, four, optimizer, "pp=4 [2, 1, 2, 1]")
+        four.close()
+
         if rank() in (0, 1):  # one process of another job each
             module: nn.Module = model.build(7)
             if rank() == 0:
                 module = Pipe(module, pipe_balance, devices=["cpu"] * 2, chunks=2)
             optimizer = adamw(module)
-            load_checkpoint(path, module, optimizer, process_group=alone)
+            load_checkpoint(resaved, module, optimizer, process_group=alone)
             assert_resumes(model, reference, module, optimizer, f"rank {rank()} alone")
             if isinstance(module, Pipe):
                 module.close()

@@ -93,7 +93,7 @@ def test_a_pp_2_by_dp_2_grid(group_runner: GroupRunner) -> None:
     names = [
         "a_pipeline_refused_in_a_grid_stops_every_pipeline",
         "a_pp_by_dp_grid_equals_single_process_training_on_the_full_batch",
-        "a_grid_saves_and_another_grid_a_pipe_and_the_plain_model_resume",
+        "a_grid_saves_and_another_grid_four_stages_a_pipe_and_the_plain_model_resume",
     ]
     check(group_runner(names, script=STAGES, world_size=4, wall_timeout_s=150), names)
 
