@@ -19,6 +19,7 @@ from torch.profiler import record_function
 
 import pipeline
 from pipeline.step.actions import Program
+from pipeline.step.runner import forward_programs
 from pipeline.step.schedules import Interleaved1F1B, resolve_schedule
 from pipeline.trace import profiling
 from pipeline.trace.event import task_name
@@ -90,6 +91,20 @@ def test_every_action_of_step_is_on_its_programs_worker(schedule: object, unwarn
     threads = Threads(prof)
     workers = [threads.one_thread(task_names(program)) for program in programs]
     assert len(set(workers)) == len(programs) and threads.caller not in workers
+    pipe.close()
+
+
+def test_every_forward_of_evaluate_is_on_its_partitions_worker(unwarned: None) -> None:
+    pipe = small_pipe(partitions=3)
+    x, y = torch.randn(2 * M, 8), torch.randn(2 * M, 8)
+    with pipeline.profile() as prof, record_function("caller"):
+        pipe.evaluate(x, y, F.mse_loss)
+    threads = Threads(prof)
+    workers = [threads.one_thread(task_names(p)) for p in forward_programs(M, 3, 3)]
+    assert len(set(workers)) == 3 and threads.caller not in workers
+    with torch.profiler.profile(), pytest.warns(UserWarning, match="pipeline.profile") as caught:
+        pipe.evaluate(x)
+    assert caught[0].filename == __file__
     pipe.close()
 
 
