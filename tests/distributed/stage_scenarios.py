@@ -13,6 +13,7 @@ import os
 import sys
 import time
 import warnings
+from functools import partial
 from pathlib import Path
 from typing import Any, cast
 
@@ -26,6 +27,7 @@ from pipeline import DataParallel, Pipe
 from pipeline.distributed import DistributedPipe, PeerError
 from pipeline.schedules import Interleaved1F1B, resolve_schedule
 from pipeline.skip import Namespace
+from pipeline.step.runner import forward_programs
 from tests import gloo_groups
 from tests.distributed import checkpoint_scenarios  # noqa: F401 (its scenarios run here too)
 from tests.gloo_groups import breaks_group, expect_error, main, rank, scenario, world
@@ -392,21 +394,27 @@ def tuples_dicts_and_plain_values_cross_processes() -> None:
 
 
 @scenario
-def every_action_of_step_shows_under_the_plain_profiler_on_the_calling_thread() -> None:
+def every_action_of_step_and_evaluate_shows_under_the_plain_profiler() -> None:
+    # On the calling thread: each process runs its actions there.
     pipe = DistributedPipe(blocks(2 * world()), [2] * world(), chunks=3)
     x, y = batch()
-    for schedule in ("1f1b", "zb-h1"):
-        program = resolve_schedule(schedule).programs(3, world())[rank()]
+    runs = [
+        (f"step {schedule}", partial(pipe.step, schedule=schedule), program)
+        for schedule in ("1f1b", "zb-h1")
+        for program in [resolve_schedule(schedule).programs(3, world())[rank()]]
+    ]
+    runs.append(("evaluate", pipe.evaluate, forward_programs(3, world(), world())[rank()]))
+    for what, run, program in runs:
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # nor a warning of threads it cannot see
             with torch.profiler.profile() as prof, torch.profiler.record_function("caller"):
-                pipe.step(x, y, F.mse_loss, schedule=schedule)
+                run(x, y, F.mse_loss)
         threads: dict[str, set[int]] = {}
         for event in prof.events():
             threads.setdefault(event.name, set()).add(event.thread)
         expected = task_names(program)
-        assert expected <= threads.keys(), f"{schedule}: {sorted(expected - threads.keys())}"
-        assert set().union(*(threads[name] for name in expected)) == threads["caller"], schedule
+        assert expected <= threads.keys(), f"{what}: {sorted(expected - threads.keys())}"
+        assert set().union(*(threads[name] for name in expected)) == threads["caller"], what
     pipe.close()
 
 

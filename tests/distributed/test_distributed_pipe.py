@@ -39,7 +39,7 @@ SHARED = [
     "loss_reductions_and_divisors_equal_the_plain_model",
     "a_grad_scaler_must_agree_on_infs_across_processes",
     "last_step_reports_this_process_stages",
-    "every_action_of_step_shows_under_the_plain_profiler_on_the_calling_thread",
+    "every_action_of_step_and_evaluate_shows_under_the_plain_profiler",
 ]
 
 
