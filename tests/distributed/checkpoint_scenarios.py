@@ -219,6 +219,8 @@ def shared_directory(name: str) -> Iterator[Path]:
         dist.barrier()
         if rank() == 0:
             shutil.rmtree(directory, ignore_errors=True)
+            with contextlib.suppress(OSError):  # the group's folder, once its last one is gone
+                directory.parent.rmdir()
 
 
 def each_process_alone() -> dist.ProcessGroup:
