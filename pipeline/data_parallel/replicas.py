@@ -4,16 +4,16 @@ rank 0's values.
 
 from __future__ import annotations
 
-import pickle
+import json
 from collections.abc import Mapping, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from pipeline.data_parallel.buckets import NO_PARTITION, assign_buckets, partition_of_each
-from pipeline.runtime.process_group import collective_device
+from pipeline.runtime.agreement import camps, fingerprint, gather_rows, gather_texts, ranks_text
 
 # DataParallel's keyword arguments, by name.
 Options = Mapping[str, float | bool]
@@ -162,44 +162,83 @@ def _option_difference(
 def check_replicas_match(module: nn.Module, options: Options, group: dist.ProcessGroup) -> None:
     """Raise ValueError on every rank if any rank's model or options differ from rank 0's.
 
-    Every rank gathers every rank's signature, so all of them raise the same
-    error instead of some of them waiting in a later collective, or summing
-    gradient buckets laid out differently.
+    One all-gather of a fixed-size row (a hash of what must agree) finds a
+    difference; only then do the ranks exchange their signatures, as JSON
+    text whose length is agreed and bounded first (data, never unpickled),
+    so that every rank raises the same error naming the first difference,
+    instead of some waiting in a later collective, or summing gradient
+    buckets laid out differently.
     """
-    payload = pickle.dumps(signature(module, options))
+    mine = signature(module, options)
     try:
-        gathered = _all_gather_bytes(payload, group)
+        hashes = gather_rows([fingerprint(json.dumps(_compared(mine)))], group)
+        if len(camps([row[0] for row in hashes])) == 1:
+            return
+        texts = gather_texts(json.dumps(_as_json(mine)), group, SIGNATURE_LIMIT_BYTES)
     except RuntimeError as error:
         raise RuntimeError(
             "DataParallel: comparing the replicas across ranks (all_gather) failed or timed out "
             f"on rank {dist.get_rank(group)}: {error}"
         ) from error
-    signatures: list[ReplicaSignature] = [pickle.loads(data) for data in gathered]
-    for rank, other in enumerate(signatures[1:], start=1):
-        difference = first_difference(signatures[0], other, rank)
-        if difference is not None:
-            raise ValueError(f"DataParallel: the replicas differ: {difference}")
+    if texts is not None:
+        signatures = [_from_json(text, rank) for rank, text in enumerate(texts)]
+        for rank, other in enumerate(signatures[1:], start=1):
+            difference = first_difference(signatures[0], other, rank)
+            if difference is not None:
+                raise ValueError(f"DataParallel: the replicas differ: {difference}")
+    # Signatures too long to exchange (or texts that do not say how they differ).
+    raise ValueError(
+        f"DataParallel: the replicas differ: {ranks_text(camps([r[0] for r in hashes]))} hold "
+        f"different models or options; {SAME_MODEL}, and {SAME_OPTIONS}"
+    )
 
 
-def _all_gather_bytes(payload: bytes, group: dist.ProcessGroup) -> list[bytes]:
-    """Every rank's non-empty `payload`, in rank order.
+# A signature's text is about 100 bytes per parameter or buffer.
+SIGNATURE_LIMIT_BYTES = 256 * 2**20
 
-    dist.all_gather_object would do, but it needs NumPy; this sends the bytes
-    as uint8 tensors on the device the group's backend takes.
-    """
-    device = collective_device(group)
-    world_size = dist.get_world_size(group)
-    # all_gather moves equally sized tensors: agree on the lengths first, then
-    # pad every payload to the longest.
-    length = torch.tensor([len(payload)], dtype=torch.int64, device=device)
-    lengths = [torch.empty_like(length) for _ in range(world_size)]
-    dist.all_gather(lengths, length, group=group)
-    sizes = [int(n.item()) for n in lengths]
-    padded = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
-    padded[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    received = [torch.empty_like(padded) for _ in range(world_size)]
-    dist.all_gather(received, padded, group=group)
-    return [bytes(t[:size].tolist()) for t, size in zip(received, sizes, strict=True)]
+
+def _compared(mine: ReplicaSignature) -> list[Any]:
+    """What must agree across ranks: the signature without the device names (GPUs differ)."""
+    return [[list(t[:-1]) for t in mine.tensors], sorted(mine.options.items())]
+
+
+def _as_json(mine: ReplicaSignature) -> list[Any]:
+    return [[list(t) for t in mine.tensors], mine.options]
+
+
+def _from_json(text: str, rank: int) -> ReplicaSignature:
+    """Rank ``rank``'s signature from its text, every field's type checked."""
+    try:
+        tensors, options = json.loads(text)
+        signature = ReplicaSignature(
+            [_tensor_from_json(entry) for entry in tensors],
+            {_typed(k, str): _typed(v, bool, int, float) for k, v in options.items()},
+        )
+    except (ValueError, TypeError, AttributeError, RecursionError) as error:
+        raise ValueError(
+            f"DataParallel: rank {rank} sent a malformed replica signature ({error})"
+        ) from None
+    return signature
+
+
+def _tensor_from_json(entry: list[Any]) -> TensorSignature:
+    kind, name, shape, dtype, requires_grad, partition, slot, device = entry
+    return TensorSignature(
+        _typed(kind, str),
+        _typed(name, str),
+        tuple(_typed(n, int) for n in shape),
+        _typed(dtype, str),
+        _typed(requires_grad, bool),
+        _typed(partition, int),
+        _typed(slot, int),
+        _typed(device, str),
+    )
+
+
+def _typed(value: Any, *kinds: type) -> Any:
+    if type(value) not in kinds:
+        raise TypeError(f"{value!r} where a {' or '.join(k.__name__ for k in kinds)} belongs")
+    return value
 
 
 # Large messages amortise the per-collective cost; torch's DDP uses the same

@@ -3,13 +3,10 @@
 The same stages and programs as in one process (``pipeline/step/stage.py``) run with one
 or more stages per process; a message for a stage of another process is
 sent to it. A message carries its own description, so nothing is declared
-up front and shapes may change from step to step::
-
-    envelope   1024 bytes  kind (data, abort, stop), description length, tensor
-                           count (int64 each), then the description if it fits
-    description            pickled: key, structure, per leaf (shape, dtype) or
-                           value; sent on its own only when it does not fit
-    tensors                each as its raw bytes
+up front and shapes may change from step to step: an envelope, its
+description and its tensors' raw bytes, in the format of ``wire_format.py``,
+which decodes to data, never to code, with every size a peer announces
+checked before anything is allocated.
 
 Every process listens to each peer on a thread of its own, receiving in
 the order the peer sent and filing each message under its key. Once it
@@ -25,41 +22,49 @@ Faults: an action that fails tells every peer (an ``abort`` message), whose
 waiting actions then fail at once, naming the process and its action; a
 peer that dies breaks its connection, which fails the listener and the
 actions waiting on it; a peer that stalls makes them fail after
-``timeout`` seconds, naming the peer and what they waited for.
+``timeout`` seconds, naming the peer and what they waited for. A peer whose
+message is malformed is no longer listened to: every wait on it fails,
+naming it and what was wrong.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import pickle
-import struct
 import threading
 from collections import Counter
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from pipeline.distributed.wire_format import (
+    ABORT,
+    DATA,
+    DEFAULT_MAX_MESSAGE_BYTES,
+    ENVELOPE_BYTES,
+    STOP,
+    MalformedMessageError,
+    TensorSlot,
+    decode,
+    encode,
+    envelope,
+    read_envelope,
+)
 from pipeline.runtime.process_group import collective_device
 from pipeline.step.mail import AbortedError, Mailboxes, MailTimeoutError, Message, describe
 
 __all__ = ["P2PTransport", "PeerError"]
 
-_DATA, _ABORT, _STOP = 0, 1, 2
-_HEAD = struct.Struct("<qqq")  # kind, description length, tensor count
-_ENVELOPE_BYTES = 1024
-_INLINE_BYTES = _ENVELOPE_BYTES - _HEAD.size
 _TAG = 0
 
 _Receipt = tuple[dist.Work, torch.Tensor]
 
 
 class PeerError(RuntimeError):
-    """Another process of the pipeline failed, died or stalled."""
+    """Another process of the pipeline failed, died, stalled or sent a malformed message."""
 
 
 class P2PTransport:
@@ -68,7 +73,9 @@ class P2PTransport:
     ``owner[s]`` is the rank in ``group`` that runs stage ``s``; ``peers`` the
     ranks this one exchanges messages with. ``wire`` has the same processes
     as ``group`` and carries nothing else (its receives wait between steps).
-    Call ``begin_step`` and ``end_step`` around each step, and ``close`` once.
+    A message's tensors may hold ``max_message_bytes`` together, in either
+    direction. Call ``begin_step`` and ``end_step`` around each step, and
+    ``close`` once.
     """
 
     def __init__(
@@ -79,6 +86,7 @@ class P2PTransport:
         peers: Iterable[int],
         devices: list[torch.device],
         timeout: float,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
         self.group = group
         self.wires = wires
@@ -92,6 +100,7 @@ class P2PTransport:
         }
         self.devices = devices
         self.timeout = timeout
+        self.max_message_bytes = max_message_bytes
         self.wire = collective_device(wires[0])
         self.step = 0
         self._received: dict[int, Counter[tuple[int, str]]] = {}
@@ -101,6 +110,9 @@ class P2PTransport:
         self._pending: list[tuple[dist.Work, torch.Tensor]] = []
         self._pending_lock = threading.Lock()
         self._closing = False
+        # Why a peer is no longer listened to (it broke or misbehaved).
+        self._gone: dict[int, str] = {}
+        self._gone_lock = threading.Lock()
         self._listeners = [
             threading.Thread(
                 target=self._listen, args=(peer,), name=f"pipe-p2p-from-{peer}", daemon=True
@@ -131,6 +143,13 @@ class P2PTransport:
         for work, _ in pending:
             work.wait(timedelta(seconds=self.timeout))
 
+    def check_peers(self) -> None:
+        """Raise PeerError if a peer broke its connection or misbehaved."""
+        with self._gone_lock:
+            reasons = list(self._gone.values())
+        if reasons:
+            raise PeerError(f"{'; '.join(reasons)}: this pipeline cannot run another step")
+
     # Transport
 
     def send(self, key: Hashable, message: Message, source: int, target: int, i: int) -> None:
@@ -138,7 +157,11 @@ class P2PTransport:
         if peer == self.me:
             self._mailboxes.put(self.step, key, message)
             return
-        self._post(peer, _DATA, (self.step, key), message)
+
+        def where() -> str:
+            return f"{describe(key)} that stage {source} sends to stage {target} (rank {peer})"
+
+        self._post(peer, DATA, (self.step, key), message, where)
 
     def receive(self, key: Hashable, source: int, target: int) -> Message:
         peer = self.owner[source]
@@ -172,7 +195,7 @@ class P2PTransport:
         )
         for peer in self.peers:
             try:
-                self._post(peer, _ABORT, self.step, Message([summary]))
+                self._post(peer, ABORT, self.step, Message([summary]), lambda: "an abort")
             except Exception:
                 continue
 
@@ -189,7 +212,7 @@ class P2PTransport:
         self._closing = True
         for peer in self.peers:
             try:
-                self._post(peer, _STOP, 0, Message([]))
+                self._post(peer, STOP, 0, Message([]), lambda: "a stop")
             except Exception:
                 continue
         # A send dropped before it is done may never arrive: the peer would
@@ -201,19 +224,17 @@ class P2PTransport:
 
     # Wire
 
-    def _post(self, peer: int, kind: int, key: Any, message: Message) -> None:
-        tensors = [x for x in message.leaves if isinstance(x, torch.Tensor)]
-        shape = _shape_of(message)
-        description = pickle.dumps((key, shape, message.spec is not None, message.differentiable))
-        head = _HEAD.pack(kind, len(description), len(tensors))
-        inline = len(description) <= _INLINE_BYTES
-        envelope = bytearray(_ENVELOPE_BYTES)
-        envelope[: _HEAD.size + (len(description) if inline else 0)] = (
-            head + description if inline else head
+    def _post(
+        self, peer: int, kind: int, key: Any, message: Message, where: Callable[[], str]
+    ) -> None:
+        """Send ``message`` to ``peer``; refused before anything is sent if it cannot travel."""
+        description, tensors = encode(
+            key, message.leaves, message.spec, message.differentiable, where, self.max_message_bytes
         )
-        parts = [torch.frombuffer(envelope, dtype=torch.uint8)]
-        if not inline:
-            parts.append(torch.frombuffer(bytearray(description), dtype=torch.uint8))
+        head, separate = envelope(kind, description, len(tensors))
+        parts = [torch.frombuffer(head, dtype=torch.uint8)]
+        if separate is not None:
+            parts.append(torch.frombuffer(bytearray(separate), dtype=torch.uint8))
         parts += [_raw_bytes(t) for t in tensors]
         with self._send_locks[peer]:
             for part in parts:
@@ -224,22 +245,32 @@ class P2PTransport:
 
     def _listen(self, peer: int) -> None:
         try:
-            envelope = self._expect(torch.empty(_ENVELOPE_BYTES, dtype=torch.uint8), peer)
+            envelope = self._expect(torch.empty(ENVELOPE_BYTES, dtype=torch.uint8), peer)
             while True:
                 kind, key, message, envelope = self._receive_one(peer, envelope)
-                if kind == _STOP:
+                if kind == STOP:
                     return
-                if kind == _ABORT:
+                if kind == ABORT:
                     self._mailboxes.abort(key, PeerError(str(message.leaves[0])))
                     continue
                 with self._received_lock:
                     self._received.setdefault(key[0], Counter())[peer, _kind(key[1])] += 1
                 self._mailboxes.put(key[0], key[1], message)
+        except MalformedMessageError as error:
+            self._leave(
+                peer,
+                f"rank {peer} sent a malformed message ({error}), so this process stopped "
+                "listening to it (a peer of another version, or not a pipeline process)",
+            )
         except Exception as error:
-            if not self._closing:
-                self._mailboxes.break_down(
-                    PeerError(f"lost the connection to rank {peer}: {error}")
-                )
+            self._leave(peer, f"lost the connection to rank {peer}: {error}")
+
+    def _leave(self, peer: int, reason: str) -> None:
+        """``peer`` is no longer listened to: every wait for it fails with ``reason``."""
+        with self._gone_lock:
+            self._gone.setdefault(peer, reason)
+        if not self._closing:
+            self._mailboxes.break_down(PeerError(reason))
 
     def _wire(self, sender: int, receiver: int) -> dist.ProcessGroup:
         """The group for messages from ``sender`` to ``receiver``: one per direction.
@@ -255,29 +286,27 @@ class P2PTransport:
         return self._wire(peer, self.me).recv([on_wire], self._wire_rank[peer], _TAG), on_wire
 
     def _receive_one(self, peer: int, envelope: _Receipt) -> tuple[int, Any, Message, _Receipt]:
-        """The message whose envelope was expected, and the next message's envelope, expected."""
-        head = _as_bytes(_waited(envelope))
-        kind, length, count = _HEAD.unpack_from(head)
-        if length <= _INLINE_BYTES:
-            description = head[_HEAD.size : _HEAD.size + length]
-        else:
-            received = self._expect(torch.empty(length, dtype=torch.uint8), peer)
-            description = _as_bytes(_waited(received))
-        key, shape, structured, differentiable = pickle.loads(description)
-        placeholders, spec = tree_flatten(shape) if structured else (shape, None)
+        """The message whose envelope was expected, and the next message's envelope, expected.
+
+        Nothing a peer announces is allocated before it is checked.
+        """
+        kind, length, count, description = read_envelope(_as_bytes(_waited(envelope)))
+        if description is None:
+            separate = self._expect(torch.empty(length, dtype=torch.uint8), peer)
+            description = _as_bytes(_waited(separate))
+        described = decode(description, kind, count, self.max_message_bytes)
         tensors = {
-            k: self._expect(torch.empty(leaf.nbytes, dtype=torch.uint8), peer)
-            for k, leaf in enumerate(placeholders)
-            if isinstance(leaf, _Tensor)
+            k: self._expect(torch.empty(slot.nbytes, dtype=torch.uint8), peer)
+            for k, slot in described.slots()
         }
-        assert len(tensors) == count, "the description lists the message's tensors"
-        if kind != _STOP:
-            envelope = self._expect(torch.empty(_ENVELOPE_BYTES, dtype=torch.uint8), peer)
+        if kind != STOP:
+            envelope = self._expect(torch.empty(ENVELOPE_BYTES, dtype=torch.uint8), peer)
         values = [
             _Arriving(tensors[k], leaf) if k in tensors else leaf
-            for k, leaf in enumerate(placeholders)
+            for k, leaf in enumerate(described.leaves)
         ]
-        return kind, key, Message(values, spec, differentiable), envelope
+        message = Message(values, described.spec, described.differentiable)
+        return kind, described.key, message, envelope
 
 
 class _Arriving:
@@ -287,11 +316,11 @@ class _Arriving:
     message at once and spares a hand-over between threads on the way.
     """
 
-    __slots__ = ("description", "receipt")
+    __slots__ = ("receipt", "slot")
 
-    def __init__(self, receipt: _Receipt, description: _Tensor) -> None:
+    def __init__(self, receipt: _Receipt, slot: TensorSlot) -> None:
         self.receipt = receipt
-        self.description = description
+        self.slot = slot
 
     def wait(self, timeout: float, waiting_for: str) -> torch.Tensor:
         work, buffer = self.receipt
@@ -299,33 +328,7 @@ class _Arriving:
             work.wait(timedelta(seconds=timeout))
         except RuntimeError as error:
             raise PeerError(f"lost {waiting_for}: {error}") from error
-        leaf = self.description
-        return buffer.view(getattr(torch, leaf.dtype)).reshape(leaf.shape)
-
-
-class _Tensor:
-    """Stands for a tensor in a message's description: what the receiver allocates."""
-
-    __slots__ = ("dtype", "nbytes", "shape")
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.shape = tuple(tensor.shape)
-        self.dtype = str(tensor.dtype).removeprefix("torch.")
-        self.nbytes = tensor.nbytes
-
-    def __getstate__(self) -> tuple[tuple[int, ...], str, int]:
-        return self.shape, self.dtype, self.nbytes
-
-    def __setstate__(self, state: tuple[tuple[int, ...], str, int]) -> None:
-        self.shape, self.dtype, self.nbytes = state
-
-
-def _shape_of(message: Message) -> Any:
-    """The message's value (or list of leaves) with each tensor replaced by its description."""
-    leaves = [_Tensor(x) if isinstance(x, torch.Tensor) else x for x in message.leaves]
-    if message.spec is None:
-        return leaves
-    return tree_unflatten(leaves, message.spec)
+        return buffer.view(self.slot.dtype).reshape(self.slot.shape)
 
 
 def _notes(error: BaseException) -> list[str]:

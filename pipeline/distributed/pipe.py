@@ -39,11 +39,12 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from pipeline.arguments import CallStyle, CheckpointMode, LossReduction, PipeArguments
 from pipeline.base import PipeBase
-from pipeline.distributed.agreement import camps, fingerprint, gather_rows, ranks_text, refused_text
 from pipeline.distributed.meta import materialized, meta_resets
 from pipeline.distributed.p2p import P2PTransport
 from pipeline.distributed.stage_arguments import check_alone, disagreement
 from pipeline.distributed.ties import TiedWeights
+from pipeline.distributed.wire_format import DEFAULT_MAX_MESSAGE_BYTES
+from pipeline.runtime.agreement import camps, fingerprint, gather_rows, ranks_text, refused_text
 from pipeline.runtime.microbatch import Batch, Value, check_input, gather, scatter, to_device
 from pipeline.runtime.process_group import collective_device, resolve_group
 from pipeline.skip.layout import SkipLayout, inspect_skip_layout
@@ -88,6 +89,10 @@ class DistributedPipe(PipeBase):
         chunks, checkpoint, deferred_batch_norm, call_style: as ``Pipe``'s.
         timeout: seconds an action waits for a message before it fails,
             naming the peer (a stalled or dead process).
+        max_message_bytes: the most bytes of tensors one message between
+            processes may hold (an activation, a gradient, a skip); a peer
+            announcing more is refused before anything is allocated, and so
+            is a larger message before it is sent.
     """
 
     _NAME = "DistributedPipe"
@@ -105,13 +110,22 @@ class DistributedPipe(PipeBase):
         deferred_batch_norm: bool = False,
         call_style: CallStyle = "tuple",
         timeout: float = DEFAULT_TIMEOUT_S,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
         super().__init__()
         self.group = resolve_group(group)
         self.size = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
         arguments, pipelines = self._agree_to_build(
-            module, balance, chunks, checkpoint, call_style, deferred_batch_norm, device, timeout
+            module,
+            balance,
+            chunks,
+            checkpoint,
+            call_style,
+            deferred_batch_norm,
+            device,
+            timeout,
+            max_message_bytes,
         )
         self._adopt_arguments(arguments)
         n = len(self.balance)
@@ -130,7 +144,13 @@ class DistributedPipe(PipeBase):
         self._ties.synchronize()
         peers = _peers(self.local_stages, self.owner, self.skip_layout)
         self._transport = P2PTransport(
-            self.group, _wire_groups(pipelines), self.owner, peers, [self.device] * n, timeout
+            self.group,
+            _wire_groups(pipelines),
+            self.owner,
+            peers,
+            [self.device] * n,
+            timeout,
+            max_message_bytes,
         )
         self._finalizer = weakref.finalize(self, self._transport.close)
         self.last_step: DistributedStepReport | None = None
@@ -145,6 +165,7 @@ class DistributedPipe(PipeBase):
         deferred_batch_norm: bool,
         device: torch.device | str | None,
         timeout: float,
+        max_message_bytes: int,
     ) -> tuple[PipeArguments, list[list[int]]]:
         """The arguments, once every process of the job agrees to build; and every pipeline.
 
@@ -160,6 +181,10 @@ class DistributedPipe(PipeBase):
             )
             if not timeout > 0:
                 raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+            if type(max_message_bytes) is not int or max_message_bytes <= 0:
+                raise ValueError(
+                    f"max_message_bytes must be a positive int, got {max_message_bytes!r}"
+                )
             self.device = (
                 torch.device(device) if device is not None else collective_device(self.group)
             )
@@ -267,6 +292,11 @@ class DistributedPipe(PipeBase):
         if not return_outputs:
             return loss
         return loss, gather(run.outputs) if last else None
+
+    def _check_open(self) -> None:
+        """Refuse a step or an evaluation once this pipe or a peer's side of it is gone."""
+        super()._check_open()
+        self._transport.check_peers()
 
     def _check_step(
         self,

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeline.arguments import PipeArguments, check_pipe_arguments
-from pipeline.distributed.agreement import (
+from pipeline.runtime.agreement import (
     camps,
     fingerprint,
     gather_rows,

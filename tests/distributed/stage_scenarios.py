@@ -10,9 +10,12 @@ import contextlib
 import copy
 import json
 import os
+import pickle
+import struct
 import sys
 import time
 import warnings
+from collections import namedtuple
 from functools import partial
 from pathlib import Path
 from typing import Any, cast
@@ -947,6 +950,91 @@ def a_pipeline_refused_in_a_grid_stops_every_pipeline() -> None:
     expect_error(
         ValueError, lambda: DistributedPipe(blocks(4), balance, group=pp_group), *fragments
     )
+
+
+class Payload:
+    """Unpickled, it would make a directory: the proof that a peer's bytes ran code."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return os.mkdir, (str(self.path),)
+
+
+@scenario
+def a_crafted_message_runs_no_code_and_fails_closed_naming_its_sender() -> None:
+    marker = Path(sys.argv[1]).with_name("payload-ran")
+    # Rank 1's close waits this long at most for its stop, which rank 0 no longer takes.
+    pipe = DistributedPipe(blocks(2 * world()), [2] * world(), timeout=2)
+    if rank() == 1:  # a peer sends a pickle where a description belongs, as an attacker would
+        description = pickle.dumps(Payload(marker))
+        envelope = bytearray(1024)  # kind 0 (data), the description's length, no tensor
+        envelope[: 24 + len(description)] = (
+            struct.pack("<qqq", 0, len(description), 0) + description
+        )
+        transport = pipe._transport
+        wire = transport._wire(transport.me, 0)
+        wire.send(
+            [torch.frombuffer(envelope, dtype=torch.uint8)], transport._wire_rank[0], 0
+        ).wait()
+    x, y = batch()
+    if rank() == 0:
+        verdict = peers_verdict(pipe)
+        assert not marker.exists(), "the peer's bytes ran code"
+        for fragment in ("rank 1 sent a malformed message", "unknown tag", "stopped listening"):
+            assert fragment in verdict, f"{fragment!r} missing from: {verdict}"
+        expect_error(PeerError, lambda: pipe.step(x, y, F.mse_loss), verdict)
+    else:
+        expect_error(
+            ValueError, lambda: pipe.step(x, y, F.mse_loss), "rank 0 of the pipeline refused"
+        )
+    pipe.close()
+
+
+def peers_verdict(pipe: DistributedPipe) -> str:
+    """What this process concluded about its peers, once it has: PeerError's message."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            pipe._transport.check_peers()
+        except PeerError as error:
+            return str(error)
+        time.sleep(0.01)
+    raise AssertionError("no verdict on the peers within 60 s")
+
+
+Pair = namedtuple("Pair", "first second")
+
+
+class ToPair(nn.Module):
+    def forward(self, x: Tensor) -> Pair:
+        return Pair(x, x * 2)
+
+
+class FromPair(nn.Module):
+    def forward(self, pair: Pair) -> Tensor:
+        return pair.first + pair.second
+
+
+@scenario
+def a_value_that_cannot_cross_is_refused_by_its_sender_naming_it() -> None:
+    model = nn.Sequential(block(), ToPair(), FromPair(), block()).double()
+    balance = [2, 2] + [1] * (world() - 2)
+    model.extend(nn.Identity() for _ in range(world() - 2))
+    pipe = DistributedPipe(model, balance, chunks=2)
+    x, y = batch()
+    if rank() == 0:
+        expect_error(
+            TypeError,
+            lambda: pipe.step(x, y, F.mse_loss),
+            "the activation of micro-batch 0 that stage 0 sends to stage 1 (rank 1) holds a "
+            "namedtuple __main__.Pair, which cannot be sent to another process",
+            "return a plain tuple (or a dict) instead",
+        )
+    else:
+        expect_error(RuntimeError, lambda: pipe.step(x, y, F.mse_loss), "rank 0 failed: TypeError")
+    pipe.close()
 
 
 def tied_model_for(stages: int) -> nn.Sequential:

@@ -40,6 +40,8 @@ SHARED = [
     "a_grad_scaler_must_agree_on_infs_across_processes",
     "last_step_reports_this_process_stages",
     "every_action_of_step_and_evaluate_shows_under_the_plain_profiler",
+    "a_value_that_cannot_cross_is_refused_by_its_sender_naming_it",
+    "a_crafted_message_runs_no_code_and_fails_closed_naming_its_sender",
 ]
 
 

@@ -5,7 +5,9 @@ process knows in advance (one entry per value, a text as its hash), and one
 ``all_gather`` gives every process every row. A mismatch is then seen by
 all of them at once, so they all raise, naming the ranks that agree with
 each other, instead of some waiting in a later collective whose sizes no
-longer match (gloo aborts such a process).
+longer match (gloo aborts such a process). Where a mismatch needs
+explaining, ``gather_texts`` brings every process's text, its length agreed
+and bounded first: texts are data, and nothing received is unpickled.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch.distributed as dist
 
 from pipeline.runtime.process_group import collective_device
 
-__all__ = ["camps", "fingerprint", "gather_rows", "ranks_text", "refused_text"]
+__all__ = ["camps", "fingerprint", "gather_rows", "gather_texts", "ranks_text", "refused_text"]
 
 
 def fingerprint(text: str) -> int:
@@ -34,6 +36,30 @@ def gather_rows(row: Sequence[int], group: dist.ProcessGroup) -> list[list[int]]
     rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(rows, mine, group=group)
     return [[int(v) for v in r.tolist()] for r in rows]
+
+
+def gather_texts(text: str, group: dist.ProcessGroup, limit: int) -> list[str] | None:
+    """Every rank's ``text``, by group rank; None (on every rank) if one is over ``limit`` bytes.
+
+    The lengths travel first, in a row of their own, so that no rank
+    allocates more than ``limit`` bytes for another's text.
+    """
+    data = text.encode()
+    lengths = [row[0] for row in gather_rows([len(data)], group)]
+    if any(not 0 <= n <= limit for n in lengths):
+        return None
+    if not any(lengths):
+        return ["" for _ in lengths]
+    padded = torch.zeros(max(lengths), dtype=torch.uint8, device=collective_device(group))
+    if data:
+        padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    received = [torch.empty_like(padded) for _ in lengths]
+    dist.all_gather(received, padded, group=group)
+    # tolist() rather than NumPy, which this library does not need.
+    return [
+        bytes(t[:n].tolist()).decode("utf-8", "replace")
+        for t, n in zip(received, lengths, strict=True)
+    ]
 
 
 def camps(values: Sequence[int]) -> list[list[int]]:

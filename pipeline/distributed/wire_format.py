@@ -1,0 +1,432 @@
+"""Messages between processes as bytes: a fixed format that decodes to data, never to code.
+
+A message travels as a 1 KiB envelope, its description (inline in the
+envelope when it fits), then each tensor's raw bytes::
+
+    envelope     kind, description length, tensor count (int64 each), then
+                 the description if it fits in the rest of the 1 KiB
+    description  one encoded value: (key, structured, differentiable, value),
+                 each tensor of the value replaced by its dtype name, shape
+                 and byte count
+
+An encoded value is a tag byte and what the tag says follows (little-endian)::
+
+    N T F            None, True, False
+    i f c            int (int64), float (float64), complex (2 float64)
+    s                str: length (uint32), UTF-8
+    y v              torch.dtype (by name), torch.device (as text)
+    t                tensor: dtype name, ndim (uint8), dims and nbytes (int64)
+    ( [              tuple, list: count (uint32), the items
+    {                dict: count (uint32), then key and value, key by key
+
+Nothing else can be encoded, so decoding never imports a module or calls
+an object's constructor, as unpickling would: a peer can send data, never
+code. Every size a peer announces is checked before anything is allocated:
+the description's length, the tensor count, each tensor's dtype (one torch
+has), shape and byte count (its dtype's item size times its element count)
+and the message's total bytes. A value that cannot be encoded (any other
+type, a namedtuple, an int beyond 64 bits) is refused by its sender, naming
+its type, where it sits in the value and which message it is.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+import torch
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
+
+__all__ = [
+    "ABORT",
+    "DATA",
+    "DEFAULT_MAX_MESSAGE_BYTES",
+    "ENVELOPE_BYTES",
+    "MAX_DESCRIPTION_BYTES",
+    "STOP",
+    "Description",
+    "MalformedMessageError",
+    "TensorSlot",
+    "decode",
+    "encode",
+    "envelope",
+    "read_envelope",
+]
+
+# What a message is: values for a stage, a peer's failure, or its goodbye.
+DATA, ABORT, STOP = 0, 1, 2
+ENVELOPE_BYTES = 1024
+_HEAD = struct.Struct("<qqq")  # kind, description length, tensor count
+_INLINE_BYTES = ENVELOPE_BYTES - _HEAD.size
+
+# A description holds shapes, dtype names, keys and small plain values: a
+# few dozen bytes per tensor. Larger ones are refused before allocating.
+MAX_DESCRIPTION_BYTES = 16 * 2**20
+# One message's tensors, together: far above any activation a stage sends,
+# far below what a peer could make a process allocate without it.
+DEFAULT_MAX_MESSAGE_BYTES = 16 * 2**30
+# Deeper structures than any layer returns; decoding recurses this deep.
+_MAX_DEPTH = 64
+_MAX_DIMS = 64
+
+_U8, _U32 = struct.Struct("<B"), struct.Struct("<I")
+_I64, _F64 = struct.Struct("<q"), struct.Struct("<d")
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+# Every dtype torch has, by the name it prints without "torch.".
+_DTYPES = {
+    str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)
+}
+
+_CARRIED = (
+    "messages between processes carry tensors, None, bool, int, float, complex, str, "
+    "torch.dtype and torch.device, in tuples, lists and dicts with str or int keys"
+)
+
+
+class MalformedMessageError(ValueError):
+    """A peer's message does not follow the format, or announces sizes beyond the limits."""
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    """Stands for a tensor in a decoded description: what the receiver allocates."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Description:
+    """A decoded description: the message's key, leaves (tensors as slots), spec, flags."""
+
+    key: Any
+    leaves: list[Any]
+    spec: TreeSpec | None
+    differentiable: list[bool]
+
+    def slots(self) -> Iterator[tuple[int, TensorSlot]]:
+        """The leaves that are tensors, with their indices."""
+        return ((k, x) for k, x in enumerate(self.leaves) if isinstance(x, TensorSlot))
+
+
+# Envelopes
+
+
+def envelope(kind: int, description: bytes, count: int) -> tuple[bytearray, bytes | None]:
+    """The envelope of a message; and its description when it does not fit in it."""
+    head = _HEAD.pack(kind, len(description), count)
+    fits = len(description) <= _INLINE_BYTES
+    data = bytearray(ENVELOPE_BYTES)
+    data[: _HEAD.size + (len(description) if fits else 0)] = head + description if fits else head
+    return data, None if fits else description
+
+
+def read_envelope(data: bytes) -> tuple[int, int, int, bytes | None]:
+    """Kind, description length, tensor count and (if inline) description, all checked."""
+    kind, length, count = _HEAD.unpack_from(data)
+    if kind not in (DATA, ABORT, STOP):
+        raise MalformedMessageError(f"unknown message kind {kind}")
+    if not 0 <= length <= MAX_DESCRIPTION_BYTES:
+        raise MalformedMessageError(
+            f"a description of {length} bytes (at most {MAX_DESCRIPTION_BYTES} are accepted)"
+        )
+    if count < 0:
+        raise MalformedMessageError(f"a tensor count of {count}")
+    inline = data[_HEAD.size : _HEAD.size + length] if length <= _INLINE_BYTES else None
+    return kind, length, count, inline
+
+
+# Encoding
+
+
+def encode(
+    key: Any,
+    leaves: list[Any],
+    spec: TreeSpec | None,
+    differentiable: list[bool],
+    where: Callable[[], str],
+    max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+) -> tuple[bytes, list[torch.Tensor]]:
+    """A message's description, and its tensors in the order their bytes follow.
+
+    Raises TypeError naming the value's part that cannot be encoded (and
+    ``where()``, the message), or ValueError if it is larger than the limits.
+    """
+    value = list(leaves) if spec is None else tree_unflatten(leaves, spec)
+    writer = _Writer(where)
+    writer.value((key, spec is not None, list(differentiable)), "", 0)
+    writer.value(value, "", 0)
+    description = b"".join(writer.parts)
+    total = sum(t.nbytes for t in writer.tensors)
+    if len(description) > MAX_DESCRIPTION_BYTES or total > max_bytes:
+        raise ValueError(
+            f"{where()} takes {len(description)} bytes of description and {total} bytes of "
+            f"tensors, over the limits of {MAX_DESCRIPTION_BYTES} and {max_bytes} (the "
+            "pipeline's max_message_bytes): send fewer or smaller values between stages"
+        )
+    return description, writer.tensors
+
+
+class _Writer:
+    """Encodes values into ``parts``, collecting the tensors met on the way."""
+
+    def __init__(self, where: Callable[[], str]) -> None:
+        self.where = where
+        self.parts: list[bytes] = []
+        self.tensors: list[torch.Tensor] = []
+
+    def value(self, x: Any, path: str, depth: int) -> None:
+        if depth > _MAX_DEPTH:
+            raise TypeError(f"{self.where()} nests deeper than {_MAX_DEPTH} levels at {path}")
+        kind = type(x)
+        if isinstance(x, torch.Tensor):
+            self.tensor(x, path)
+        elif x is None or kind is bool:
+            self.parts.append(b"N" if x is None else b"T" if x else b"F")
+        elif kind is int:
+            if not _INT64_MIN <= x <= _INT64_MAX:
+                self.refuse(path, "an int beyond 64 bits")
+            self.parts += [b"i", _I64.pack(x)]
+        elif kind is float:
+            self.parts += [b"f", _F64.pack(x)]
+        elif kind is complex:
+            self.parts += [b"c", _F64.pack(x.real), _F64.pack(x.imag)]
+        elif kind is str:
+            self.text(b"s", x)
+        elif kind is torch.dtype:
+            self.dtype(x)
+        elif kind is torch.device:
+            self.text(b"v", str(x))
+        elif kind is tuple or kind is list:
+            self.parts += [b"(" if kind is tuple else b"[", _U32.pack(len(x))]
+            for k, item in enumerate(x):
+                self.value(item, f"{path}[{k}]", depth + 1)
+        elif kind is dict:
+            self.parts += [b"{", _U32.pack(len(x))]
+            for name, item in x.items():
+                if type(name) not in (str, int):
+                    self.refuse(path, f"a key of type {_type_name(name)}")
+                self.value(name, path, depth + 1)
+                self.value(item, f"{path}[{name!r}]", depth + 1)
+        else:
+            self.refuse(path, _what(x), _hint(x))
+
+    def tensor(self, x: torch.Tensor, path: str) -> None:
+        if x.nbytes != x.numel() * x.dtype.itemsize:
+            self.refuse(path, f"a {x.dtype} tensor, which is not whole bytes per element")
+        self.parts.append(b"t")
+        self.dtype(x.dtype, tag=b"")
+        self.parts.append(_U8.pack(x.dim()))
+        self.parts += [_I64.pack(n) for n in (*x.shape, x.nbytes)]
+        self.tensors.append(x)
+
+    def dtype(self, dtype: torch.dtype, tag: bytes = b"y") -> None:
+        name = str(dtype).removeprefix("torch.").encode()
+        self.parts += [tag, _U8.pack(len(name)), name]
+
+    def text(self, tag: bytes, text: str) -> None:
+        data = text.encode("utf-8", "surrogatepass")
+        self.parts += [tag, _U32.pack(len(data)), data]
+
+    def refuse(self, path: str, what: str, hint: str = "") -> NoReturn:
+        at = f" at {path}" if path else ""
+        raise TypeError(
+            f"{self.where()} holds {what}{at}, which cannot be sent to another process: "
+            f"{_CARRIED}{hint}"
+        )
+
+
+def _type_name(x: Any) -> str:
+    kind = type(x)
+    if kind.__module__ == "builtins":
+        return kind.__qualname__
+    return f"{kind.__module__}.{kind.__qualname__}"
+
+
+def _what(x: Any) -> str:
+    if isinstance(x, tuple) and hasattr(x, "_fields"):
+        return f"a namedtuple {_type_name(x)}"
+    return f"a value of type {_type_name(x)}"
+
+
+def _hint(x: Any) -> str:
+    if isinstance(x, tuple):
+        return "; return a plain tuple (or a dict) instead"
+    if isinstance(x, dict):
+        return "; return a plain dict instead"
+    return ""
+
+
+# Decoding
+
+
+def decode(
+    data: bytes, kind: int, count: int, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+) -> Description:
+    """A peer's description of a message of ``kind`` and ``count`` tensors, checked.
+
+    Raises MalformedMessageError if it is not one, as this module encodes it.
+    """
+    reader = _Reader(data, max_bytes)
+    header, value = reader.value(0), reader.value(0)
+    if reader.position != len(data):
+        raise MalformedMessageError(f"{len(data) - reader.position} bytes after the description")
+    if not (isinstance(header, tuple) and len(header) == 3):
+        raise MalformedMessageError("the description does not start with its key and flags")
+    key, structured, differentiable = header
+    if type(structured) is not bool or not (
+        isinstance(differentiable, list) and all(type(d) is bool for d in differentiable)
+    ):
+        raise MalformedMessageError("the description's flags are not booleans")
+    if structured:
+        leaves, spec = tree_flatten(value)
+    elif isinstance(value, list):
+        leaves, spec = value, None
+    else:
+        raise MalformedMessageError("an unstructured message that is not a list of leaves")
+    if differentiable and len(differentiable) != len(leaves):
+        raise MalformedMessageError(
+            f"{len(differentiable)} differentiable flags for {len(leaves)} values"
+        )
+    described = Description(key, leaves, spec, differentiable)
+    _check_form(kind, count, described)
+    return described
+
+
+def _check_form(kind: int, count: int, described: Description) -> None:
+    """Raise MalformedMessageError unless ``described`` is a message of ``kind`` as sent."""
+    tensors = sum(1 for _ in described.slots())
+    if tensors != count:
+        raise MalformedMessageError(
+            f"an envelope announcing {count} tensors for a description of {tensors}"
+        )
+    key, leaves = described.key, described.leaves
+    if kind == DATA:
+        step_and_name = isinstance(key, tuple) and len(key) == 2 and type(key[0]) is int
+        if not (step_and_name and _is_name(key[1])):
+            raise MalformedMessageError(f"the key {key!r}, not (step, name) of a message")
+    elif kind == ABORT:
+        if not (type(key) is int and len(leaves) == 1 and type(leaves[0]) is str):
+            raise MalformedMessageError("an abort that is not a step and a text")
+    elif leaves:
+        raise MalformedMessageError("a stop that carries values")
+
+
+def _is_name(key: Any) -> bool:
+    """Whether ``key`` names a message as stages do: a str, an int or a tuple of them."""
+    if isinstance(key, tuple):
+        return all(_is_name(part) for part in key)
+    return type(key) in (str, int)
+
+
+class _Reader:
+    """Decodes values from ``data``, checking every size against what is left and the limits."""
+
+    def __init__(self, data: bytes, max_bytes: int) -> None:
+        self.data = data
+        self.position = 0
+        self.max_bytes = max_bytes
+        self.tensor_bytes = 0
+
+    def take(self, n: int) -> bytes:
+        if n > len(self.data) - self.position:
+            raise MalformedMessageError(
+                f"the description ends at byte {len(self.data)}, before the {n} bytes that "
+                f"byte {self.position} announces"
+            )
+        chunk = self.data[self.position : self.position + n]
+        self.position += n
+        return chunk
+
+    def unpack(self, form: struct.Struct) -> Any:
+        return form.unpack(self.take(form.size))[0]
+
+    def value(self, depth: int) -> Any:
+        if depth > _MAX_DEPTH:
+            raise MalformedMessageError(f"values nested deeper than {_MAX_DEPTH} levels")
+        at = self.position
+        tag = self.take(1)
+        simple = {b"N": None, b"T": True, b"F": False}
+        if tag in simple:
+            return simple[tag]
+        if tag == b"i":
+            return self.unpack(_I64)
+        if tag == b"f":
+            return self.unpack(_F64)
+        if tag == b"c":
+            return complex(self.unpack(_F64), self.unpack(_F64))
+        if tag == b"s":
+            return self.text()
+        if tag == b"y":
+            return self.dtype()
+        if tag == b"v":
+            return self.device()
+        if tag == b"t":
+            return self.tensor()
+        if tag in (b"(", b"["):
+            items = [self.value(depth + 1) for _ in range(self.count())]
+            return tuple(items) if tag == b"(" else items
+        if tag == b"{":
+            return self.dict(depth)
+        raise MalformedMessageError(f"unknown tag {tag!r} at byte {at}")
+
+    def count(self) -> int:
+        count: int = self.unpack(_U32)
+        if count > len(self.data) - self.position:  # every item takes a byte at least
+            raise MalformedMessageError(f"{count} items announced, more than the bytes left")
+        return count
+
+    def text(self) -> str:
+        data = self.take(self.unpack(_U32))
+        try:
+            return data.decode("utf-8", "surrogatepass")
+        except UnicodeDecodeError as error:
+            raise MalformedMessageError(f"a text that is not UTF-8: {error}") from None
+
+    def dtype(self) -> torch.dtype:
+        name = self.take(self.unpack(_U8)).decode("ascii", "replace")
+        if name not in _DTYPES:
+            raise MalformedMessageError(f"dtype {name!r}, which torch does not have")
+        return _DTYPES[name]
+
+    def device(self) -> torch.device:
+        text = self.text()
+        try:
+            return torch.device(text)
+        except (RuntimeError, ValueError):
+            raise MalformedMessageError(f"device {text!r}, which torch does not know") from None
+
+    def tensor(self) -> TensorSlot:
+        dtype = self.dtype()
+        ndim = self.unpack(_U8)
+        if ndim > _MAX_DIMS:
+            raise MalformedMessageError(f"a tensor of {ndim} dimensions (at most {_MAX_DIMS})")
+        shape = tuple(self.unpack(_I64) for _ in range(ndim))
+        nbytes = self.unpack(_I64)
+        if any(n < 0 for n in shape):
+            raise MalformedMessageError(f"a tensor of shape {shape}")
+        if nbytes != math.prod(shape) * dtype.itemsize:
+            raise MalformedMessageError(
+                f"a {dtype} tensor of shape {shape} announced as {nbytes} bytes"
+            )
+        self.tensor_bytes += nbytes
+        if self.tensor_bytes > self.max_bytes:
+            raise MalformedMessageError(
+                f"tensors of more than {self.max_bytes} bytes in one message (this process's "
+                "max_message_bytes)"
+            )
+        return TensorSlot(dtype, shape, nbytes)
+
+    def dict(self, depth: int) -> dict[Any, Any]:
+        result: dict[Any, Any] = {}
+        for _ in range(self.count()):
+            name = self.value(depth + 1)
+            if type(name) not in (str, int) or name in result:
+                raise MalformedMessageError(f"a dict key {name!r} (repeated, or not a str or int)")
+            result[name] = self.value(depth + 1)
+        return result
