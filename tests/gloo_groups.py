@@ -131,6 +131,14 @@ class SimulatedCrashError(Exception):
     """Raised by a scenario on the rank that should die abruptly at that point."""
 
 
+class SimulatedScriptError(BaseException):
+    """Raised by a scenario on the rank whose script should fail there, as a bug would.
+
+    Its outcomes are written, then it leaves the runner uncaught: the
+    interpreter exits as it does for a script that raised, finalizers and all.
+    """
+
+
 def rank() -> int:
     return dist.get_rank()
 
@@ -162,6 +170,10 @@ def main() -> None:
         try:
             SCENARIOS[name]()
             outcomes[name] = "ok"
+        except SimulatedScriptError:
+            outcomes[name] = "ok"
+            out.write_text(json.dumps(outcomes))
+            raise
         except SimulatedCrashError:
             outcomes[name] = "ok"
             out.write_text(json.dumps(outcomes))

@@ -25,6 +25,14 @@ actions waiting on it; a peer that stalls makes them fail after
 ``timeout`` seconds, naming the peer and what they waited for. A peer whose
 message is malformed is no longer listened to: every wait on it fails,
 naming it and what was wrong.
+
+Closing waits on no peer: ``close`` sends each peer a ``stop`` and waits
+(a few seconds at most) only for these sends, which the peer's listener
+receives whatever its own thread is doing. A listener ends when its peer's
+``stop`` comes or the connection breaks; nobody joins it, so two processes
+closing pipelines in different orders (or at exit) never wait for each
+other. A peer's ``stop`` comes after all its messages: the step under way
+finishes, the next one is refused.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterable
 from datetime import timedelta
@@ -59,12 +68,15 @@ from pipeline.step.mail import AbortedError, Mailboxes, MailTimeoutError, Messag
 __all__ = ["P2PTransport", "PeerError"]
 
 _TAG = 0
+# How long closing waits for its own stop messages to leave, at most: a
+# live peer's listener takes them at once; a dead one fails them at once.
+_CLOSE_WAIT_S = 5.0
 
 _Receipt = tuple[dist.Work, torch.Tensor]
 
 
 class PeerError(RuntimeError):
-    """Another process of the pipeline failed, died, stalled or sent a malformed message."""
+    """Another process of the pipeline failed, died, stalled, closed or sent a malformed message."""
 
 
 class P2PTransport:
@@ -110,7 +122,7 @@ class P2PTransport:
         self._pending: list[tuple[dist.Work, torch.Tensor]] = []
         self._pending_lock = threading.Lock()
         self._closing = False
-        # Why a peer is no longer listened to (it broke or misbehaved).
+        # Why a peer is no longer listened to (it closed, broke or misbehaved).
         self._gone: dict[int, str] = {}
         self._gone_lock = threading.Lock()
         self._listeners = [
@@ -133,22 +145,40 @@ class P2PTransport:
     def end_step(self) -> None:
         """Wait until this step's sends are done (their tensors may then be freed)."""
         try:
-            self._wait_for_sends()
+            self._wait_for_sends(self.timeout)
         except RuntimeError as error:
             raise PeerError(f"a send of step {self.step} did not complete: {error}") from error
 
-    def _wait_for_sends(self) -> None:
+    def _wait_for_sends(self, seconds: float) -> None:
+        """Wait for the sends posted so far, ``seconds`` at most for all of them."""
         with self._pending_lock:
             pending, self._pending = self._pending, []
+        deadline = time.monotonic() + seconds
         for work, _ in pending:
-            work.wait(timedelta(seconds=self.timeout))
+            # gloo reads a zero timeout as none at all: never pass one.
+            work.wait(timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
 
     def check_peers(self) -> None:
-        """Raise PeerError if a peer broke its connection or misbehaved."""
+        """Raise PeerError if a peer closed its pipeline, broke its connection or misbehaved."""
         with self._gone_lock:
             reasons = list(self._gone.values())
         if reasons:
             raise PeerError(f"{'; '.join(reasons)}: this pipeline cannot run another step")
+
+    def explain(self, what: str, error: Exception) -> PeerError:
+        """``error``, which ended a collective of the pipeline, naming the peers that left.
+
+        A process that exits (its script raised) sends its stops first and
+        its connections close then, so the collective fails at once and the
+        listeners learn from whom within moments: wait a few seconds for them.
+        """
+        deadline = time.monotonic() + _CLOSE_WAIT_S
+        for listener in self._listeners:
+            listener.join(max(deadline - time.monotonic(), 0.0))
+        with self._gone_lock:
+            reasons = list(self._gone.values())
+        because = f" ({'; '.join(reasons)})" if reasons else ""
+        return PeerError(f"{what} failed{because}: {error}")
 
     # Transport
 
@@ -208,19 +238,21 @@ class P2PTransport:
             return dict(self._received.get(self.step, {}))
 
     def close(self) -> None:
-        """Stop listening: tell every peer, which tells this process in turn."""
+        """Tell every peer that this process is done; wait only for these messages to leave.
+
+        Each peer's listener takes the stop whatever that process is doing, so
+        this ends within seconds and never waits for a peer to close in turn.
+        The wait itself matters: a send dropped before it is done may never
+        arrive, and the peer's listener would go on waiting for it.
+        """
         self._closing = True
         for peer in self.peers:
             try:
                 self._post(peer, STOP, 0, Message([]), lambda: "a stop")
             except Exception:
                 continue
-        # A send dropped before it is done may never arrive: the peer would
-        # wait for this STOP until its timeout.
         with contextlib.suppress(RuntimeError):
-            self._wait_for_sends()
-        for listener in self._listeners:
-            listener.join(self.timeout)
+            self._wait_for_sends(min(self.timeout, _CLOSE_WAIT_S))
 
     # Wire
 
@@ -249,6 +281,15 @@ class P2PTransport:
             while True:
                 kind, key, message, envelope = self._receive_one(peer, envelope)
                 if kind == STOP:
+                    # Not a failure: every message the peer sent came before
+                    # its stop and is filed, and a peer that is done with a
+                    # step may close while this process finishes it. Only the
+                    # next step is refused (check_peers).
+                    self._gone_because(
+                        peer,
+                        f"rank {peer} closed its pipeline (its script ended or "
+                        "raised, or it called close())",
+                    )
                     return
                 if kind == ABORT:
                     self._mailboxes.abort(key, PeerError(str(message.leaves[0])))
@@ -266,11 +307,15 @@ class P2PTransport:
             self._leave(peer, f"lost the connection to rank {peer}: {error}")
 
     def _leave(self, peer: int, reason: str) -> None:
-        """``peer`` is no longer listened to: every wait for it fails with ``reason``."""
-        with self._gone_lock:
-            self._gone.setdefault(peer, reason)
+        """``peer`` broke or misbehaved: every wait, now and later, fails with ``reason``."""
+        self._gone_because(peer, reason)
         if not self._closing:
             self._mailboxes.break_down(PeerError(reason))
+
+    def _gone_because(self, peer: int, reason: str) -> None:
+        """``peer`` is no longer listened to, for ``reason`` (the first one stays)."""
+        with self._gone_lock:
+            self._gone.setdefault(peer, reason)
 
     def _wire(self, sender: int, receiver: int) -> dist.ProcessGroup:
         """The group for messages from ``sender`` to ``receiver``: one per direction.

@@ -378,7 +378,10 @@ class DistributedPipe(PipeBase):
         row = [int(refusal is not None), 0 if choice is None else fingerprint(choice)]
         for split in (batches, targets):
             row += [len(split), *(b.rows() for b in split), *[0] * (m - len(split))]
-        rows = gather_rows(row, self.group)
+        try:
+            rows = gather_rows(row, self.group)
+        except RuntimeError as error:
+            raise self._transport.explain("the step's agreement", error) from error
         if refusal is not None:
             raise refusal
         refused = [r for r, theirs in enumerate(rows) if theirs[0]]

@@ -32,7 +32,10 @@ from pipeline.schedules import Interleaved1F1B, resolve_schedule
 from pipeline.skip import Namespace
 from pipeline.step.runner import forward_programs
 from tests import gloo_groups
-from tests.distributed import checkpoint_scenarios  # noqa: F401 (its scenarios run here too)
+from tests.distributed import (
+    checkpoint_scenarios,  # noqa: F401 (its scenarios run here too)
+    closing_scenarios,  # noqa: F401 (its scenarios run here too)
+)
 from tests.gloo_groups import breaks_group, expect_error, main, rank, scenario, world
 from tests.helpers import Pop, Stash, task_names
 

@@ -42,6 +42,10 @@ SHARED = [
     "every_action_of_step_and_evaluate_shows_under_the_plain_profiler",
     "a_value_that_cannot_cross_is_refused_by_its_sender_naming_it",
     "a_crafted_message_runs_no_code_and_fails_closed_naming_its_sender",
+    # closing_scenarios.py: pipelines left open until the processes exit, then a process
+    # whose script raises, which ends the group: last.
+    "pipelines_collected_in_different_orders_or_at_exit_let_every_process_end",
+    "a_process_whose_script_raises_exits_at_once_and_the_others_name_it",
 ]
 
 

@@ -1,0 +1,82 @@
+"""DistributedPipe scenarios of closing: pipelines dropped in any order, at exit, by a script
+that raised.
+
+Registered by importing this module from stage_scenarios.py, and run in its
+group of two processes: closing a pipeline must never wait for a peer, so the
+group's wall-clock bound, far below the pipelines' timeout here, fails a
+process that did.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from pipeline.distributed import DistributedPipe, PeerError
+from tests.gloo_groups import (
+    SimulatedScriptError,
+    breaks_group,
+    expect_error,
+    rank,
+    scenario,
+    world,
+)
+
+WIDTH = 4
+# Far above the group's wall-clock bound: a process that waited for it would fail the test.
+TIMEOUT_S = 600
+
+# Pipelines that stay open until this process exits, as a script's do.
+KEPT: list[object] = []
+
+
+def stepped_pipeline() -> Callable[[], Tensor]:
+    """A pipeline after one step, held by the closure returned alone (as a training loop's)."""
+    model = nn.Sequential(*(nn.Linear(WIDTH, WIDTH) for _ in range(2 * world())))
+    pipe = DistributedPipe(model, [2] * world(), chunks=2, timeout=TIMEOUT_S)
+    x = y = torch.ones(4, WIDTH)
+
+    def step() -> Tensor:
+        loss = pipe.step(x, y, F.mse_loss)
+        assert isinstance(loss, Tensor)
+        return loss
+
+    step()
+    return step
+
+
+@scenario
+def pipelines_collected_in_different_orders_or_at_exit_let_every_process_end() -> None:
+    dropped: list[Callable[[], Tensor] | None] = [stepped_pipeline() for _ in range(3)]
+    kept = [stepped_pipeline() for _ in range(2)]
+    # Rank 0 drops the first three first to last, the others last to first:
+    # each process closes a pipeline while its peers close another.
+    order = list(range(3)) if rank() == 0 else [2, 1, 0]
+    for k in order:
+        start = time.monotonic()
+        dropped[k] = None
+        gc.collect()
+        assert time.monotonic() - start < 60, f"collecting pipeline {k} waited for a peer"
+    # The last two: rank 0 keeps them open until it exits, the others drop them now.
+    if rank() == 0:
+        KEPT.extend(kept)
+    else:
+        kept.clear()
+        gc.collect()
+
+
+@breaks_group
+@scenario
+def a_process_whose_script_raises_exits_at_once_and_the_others_name_it() -> None:
+    step = stepped_pipeline()
+    if rank() == 1:
+        KEPT.append(step)  # still open when the process exits
+        raise SimulatedScriptError("a bug in rank 1's script, outside step()")
+    start = time.monotonic()
+    expect_error(PeerError, step, "rank 1 closed its pipeline")
+    assert time.monotonic() - start < 60, "the error waited for the pipeline's timeout"
