@@ -35,6 +35,7 @@ from pipeline.runtime.microbatch import Batch
 from pipeline.runtime.partitions import Hook, PartitionRuntime, PositionalSequential
 from pipeline.skip.layout import SkipLayout
 from pipeline.step.actions import Program
+from pipeline.step.held_hooks import check_supported
 from pipeline.step.losses import (
     LossDivisor,
     LossFn,
@@ -149,6 +150,7 @@ class PipeBase(nn.Module):
             )
         reduction = self._check_loss(loss_fn, loss_reduction, loss_divisor)
         check_grad_scaler(grad_scaler, self._runtime.devices[-1])
+        check_supported()
         return reduction
 
     def _check_loss(self, loss_fn: Any, loss_reduction: Any, loss_divisor: Any) -> LossReduction:
@@ -211,6 +213,7 @@ class PipeBase(nn.Module):
         loss_divisor: LossDivisor | None = None,
         grad_scaler: torch.amp.GradScaler | None = None,
         measure_memory: bool = False,
+        at_end: Iterable[torch.Tensor] = (),
     ) -> StepRun:
         """One step's run: this pipe's partitions and skips, loss scales, checkpointed tasks."""
         if grad_scaler is not None:
@@ -230,6 +233,7 @@ class PipeBase(nn.Module):
             stages=stages,
             grad_scaler=grad_scaler,
             measure_memory=measure_memory,
+            at_end=at_end,
         )
 
     def _evaluation_run(

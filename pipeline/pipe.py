@@ -178,7 +178,9 @@ class Pipe(PipeBase):
 
         Equivalent to ``loss = loss_fn(model(input), target); loss.backward()``
         on the plain model: the gradients accumulate into ``.grad`` (zero them
-        as usual) and the loss is returned, detached, on the last device. The
+        as usual), each tensor's once per step, so its hooks are called as
+        one backward calls them (docs/schedules.md, "Gradients and hooks"),
+        and the loss is returned, detached, on the last device. The
         backward runs on the workers too, so that it overlaps across
         partitions, in the order ``schedule`` gives: ``"gpipe"``, ``"1f1b"``
         (the default: each partition holds at most as many micro-batches as
@@ -296,8 +298,9 @@ class Pipe(PipeBase):
             measure_memory=measure_memory,
         )
         begin_explicit_step(simulation.mean_idle_fraction)
-        with self._one_pass():
+        with self._one_pass(), run.holding_hooks():
             self._run_programs(run, programs)
+            run.finish()
         self.last_step = StepReport(schedule, simulation, *self._measured(run, programs))
         loss = run.loss()
         if return_outputs:

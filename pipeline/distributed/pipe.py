@@ -269,15 +269,13 @@ class DistributedPipe(PipeBase):
             loss_divisor=loss_divisor,
             grad_scaler=grad_scaler,
             measure_memory=measure_memory,
+            at_end=self._ties.parameters(),
         )
-
-        def run_here() -> None:
+        with self._one_pass(), run.holding_hooks():
             self._transport.begin_step()
             run.run_here(programs[self.rank])
             self._transport.end_step()
-
-        with self._one_pass():
-            self._ties.summing_gradients(run_here)
+            run.finish(self._ties.sum_over_holders)
         for j in sorted(self._ties.stages):
             for hook in self._completion_hooks.values():
                 hook(j)

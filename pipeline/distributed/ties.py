@@ -9,12 +9,11 @@ embedding group.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import cast
-
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import nn
+
+from pipeline.step.gradients import GradientSums
 
 __all__ = ["TiedWeights"]
 
@@ -61,36 +60,24 @@ class TiedWeights:
                 for param in params:
                     dist.broadcast(param, group=group, group_src=0)
 
-    def summing_gradients(self, run_step: Callable[[], None]) -> None:
-        """Run the step, then sum its gradients of tied weights over the processes holding them.
+    def parameters(self) -> list[nn.Parameter]:
+        """This process's tied parameters, in the same order in every process holding them."""
+        return [param for _, tied in self.groups.values() for param in tied]
 
-        Only this step's: ``.grad`` may hold earlier steps' too (gradient
-        accumulation, ``DataParallel.no_sync``), summed when they were made;
-        summing them again would count them once more per holder. They are
-        set aside while the step runs and get the sum added in place, so
-        that ``.grad`` stays the tensor it was (``DataParallel`` with
-        ``gradient_as_bucket_view`` made it a view into its bucket). A step
-        that fails leaves them as they were.
+    def sum_over_holders(self, sums: GradientSums) -> None:
+        """Make each tied parameter's sum in ``sums`` the sum over the processes holding it.
+
+        ``sums`` holds this step's gradients only (``.grad`` may hold earlier
+        steps' too, from gradient accumulation or ``DataParallel.no_sync``,
+        summed when they were made): only they are summed, then accumulated
+        once, so that the parameter's hooks see the whole gradient.
         """
-        params = [p for _, tied in self.groups.values() for p in tied]
-        earlier = [p.grad for p in params]
-        for param in params:
-            param.grad = None
-        try:
-            run_step()
-            for group, tied in self.groups.values():
-                for param in tied:
-                    fresh = param.grad if param.grad is not None else torch.zeros_like(param)
-                    dist.all_reduce(fresh, group=group)
-                    param.grad = fresh
-        except BaseException:
-            for param, grad in zip(params, earlier, strict=True):
-                param.grad = grad
-            raise
-        with torch.no_grad():
-            for param, grad in zip(params, earlier, strict=True):
-                if grad is not None:
-                    param.grad = grad.add_(cast(Tensor, param.grad))
+        for group, tied in self.groups.values():
+            for param in tied:
+                grad = sums.take(param)
+                total = grad if grad is not None else torch.zeros_like(param)
+                dist.all_reduce(total, group=group)
+                sums.add([param], [total])
 
 
 def _tied_parameters(

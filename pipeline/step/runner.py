@@ -5,9 +5,11 @@ checked by ``simulate.validate``) and waits. A worker runs its actions in
 order through the stages it owns (``stage.py``); stages exchange values by
 mail (``mail.py``), so the order between workers comes from the data,
 as the programs promise. After a stage's last backward (or weight-gradient)
-action, the partition backward hooks are called with its index, on the
-worker: DataParallel starts that partition's all-reduces while others still
-compute.
+action, its parameters get their gradients (``gradients.py``) and the
+partition backward hooks are called with its index, on the worker:
+DataParallel starts that partition's all-reduces while others still
+compute. What waits for the step's end (the caller's graph, tensors no
+partition registers) is accumulated by ``finish``, once every worker is done.
 
 The first action to fail aborts the transport, so every worker stops at its
 next wait or action; the caller re-raises that failure, with a note naming
@@ -19,7 +21,8 @@ its end first, so none writes into ``.grad`` after the step has raised.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from functools import partial
 
 import torch
@@ -35,6 +38,7 @@ from pipeline.runtime.threadstate import ThreadState
 from pipeline.runtime.worker import Failure, Replies, Worker, add_note
 from pipeline.skip.layout import SkipLayout
 from pipeline.step.actions import Action, Program
+from pipeline.step.gradients import GradientSums, StepGradients
 from pipeline.step.losses import LossFn, Scale
 from pipeline.step.mail import AbortedError, LocalTransport, Transport
 from pipeline.step.reports import Timed
@@ -63,13 +67,16 @@ class StepRun:
         grad_scaler: torch.amp.GradScaler | None = None,
         forward_only: bool = False,
         measure_memory: bool = False,
+        at_end: Iterable[Tensor] = (),
     ) -> None:
         """The step's ``StepContext``, and a ``StageRun`` per stage run here.
 
         ``transport`` and ``stages`` (the stages this process runs) default
         to every stage of ``runtime`` in this process; the other options are
-        ``StepContext``'s.
+        ``StepContext``'s. The gradients of the tensors ``at_end`` are left to
+        the caller (``finish``).
         """
+        local = list(range(len(runtime)) if stages is None else stages)
         self.context = StepContext(
             runtime=runtime,
             skip_layout=skip_layout,
@@ -84,12 +91,12 @@ class StepRun:
             checkpointed=checkpointed,
             hooks=hooks,
             keep_outputs=keep_outputs,
+            gradients=StepGradients(runtime.partitions, local, at_end),
             grad_scaler=grad_scaler,
             forward_only=forward_only,
             measure_memory=measure_memory,
         )
         self.transport = self.context.transport
-        local = range(len(runtime)) if stages is None else stages
         self.stage_runs = {j: StageRun(self.context, j) for j in local}
 
     def run(self, programs: list[Program], workers: list[Worker]) -> None:
@@ -113,6 +120,30 @@ class StepRun:
         except KeyboardInterrupt:
             self.transport.abort()
             raise
+
+    def finish(self, combine: Callable[[GradientSums], None] | None = None) -> None:
+        """After a step that ran to its end: what waits for the end reaches ``.grad``.
+
+        That is the gradients of leaves no partition registers, of the
+        caller's graph (stage 0's input), and of the ``at_end`` tensors,
+        which ``combine`` may change first (sum them over processes).
+        """
+        rest = self.context.gradients.at_end()
+        if combine is not None:
+            combine(rest)
+        self.context.gradients.accumulate(rest)
+
+    @contextmanager
+    def holding_hooks(self) -> Iterator[None]:
+        """Around the step: the hooks held back meanwhile are all given back at its end.
+
+        A step that failed or was interrupted accumulates nothing more, but
+        leaves no hook held.
+        """
+        try:
+            yield
+        finally:
+            self.context.gradients.hooks.release()
 
     def _work(self, program: Program) -> None:
         for action in program:

@@ -13,11 +13,15 @@ one autograd graph of the stage's forward::
   product, say) skips its weight gradient. A pre-hook on every *anchor*, an
   input-path node where a branch toward weights leaves the path (``a2``,
   ``a1``), records the gradient reaching it.
-- W runs ``autograd.backward`` from the anchors, with their recorded
+- W runs ``autograd.grad`` from the anchors, with their recorded
   gradients, to the weights of their branches only, so that no input-path
-  work is done twice: each anchor computes just its weight outputs. The
-  weights accumulate through their own ``AccumulateGrad`` nodes, so gradient
-  hooks (DataParallel's among them) fire as in a plain backward.
+  work is done twice: each anchor computes just its weight outputs. It
+  returns the weights' gradients; the stage sums them and accumulates each
+  weight once per step (``gradients.py``), as ``B`` does.
+
+The weights are every leaf the outputs reach other than the inputs: the
+partition's parameters, and any other tensor that requires grad (a
+parameter of the script, a plain attribute), as a backward would find them.
 
 Cases torch's own split has got wrong, and how this one handles them:
 
@@ -29,7 +33,7 @@ Cases torch's own split has got wrong, and how this one handles them:
 - a weight reached from an output without crossing the input path, or no
   input needing a gradient at all: that output itself is a root of W;
 - weights shared by two layers of the stage: one ``AccumulateGrad`` node,
-  one accumulation of the sum.
+  one gradient, the sum.
 """
 
 from __future__ import annotations
@@ -66,10 +70,15 @@ class WeightWork:
         self._groups = groups
         self._recorded = recorded
 
-    def run(self) -> None:
-        """Accumulate the weight gradients into ``.grad``; frees what W used of the graph."""
+    def run(self, hold: Callable[[list[Tensor]], None]) -> tuple[list[Tensor], list[Tensor | None]]:
+        """The weights and their gradients (None where unused); frees what W used of the graph.
+
+        ``hold`` is given each group's weights before their gradients are computed.
+        """
         groups, recorded = self._groups, self._recorded
         self._groups, self._recorded = [], {}
+        weights: list[Tensor] = []
+        found: list[Tensor | None] = []
         for group in groups:
             roots: list[GradientEdge] = []
             grads: list[Tensor] = []
@@ -88,27 +97,28 @@ class WeightWork:
                 for anchor in group.anchors
                 if anchor in recorded
             ]
+            hold(group.weights)
             try:
-                torch.autograd.backward(roots, grads, inputs=group.weights)
+                found += torch.autograd.grad(roots, group.weights, grads, allow_unused=True)
             finally:
                 for handle in handles:
                     handle.remove()
+            weights += group.weights
+        return weights, found
 
 
 def backward_input(
-    outputs: Sequence[Tensor],
-    grads: Sequence[Tensor | None],
-    inputs: Sequence[Tensor],
-    weights: Iterable[Tensor],
+    outputs: Sequence[Tensor], grads: Sequence[Tensor | None], inputs: Sequence[Tensor]
 ) -> tuple[list[Tensor | None], WeightWork]:
     """I: the gradients of ``inputs`` (None where unused); and the W still to do.
 
     ``outputs`` and ``grads`` are the roots of the backward (a ``None``
-    gradient for a scalar loss); ``weights`` the tensors W accumulates into.
+    gradient for a scalar loss); W computes the gradients of every other
+    leaf the outputs reach (the weights).
     """
     wanted = [x for x in inputs if x.requires_grad]
-    weight_of = {_node(w): w for w in weights if w.requires_grad}
     graph = _successors(_node(o) for o in outputs)
+    weight_of = _weights(graph, {_node(x) for x in wanted})
     input_path = _reaching({_node(x) for x in wanted}, graph)
     groups = _groups(outputs, grads, graph, input_path, weight_of)
     recorded: dict[Node, Grads] = {}
@@ -130,6 +140,16 @@ def backward_input(
 def _node(tensor: Tensor) -> Node:
     """The node a gradient for ``tensor`` goes to: its grad_fn, or a leaf's AccumulateGrad."""
     return torch.autograd.graph.get_gradient_edge(tensor).node
+
+
+def _weights(graph: dict[Node, list[Node]], inputs: set[Node]) -> dict[Node, Tensor]:
+    """The leaves of ``graph`` other than ``inputs``, by their ``AccumulateGrad`` node."""
+    found = {}
+    for node in graph:
+        variable = getattr(node, "variable", None)
+        if isinstance(variable, Tensor) and node not in inputs:
+            found[node] = variable
+    return found
 
 
 def _successors(roots: Iterable[Node]) -> dict[Node, list[Node]]:

@@ -11,9 +11,12 @@ works on an autograd graph of its own, on the stage's worker:
 - ``B``: recompute if checkpointed (same random draws, same buffers, same
   autocast), run backward from the outputs with the gradients the next stage
   mailed back (from the loss on the last stage, scaled by the step's
-  GradScaler if any), and mail the gradients of the inputs back. On stage 0
-  they continue into the caller's graph (the input may require grad). ``I``
-  and ``W`` do the same in two halves (``split_backward.py``).
+  GradScaler if any), and mail the gradients of the inputs back. The
+  weights' gradients are summed, not accumulated: each weight gets its
+  step's sum once, when the stage has ended (``gradients.py``); on stage 0
+  the inputs' gradients continue into the caller's graph at the step's end
+  (the input may require grad). ``I`` and ``W`` do the same in two halves
+  (``split_backward.py``).
 
 An evaluation runs the ``F`` actions alone (``forward_only``), without grad:
 a stage keeps nothing of a micro-batch once its forward is done.
@@ -53,6 +56,7 @@ from pipeline.skip.layout import SkipLayout
 from pipeline.skip.tracker import SkipKey, SkipTracker, use_tracker
 from pipeline.step.actions import Action
 from pipeline.step.activations import ActivationMeter
+from pipeline.step.gradients import StepGradients, backward_to_leaves
 from pipeline.step.losses import LossFn, Scale, scaled
 from pipeline.step.mail import Message, Transport
 from pipeline.step.reports import Timed
@@ -72,7 +76,8 @@ class StepContext:
     (``loss_fn`` is None in an evaluation without loss); ``checkpointed``
     holds the (micro-batch, stage) tasks whose forward drops its activations;
     ``hooks`` are called with ``j`` on stage ``j``'s worker once its gradients
-    are final, one call at a time (``hooks_lock``). ``grad_scaler`` scales
+    are final, one call at a time (``hooks_lock``); ``gradients`` sums the
+    leaves' gradients until then (``gradients.py``). ``grad_scaler`` scales
     each loss that backward starts from; ``forward_only`` runs an evaluation;
     ``measure_memory`` gives each stage an ``ActivationMeter``.
     """
@@ -90,6 +95,7 @@ class StepContext:
     checkpointed: set[tuple[int, int]]
     hooks: list[Hook]
     keep_outputs: bool
+    gradients: StepGradients
     grad_scaler: torch.amp.GradScaler | None = None
     forward_only: bool = False
     measure_memory: bool = False
@@ -165,7 +171,7 @@ class StageRun:
             with span("weight_grad", i, self.j), self._backward_context():
                 work = self.stash[i].weight_work
                 assert work is not None, "validate() puts every W after its I"
-                work.run()
+                self.context.gradients.add(self.j, *work.run(self.context.gradients.hold))
         else:
             kind: EventKind = "backward" if action.kind == "B" else "input_grad"
             with span(kind, i, self.j), self._backward_context():
@@ -281,12 +287,12 @@ class StageRun:
         skips = list(stashed.skips_in.items())
         targets = inputs + [leaf for _, leaf in skips]
         if split:
-            params = self.context.runtime.partitions[self.j].parameters()
-            found, stashed.weight_work = backward_input(roots, grads, targets, params)
+            found, stashed.weight_work = backward_input(roots, grads, targets)
         else:
-            if roots:
-                torch.autograd.backward(roots, grads)
-            found = [x.grad for x in targets]
+            found, leaves, leaf_grads = backward_to_leaves(
+                roots, grads, targets, self.context.gradients.hold
+            )
+            self.context.gradients.add(self.j, leaves, leaf_grads)
         for (key, _), grad in zip(skips, found[len(inputs) :], strict=True):
             source = self.context.skip_layout.route(key).source
             self._send(self._skip_mail("skip-grad", key, i), Message([grad]), source, i)
@@ -322,11 +328,9 @@ class StageRun:
             message = [next(found) if _needs_grad(x) else None for x in stashed.inputs.leaves]
             self._send(("grad", self.j - 1, i), Message(message), self.j - 1, i)
             return
-        # Stage 0: the gradient continues into the caller's graph.
+        # Stage 0: the gradient continues into the caller's graph, once, at the step's end.
         sources = [x for x in stashed.sources if _needs_grad(x)]
-        pairs = [(s, g) for s, g in zip(sources, grads, strict=True) if g is not None]
-        if pairs:
-            torch.autograd.backward([s for s, _ in pairs], [g for _, g in pairs])
+        self.context.gradients.to_caller(sources, grads)
 
     def _release(self, i: int) -> None:
         """Micro-batch ``i`` is fully back-propagated through this stage."""
@@ -345,7 +349,9 @@ class StageRun:
             )
 
     def _finished(self) -> None:
-        """This stage's gradients are final: call the partition backward hooks, one at a time."""
+        """This stage's gradients are final: accumulate them, call the partition backward hooks."""
+        with self._backward_context():
+            self.context.gradients.stage_done(self.j)
         with self.context.hooks_lock:
             for hook in self.context.hooks:
                 hook(self.j)

@@ -322,6 +322,56 @@ def tied_weights_accumulate_over_steps_like_the_plain_model() -> None:
     pipe.close()
 
 
+def step_in_backward(model: nn.Module) -> dict[int, list[Tensor]]:
+    """PyTorch's optimizer-step-in-backward recipe (Adam per parameter): each call's gradient."""
+    seen: dict[int, list[Tensor]] = {}
+    for param in model.parameters():
+        optimizer = torch.optim.Adam([param], lr=0.01)
+
+        def hook(p: Tensor, optimizer: Any = optimizer) -> None:
+            seen.setdefault(id(p), []).append(cast(Tensor, p.grad).clone())
+            optimizer.step()
+            optimizer.zero_grad()
+
+        param.register_post_accumulate_grad_hook(hook)
+    return seen
+
+
+@scenario
+def hooks_of_one_backward_fire_once_per_step_with_the_whole_gradient() -> None:
+    # Tied across processes too: the hook sees the gradient summed over its holders.
+    x, y = batch()
+    tokens = torch.randint(0, 11, (6,), generator=torch.Generator().manual_seed(2))
+    every = [(s, mode) for s in schedules(world()) for mode in MODES]
+    cases: list[tuple[Any, Any, Any, list[tuple[Any, str]]]] = [
+        (lambda: blocks(2 * world()), x, y, every),
+        (tied_model, tokens, tokens, [("1f1b", "except_last"), ("zb-h1", "always")]),
+    ]
+    for model_of, inputs, targets, runs in cases:
+        loss_fn = F.mse_loss if inputs is x else F.cross_entropy
+        plain = model_of()
+        seen = step_in_backward(plain)
+        loss_fn(plain(inputs), targets).backward()
+        reference = dict(plain.named_parameters(remove_duplicate=False))
+        for schedule, mode in runs:
+            what = f"{schedule}, {mode}"
+            pipe = DistributedPipe(model_of(), [2] * world(), chunks=4, checkpoint=mode)
+            found = step_in_backward(pipe)
+            ends = (0 in pipe.local_stages, world() - 1 in pipe.local_stages)
+            pipe.step(
+                inputs if ends[0] else None,
+                targets if ends[1] else None,
+                loss_fn,
+                schedule=schedule,
+            )
+            for name, param in pipe.named_parameters():
+                calls, expected = found[id(param)], seen[id(reference[name])]
+                assert len(calls) == len(expected) == 1, f"{what}: {name}: {len(calls)} calls"
+                torch.testing.assert_close(calls[0], expected[0], msg=f"{what}: {name}")
+                torch.testing.assert_close(param, reference[name], msg=f"{what}: {name}")
+            pipe.close()
+
+
 def noisy_model(dtype: torch.dtype) -> nn.Sequential:
     """Dropout and BatchNorm in every stage."""
     torch.manual_seed(14)

@@ -1,0 +1,270 @@
+"""Gradients of a step: summed over the micro-batches, accumulated once per tensor.
+
+A step runs one backward per micro-batch and stage. Accumulating each into
+``.grad`` would call a parameter's hooks once per micro-batch, with a part
+of its gradient, where the plain model's one backward calls them once with
+all of it (``register_hook``, ``register_post_accumulate_grad_hook``: the
+optimizer-in-backward recipe). So a stage's backward computes the gradients
+of every leaf it reaches without accumulating them (``autograd.grad``, the
+leaves' hooks held back meanwhile: ``held_hooks.py``), adds them up here,
+and each tensor gets its step's sum in one accumulation, through its own
+``AccumulateGrad``, when it is final::
+
+    stage j, micro-batch i:  autograd.grad --> sums of stage j   (nothing in .grad)
+    stage j's last action:   its partition's parameters --> AccumulateGrad (hooks, once)
+                             a parameter held by several partitions: at the last of them
+    after every stage:       other leaves (a tensor of the script, a plain attribute),
+                             the caller's graph (stage 0's input gradient), and what the
+                             pipe keeps for itself (weights tied across processes)
+                             --> one backward: AccumulateGrad (hooks, once)
+
+The accumulation goes through autograd (``_Deliver``) rather than writing
+``.grad``, so that it is exactly a backward's: hooks, sparse and layout
+rules, and a sum that ``.grad`` takes over without a copy when it was empty.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import ExitStack
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.autograd.graph import Node
+
+from pipeline.runtime.threadstate import ThreadState
+from pipeline.step.held_hooks import HeldHooks
+
+__all__ = ["GradientSums", "StepGradients", "accumulate", "backward_to_leaves", "leaves_of"]
+
+
+class GradientSums:
+    """Per tensor (by identity), the sum of the gradients added for it.
+
+    The first gradient is kept as it came (autograd may hand one tensor to
+    several places); from the second on, the sum is a tensor of its own, so
+    nothing outside is ever written.
+    """
+
+    __slots__ = ("_sums",)
+
+    def __init__(self) -> None:
+        # id(tensor) -> (tensor, sum, whether the sum is a tensor of our own)
+        self._sums: dict[int, tuple[Tensor, Tensor, bool]] = {}
+
+    def add(self, tensors: Iterable[Tensor], grads: Iterable[Tensor | None]) -> None:
+        """Add each gradient to its tensor's sum (a None gradient adds nothing)."""
+        for tensor, grad in zip(tensors, grads, strict=True):
+            if grad is not None:
+                self._add(tensor, grad, owned=False)
+
+    def _add(self, tensor: Tensor, grad: Tensor, owned: bool) -> None:
+        entry = self._sums.get(id(tensor))
+        if entry is None:
+            self._sums[id(tensor)] = (tensor, grad, owned)
+            return
+        _, total, total_owned = entry
+        with torch.no_grad():
+            if total_owned:
+                total += grad
+            elif owned:
+                grad += total
+                total = grad
+            else:
+                total = total + grad
+        self._sums[id(tensor)] = (tensor, total, True)
+
+    def move(self, tensors: Iterable[Tensor], into: GradientSums) -> None:
+        """Move the sums of ``tensors`` (those it holds) into ``into``."""
+        for tensor in tensors:
+            entry = self._sums.pop(id(tensor), None)
+            if entry is not None:
+                into._add(*entry)
+
+    def merge(self, other: GradientSums) -> None:
+        """Add everything ``other`` holds, emptying it."""
+        other.move(other.tensors(), self)
+
+    def take(self, tensor: Tensor) -> Tensor | None:
+        """The sum for ``tensor`` as a tensor of its own (None if none), no longer kept here."""
+        entry = self._sums.pop(id(tensor), None)
+        if entry is None:
+            return None
+        _, total, owned = entry
+        return total if owned else total.clone()
+
+    def tensors(self) -> list[Tensor]:
+        """The tensors with a sum here, in the order they came."""
+        return [entry[0] for entry in self._sums.values()]
+
+    def pop_all(self) -> tuple[list[Tensor], list[Tensor]]:
+        """Every tensor with its sum, in the order they came; nothing is kept here after."""
+        entries = list(self._sums.values())
+        self._sums.clear()
+        return [entry[0] for entry in entries], [entry[1] for entry in entries]
+
+    def __len__(self) -> int:
+        return len(self._sums)
+
+
+class StepGradients:
+    """Where one step's gradients wait until they are final, and when they are accumulated.
+
+    ``partitions`` are the pipe's partitions and ``stages`` those run here: a
+    parameter registered in several of them is final at the end of the last
+    one. The tensors of ``at_end`` (the pipe's own, such as weights tied
+    across processes), the leaves that no partition here registers and the
+    caller's graph wait for the step's end.
+    """
+
+    def __init__(
+        self, partitions: Sequence[nn.Module], stages: Iterable[int], at_end: Iterable[Tensor]
+    ) -> None:
+        self._lock = threading.Lock()
+        kept = {id(t) for t in at_end}
+        # Per stage, the parameters it registers; per parameter, how many
+        # of those stages have not ended yet.
+        self._registered: dict[int, set[int]] = {}
+        self._holders: dict[int, int] = {}
+        for j in stages:
+            self._registered[j] = {id(p) for p in partitions[j].parameters()} - kept
+            for key in self._registered[j]:
+                self._holders[key] = self._holders.get(key, 0) + 1
+        self._stages = {j: GradientSums() for j in self._registered}
+        self._waiting = GradientSums()
+        self._end = GradientSums()
+        self.hooks = HeldHooks()
+
+    def hold(self, tensors: Sequence[Tensor]) -> None:
+        """Hold the hooks of ``tensors`` back: their gradient is about to be computed in part."""
+        self.hooks.hold(tensors)
+
+    def add(self, j: int, tensors: Sequence[Tensor], grads: Sequence[Tensor | None]) -> None:
+        """Stage ``j`` computed ``grads`` for the leaves ``tensors`` (on its own thread)."""
+        self._stages[j].add(tensors, grads)
+
+    def to_caller(self, sources: Sequence[Tensor], grads: Sequence[Tensor | None]) -> None:
+        """Stage 0's input gradient: into the caller's graph, at the step's end."""
+        with self._lock:
+            self._end.add(sources, grads)
+
+    def stage_done(self, j: int) -> None:
+        """Stage ``j`` ran its last action: accumulate what is final now."""
+        sums = self._stages[j]
+        final = GradientSums()
+        with self._lock:
+            registered = self._registered[j]
+            sums.move([t for t in sums.tensors() if id(t) in registered], self._waiting)
+            self._end.merge(sums)
+            for key in registered:
+                self._holders[key] -= 1
+            done = [t for t in self._waiting.tensors() if self._holders[id(t)] == 0]
+            self._waiting.move(done, final)
+        self.accumulate(final)
+
+    def accumulate(self, sums: GradientSums) -> None:
+        """Give the tensors of ``sums`` their hooks back, and their sums (``accumulate``)."""
+        self.hooks.release(sums.tensors())
+        accumulate(sums)
+
+    def at_end(self) -> GradientSums:
+        """What waits for the step's end, once every stage here has ended: to ``accumulate``."""
+        with self._lock:
+            self._end.merge(self._waiting)
+            rest, self._end = self._end, GradientSums()
+        return rest
+
+
+def accumulate(sums: GradientSums) -> None:
+    """Give each tensor its sum, as one backward would: leaves through AccumulateGrad.
+
+    A tensor with a history passes its sum on into its graph (the caller's
+    graph for stage 0's inputs). Runs outside autocast, as a backward should.
+    """
+    tensors, grads = sums.pop_all()
+    if not tensors:
+        return
+    with ExitStack() as stack:
+        stack.enter_context(torch.enable_grad())
+        for autocast in ThreadState.capture().autocasts:
+            stack.enter_context(torch.autocast(autocast.device_type, enabled=False))
+        # The node alone holds the list, and empties it in backward: an
+        # empty .grad then takes the sum over without a copy.
+        torch.autograd.backward(_Deliver.apply(grads, *tensors))
+
+
+class _Deliver(torch.autograd.Function):
+    """Hands a list of gradients to its inputs in backward (the list is emptied)."""
+
+    @staticmethod
+    def forward(ctx: Any, grads: list[Tensor], *tensors: Tensor) -> Tensor:
+        ctx.grads = grads
+        return torch.zeros(())
+
+    @staticmethod
+    def backward(ctx: Any, _: Tensor) -> tuple[Tensor | None, ...]:
+        grads = tuple(ctx.grads)
+        ctx.grads.clear()
+        return (None, *grads)
+
+
+def leaves_of(roots: Iterable[Node]) -> tuple[list[Tensor], bool]:
+    """The leaves a backward from ``roots`` reaches (their ``AccumulateGrad`` nodes' tensors).
+
+    Also whether it crosses a reentrant checkpoint (``torch.utils.checkpoint``
+    with ``use_reentrant=True``), whose backward runs a backward of its own.
+    """
+    seen: set[Node] = set()
+    found: list[Tensor] = []
+    reentrant = False
+    pending = list(roots)
+    while pending:
+        node = pending.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if isinstance(variable, Tensor):
+            found.append(variable)
+        reentrant = reentrant or type(node).__name__ == _REENTRANT_CHECKPOINT
+        pending += [child for child, _ in node.next_functions if child is not None]
+    return found, reentrant
+
+
+_REENTRANT_CHECKPOINT = "CheckpointFunctionBackward"
+
+
+def backward_to_leaves(
+    roots: Sequence[Tensor],
+    grads: Sequence[Tensor | None],
+    inputs: Sequence[Tensor],
+    hold: Callable[[list[Tensor]], None],
+) -> tuple[list[Tensor | None], list[Tensor], list[Tensor | None]]:
+    """One backward from ``roots``, accumulating nothing (but see below).
+
+    Returns the gradients of ``inputs`` (None where unused), every other leaf
+    it reaches, and their gradients; ``hold`` is first given those leaves
+    (their hooks wait for the whole gradient). Through a reentrant
+    checkpoint, which refuses ``autograd.grad``, it is a plain backward that
+    accumulates into every leaf at once (no other leaf is returned).
+    """
+    if not roots:
+        return [None] * len(inputs), [], []
+    known = {id(x) for x in inputs}
+    reached, reentrant = leaves_of(map(_node, roots))
+    if reentrant:
+        torch.autograd.backward(roots, grads)
+        return [x.grad for x in inputs], [], []
+    leaves = [t for t in reached if id(t) not in known]
+    hold(leaves)
+    wanted = [*inputs, *leaves]
+    found: list[Tensor | None] = (
+        list(torch.autograd.grad(roots, wanted, grads, allow_unused=True)) if wanted else []
+    )
+    return found[: len(inputs)], leaves, found[len(inputs) :]
+
+
+def _node(tensor: Tensor) -> Node:
+    return torch.autograd.graph.get_gradient_edge(tensor).node

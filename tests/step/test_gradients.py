@@ -1,0 +1,348 @@
+"""Pipe.step gives every leaf its gradient once per step, with the hooks of one backward."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from step_models import MODES, SCHEDULES, WIDTH, assert_same, block, grads
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from pipeline import Pipe
+from pipeline.step import held_hooks
+
+FLAT = ["gpipe", "1f1b", "zb-h1"]
+
+
+def cpu_pipe(model: nn.Sequential, balance: list[int], checkpoint: str, chunks: int = 4) -> Pipe:
+    return Pipe(
+        model,
+        balance,
+        devices=["cpu"] * len(balance),
+        chunks=chunks,
+        checkpoint=checkpoint,  # type: ignore[arg-type]
+    )
+
+
+def run(
+    model: nn.Sequential, x: Tensor, y: Tensor, schedule: str | None, checkpoint: str = "never"
+) -> None:
+    """One step of ``model`` on 4 partitions of 1 layer (None: the plain model's backward)."""
+    if schedule is None:
+        F.mse_loss(model(x), y).backward()
+    else:
+        cpu_pipe(model, [1] * len(model), checkpoint).step(
+            x, y, F.mse_loss, schedule=SCHEDULES[schedule]()
+        )
+
+
+def data(rows: int = 8) -> tuple[Tensor, Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(rows, WIDTH, dtype=torch.double, generator=gen)
+    return x, torch.randn(rows, WIDTH, dtype=torch.double, generator=gen)
+
+
+# G7: tensors that require grad but are not parameters of the partition.
+
+temperature = nn.Parameter(torch.tensor(2.0, dtype=torch.double))  # owned by the script
+
+
+class Scaled(nn.Module):
+    """A layer whose learnable gain is a plain tensor and whose temperature is the script's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH).double()
+        self.gain = torch.ones(WIDTH, dtype=torch.double, requires_grad=True)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.linear(x) * self.gain / temperature
+
+
+def scaled_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(block(), Scaled(), block(), nn.Linear(WIDTH, WIDTH)).double()
+
+
+@pytest.mark.parametrize("checkpoint", MODES)
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_tensors_that_are_not_parameters_of_the_partition_get_their_gradient(
+    schedule: str, checkpoint: str
+) -> None:
+    x, y = data()
+    plain, model = scaled_model(), scaled_model()
+    temperature.grad = None
+    run(plain, x, y, None)
+    expected = (temperature.grad, plain[1].gain.grad)
+    temperature.grad = None
+    run(model, x, y, schedule, checkpoint)
+    assert expected[0] is not None and temperature.grad is not None
+    torch.testing.assert_close(temperature.grad, expected[0], rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(model[1].gain.grad, expected[1], rtol=1e-12, atol=1e-14)
+    assert_same(grads(model), grads(plain), f"{schedule}, {checkpoint}")
+
+
+class Shifted(nn.Module):
+    """Adds a tensor it does not own: the same tensor in several layers."""
+
+    def __init__(self, shift: Tensor) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH).double()
+        self.shift = shift
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.tanh(self.linear(x) + self.shift)
+
+
+@pytest.mark.parametrize("schedule", FLAT)
+def test_a_tensor_used_by_two_stages_gets_the_sum_of_both_once(schedule: str) -> None:
+    x, y = data()
+    found: dict[str, list[Tensor]] = {}
+    for name in ("plain", schedule):
+        shift = torch.zeros(WIDTH, dtype=torch.double, requires_grad=True)
+        seen = found.setdefault(name, [])
+        shift.register_post_accumulate_grad_hook(lambda t, seen=seen: seen.append(t.grad.clone()))
+        torch.manual_seed(1)
+        model = nn.Sequential(Shifted(shift), block(), Shifted(shift), block()).double()
+        run(model, x, y, None if name == "plain" else schedule)
+    assert len(found["plain"]) == len(found[schedule]) == 1
+    torch.testing.assert_close(found[schedule][0], found["plain"][0], rtol=1e-12, atol=1e-14)
+
+
+# G8: hooks that one backward calls once are called once per step.
+
+
+def train_with_optimizer_in_backward(
+    model: nn.Sequential, step: Callable[[nn.Sequential], None]
+) -> tuple[int, Tensor]:
+    """PyTorch's optimizer-step-in-backward recipe: an Adam step in each parameter's hook."""
+    optimizers = {p: torch.optim.Adam([p], lr=0.01) for p in model.parameters()}
+    calls = [0]
+
+    def step_in_backward(p: Tensor) -> None:
+        calls[0] += 1
+        optimizers[p].step()
+        optimizers[p].zero_grad()
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(step_in_backward)
+    step(model)
+    return calls[0], torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+@pytest.mark.parametrize("checkpoint", MODES)
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_the_optimizer_step_in_backward_recipe_equals_the_plain_model(
+    schedule: str, checkpoint: str
+) -> None:
+    torch.manual_seed(0)
+    base = nn.Sequential(block(), block(), block(), block()).double()
+    x, y = data(16)
+    calls, weights = train_with_optimizer_in_backward(
+        copy.deepcopy(base), lambda m: F.mse_loss(m(x), y).backward()
+    )
+    pipe_calls, pipe_weights = train_with_optimizer_in_backward(
+        copy.deepcopy(base), lambda m: run(m, x, y, schedule, checkpoint)
+    )
+    assert pipe_calls == calls == len(list(base.parameters()))
+    torch.testing.assert_close(pipe_weights, weights, rtol=1e-12, atol=1e-14)
+
+
+def normalized(grad: Tensor) -> Tensor:
+    """Not linear: a hook called per micro-batch would give another sum."""
+    return grad / grad.norm()
+
+
+@pytest.mark.parametrize("schedule", FLAT)
+def test_a_parameters_register_hook_gets_the_whole_gradient_once_and_may_replace_it(
+    schedule: str,
+) -> None:
+    x, y = data()
+    torch.manual_seed(2)
+    base = nn.Sequential(block(), block(), block(), block()).double()
+    seen: dict[str, dict[int, list[Tensor]]] = {}
+    results = {}
+    for name in ("plain", schedule):
+        model = copy.deepcopy(base)
+        calls = seen.setdefault(name, {})
+        for k, p in enumerate(model.parameters()):
+            p.register_hook(lambda g, k=k, calls=calls: calls.setdefault(k, []).append(g.clone()))
+            p.register_hook(normalized)
+        run(model, x, y, None if name == "plain" else schedule)
+        results[name] = grads(model)
+    assert seen[schedule].keys() == seen["plain"].keys() == set(range(8))
+    for k, wanted in seen["plain"].items():
+        assert len(seen[schedule][k]) == len(wanted) == 1, f"parameter {k}"
+        torch.testing.assert_close(seen[schedule][k][0], wanted[0], rtol=1e-12, atol=1e-14)
+    assert_same(results[schedule], results["plain"], "the hooks' normalized gradients")
+
+
+@pytest.mark.parametrize("schedule", FLAT)
+def test_module_backward_hooks_fire_per_micro_batch_as_with_the_pipe_call(schedule: str) -> None:
+    x, y = data()
+    x.requires_grad_()  # else torch warns that the first layer's hook sees no input gradient
+    counts: dict[str, int] = {}
+    for name in ("pipe(x)", schedule):
+        torch.manual_seed(0)
+        model = nn.Sequential(block(), block()).double()
+        counts[name] = 0
+
+        def hook(*_: object, name: str = name) -> None:
+            counts[name] += 1
+
+        for layer in model:
+            layer.register_full_backward_hook(hook)
+        pipe = cpu_pipe(model, [1, 1], "never")
+        if name == "pipe(x)":
+            F.mse_loss(pipe(x), y).backward()  # type: ignore[arg-type]
+        else:
+            pipe.step(x, y, F.mse_loss, schedule=schedule)
+    assert counts[schedule] == counts["pipe(x)"] == 2 * 4  # two layers, four micro-batches
+
+
+@pytest.mark.parametrize("schedule", FLAT)
+def test_the_callers_graph_gets_one_backward_per_step(schedule: str) -> None:
+    x, y = data()
+    torch.manual_seed(4)
+    embed, model = nn.Linear(WIDTH, WIDTH).double(), nn.Sequential(block(), block()).double()
+    plain_embed, plain = copy.deepcopy(embed), copy.deepcopy(model)
+    calls = {"plain": 0, schedule: 0}
+
+    def count(name: str) -> Callable[[Tensor], None]:
+        return lambda _: calls.__setitem__(name, calls[name] + 1)
+
+    plain_embed.weight.register_post_accumulate_grad_hook(count("plain"))
+    embed.weight.register_post_accumulate_grad_hook(count(schedule))
+    F.mse_loss(plain(plain_embed(x)), y).backward()
+    cpu_pipe(model, [1, 1], "except_last").step(embed(x), y, F.mse_loss, schedule=schedule)
+    assert calls[schedule] == calls["plain"] == 1
+    assert_same(grads(embed), grads(plain_embed), "the layer before the pipe")
+    assert_same(grads(model), grads(plain), "the pipe")
+
+
+@pytest.mark.parametrize("schedule", FLAT)
+def test_a_weight_tied_across_partitions_accumulates_once_its_last_partition_ends(
+    schedule: str,
+) -> None:
+    x, y = data()
+    torch.manual_seed(5)
+    tied = nn.Linear(WIDTH, WIDTH)
+    base = nn.Sequential(tied, nn.Tanh(), block(), tied).double()
+    plain, model = copy.deepcopy(base), copy.deepcopy(base)
+    seen: dict[str, list[Tensor]] = {"plain": [], schedule: []}
+    plain[0].weight.register_post_accumulate_grad_hook(lambda p: seen["plain"].append(p.grad))
+    model[0].weight.register_post_accumulate_grad_hook(lambda p: seen[schedule].append(p.grad))
+    F.mse_loss(plain(x), y).backward()
+    cpu_pipe(model, [2, 1, 1], "never").step(x, y, F.mse_loss, schedule=schedule)
+    assert len(seen["plain"]) == len(seen[schedule]) == 1
+    torch.testing.assert_close(seen[schedule][0], seen["plain"][0], rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_layer_under_reentrant_checkpointing_trains_like_the_plain_model(schedule: str) -> None:
+    class Reentrant(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = block()
+
+        def forward(self, x: Tensor) -> Tensor:
+            return checkpoint(self.inner, x, use_reentrant=True)  # type: ignore[no-any-return]
+
+    x, y = data()
+    torch.manual_seed(6)
+    model = nn.Sequential(block(), Reentrant(), block()).double()
+    plain = copy.deepcopy(model)
+    F.mse_loss(plain(x), y).backward()
+    cpu_pipe(model, [1, 1, 1], "never").step(x, y, F.mse_loss, schedule=schedule)
+    assert_same(grads(model), grads(plain), schedule)
+    with pytest.raises(RuntimeError, match="use_reentrant"):  # autograd.grad: torch refuses
+        cpu_pipe(model, [1, 1, 1], "never").step(x, y, F.mse_loss, schedule="zb-h1")
+
+
+class Borrowing(nn.Module):
+    """Uses another layer's weight through a list: a parameter it does not register."""
+
+    def __init__(self, lender: nn.Linear) -> None:
+        super().__init__()
+        self.borrowed = [lender.weight]
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.tanh(x @ self.borrowed[0])
+
+
+def test_a_parameter_used_without_being_registered_is_accumulated_once_more() -> None:
+    x, y = data()
+    torch.manual_seed(7)
+    lender = nn.Linear(WIDTH, WIDTH).double()
+    model = nn.Sequential(lender, nn.Tanh(), Borrowing(lender), block()).double()
+    plain = copy.deepcopy(model)
+    calls = []
+    lender.weight.register_post_accumulate_grad_hook(lambda p: calls.append(p.grad.clone()))
+    F.mse_loss(plain(x), y).backward()
+    cpu_pipe(model, [2, 1, 1], "never").step(x, y, F.mse_loss, schedule="1f1b")
+    assert len(calls) == 2  # with its partition, then at the end of the step for the rest
+    torch.testing.assert_close(calls[-1], plain[0].weight.grad, rtol=1e-12, atol=1e-14)
+
+
+def test_a_torch_that_keeps_hooks_elsewhere_is_refused_before_any_work(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(held_hooks, "_works", lambda: False)
+    calls = []
+    model = nn.Sequential(block(), block()).double()
+    model[0].register_forward_hook(lambda *_: calls.append(1))
+    x, y = data()
+    with pytest.raises(RuntimeError, match="keeps them elsewhere"):
+        cpu_pipe(model, [1, 1], "never").step(x, y, F.mse_loss)
+    assert calls == [] and all(p.grad is None for p in model.parameters())
+
+
+class FailInBackward(nn.Module):
+    """Raises in the backward of its second micro-batch, while armed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.armed = True
+        self.backwards = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = x.view_as(x)
+        if self.armed:
+            out.register_hook(self.count)
+        return out
+
+    def count(self, grad: Tensor) -> None:
+        self.backwards += 1
+        if self.backwards == 2:
+            raise KeyError("failed in backward")
+
+
+@pytest.mark.parametrize("schedule", FLAT)
+def test_hooks_are_given_back_after_a_failed_step_and_removed_ones_stay_removed(
+    schedule: str,
+) -> None:
+    x, y = data()
+    torch.manual_seed(3)
+    first, failing = block(), FailInBackward()
+    model = nn.Sequential(nn.Sequential(first, failing), block()).double()
+    calls = {"kept": 0, "removed": 0}
+    first[0].weight.register_post_accumulate_grad_hook(
+        lambda _: calls.__setitem__("kept", calls["kept"] + 1)
+    )
+    removed = first[0].bias.register_post_accumulate_grad_hook(
+        lambda _: calls.__setitem__("removed", calls["removed"] + 1)
+    )
+    # Removed in the first micro-batch's backward of its partition, which holds it back.
+    first.register_full_backward_hook(lambda *_: removed.remove())
+    x.requires_grad_()  # else torch warns that the hook sees no input gradient
+    pipe = cpu_pipe(model, [1, 1], "never")
+    with pytest.raises(KeyError, match="failed in backward"):
+        pipe.step(x, y, F.mse_loss, schedule=schedule)
+    assert failing.backwards == 2 and calls == {"kept": 0, "removed": 0}
+    failing.armed = False
+    F.mse_loss(model(x), y).backward()
+    assert calls == {"kept": 1, "removed": 0}
