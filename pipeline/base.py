@@ -35,6 +35,7 @@ from pipeline.runtime.microbatch import Batch
 from pipeline.runtime.partitions import Hook, PartitionRuntime, PositionalSequential
 from pipeline.skip.layout import SkipLayout
 from pipeline.step.actions import Program
+from pipeline.step.cache import ProgramCache
 from pipeline.step.held_hooks import check_supported
 from pipeline.step.losses import (
     LossDivisor,
@@ -48,7 +49,7 @@ from pipeline.step.mail import Transport
 from pipeline.step.reports import ActionRecord, PartitionReport, measure
 from pipeline.step.runner import StepRun, checkpointed_tasks
 from pipeline.step.schedules import Schedule
-from pipeline.step.simulate import Simulation, validate
+from pipeline.step.simulate import Simulation
 
 __all__ = ["PipeBase"]
 
@@ -74,7 +75,7 @@ class PipeBase(nn.Module):
     _finalizer: weakref.finalize
     _deferred_batch_norms: list[DeferredBatchNorm]
     _completion_hooks: OrderedDict[int, Hook]
-    _validated: dict[tuple[str, int], tuple[list[Program], Simulation]]
+    _validated: ProgramCache
 
     def _adopt_arguments(self, arguments: PipeArguments) -> None:
         """Keep the arguments every pipe has (the checkpoint mode through its property)."""
@@ -125,7 +126,7 @@ class PipeBase(nn.Module):
             deferred_batch_norm=deferred_batch_norm,
         )
         self._completion_hooks = OrderedDict()
-        self._validated = {}
+        self._validated = ProgramCache()
         self._evaluations = 0
 
     # Steps
@@ -188,14 +189,8 @@ class PipeBase(nn.Module):
         return None
 
     def _programs(self, schedule: Schedule, m: int) -> tuple[list[Program], Simulation]:
-        """The schedule's programs for ``m`` micro-batches, validated (once per schedule and m)."""
-        key = (repr(schedule), m)
-        found = self._validated.get(key)
-        if found is None:
-            n = len(self.balance)
-            programs = schedule.programs(m, n)
-            found = self._validated[key] = (programs, validate(programs, m, n))
-        return found
+        """The schedule's programs for ``m`` micro-batches, validated once (``step/cache.py``)."""
+        return self._validated.programs(schedule, m, len(self.balance))
 
     def _step_run(
         self,

@@ -10,7 +10,15 @@ from step_models import SCHEDULES, WIDTH, layered
 from torch import Tensor, nn
 
 from pipeline import Pipe
-from pipeline.schedules import ProgramError, Programs, validate
+from pipeline.schedules import (
+    Action,
+    GPipe,
+    OneFOneB,
+    ProgramError,
+    Programs,
+    Schedule,
+    validate,
+)
 
 
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
@@ -57,6 +65,33 @@ def test_programs_of_ones_own_run_and_bad_ones_are_refused_before_any_work() -> 
         assert calls == [], name
     with pytest.raises(ValueError, match="is not an action"):
         Programs(["0X0"])
+
+
+class Wrapped(Schedule):
+    """A schedule of one's own, parametrised, without a __repr__: every instance prints alike."""
+
+    def __init__(self, inner: Schedule) -> None:
+        self.inner = inner
+        self.asked = 0
+
+    def programs(self, m: int, stages: int) -> list[list[Action]]:
+        self.asked += 1
+        return self.inner.programs(m, stages)
+
+
+def test_schedules_that_print_alike_run_their_own_programs() -> None:
+    layers = nn.Sequential(*[nn.Linear(8, 8) for _ in range(3)])
+    pipe = Pipe(layers, [1, 1, 1], devices=["cpu"] * 3, chunks=4)
+    x = torch.randn(8, 8)
+    first, second = Wrapped(GPipe()), Wrapped(OneFOneB())
+    assert repr(first) == repr(second)
+    pipe.step(x, x, F.mse_loss, schedule=first)
+    assert pipe.last_step is not None and pipe.last_step.peak_in_flight == [4, 4, 4]
+    for _ in range(2):
+        pipe.step(x, x, F.mse_loss, schedule=second)
+        assert pipe.last_step.peak_in_flight == [3, 2, 1]
+        assert pipe.last_step.simulation.peak_in_flight == [3, 2, 1]
+    assert (first.asked, second.asked) == (1, 2)  # asked at every step: it may change
 
 
 @pytest.mark.parametrize("schedule", list(SCHEDULES))

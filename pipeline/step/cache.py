@@ -1,0 +1,51 @@
+"""Programs validated once per pipe: keyed by the programs themselves, never by a name.
+
+A step asks its schedule for the programs of ``m`` micro-batches and runs
+them only once ``simulate.validate`` has accepted them. The validation is
+kept for the next steps under the programs' own actions, so two schedules
+that happen to print alike (a schedule of one's own without a ``__repr__``)
+still run their own programs. Only the built-in schedules, whose ``repr``
+names everything their programs depend on, also keep their programs from one
+step to the next; any other schedule is asked at every step.
+"""
+
+from __future__ import annotations
+
+from pipeline.step.actions import Action, Program
+from pipeline.step.schedules import (
+    GPipe,
+    Interleaved1F1B,
+    OneFOneB,
+    Programs,
+    Schedule,
+    ZeroBubbleH1,
+)
+from pipeline.step.simulate import Simulation, validate
+
+__all__ = ["ProgramCache"]
+
+# The schedules whose programs for (m, stages) depend on nothing but their
+# repr: exactly these classes, not their subclasses, which may add to them.
+_DESCRIBED_BY_REPR = (GPipe, OneFOneB, ZeroBubbleH1, Interleaved1F1B, Programs)
+
+
+class ProgramCache:
+    """The programs a pipe has run, each with its validation."""
+
+    def __init__(self) -> None:
+        self._validated: dict[tuple[tuple[Action, ...], ...], Simulation] = {}
+        self._built_in: dict[tuple[str, int], list[Program]] = {}
+
+    def programs(self, schedule: Schedule, m: int, stages: int) -> tuple[list[Program], Simulation]:
+        """``schedule``'s programs for ``m`` micro-batches over ``stages`` stages, validated."""
+        key = (repr(schedule), m) if type(schedule) in _DESCRIBED_BY_REPR else None
+        programs = self._built_in.get(key) if key is not None else None
+        if programs is None:
+            programs = schedule.programs(m, stages)
+        actions = tuple(tuple(program) for program in programs)
+        simulation = self._validated.get(actions)
+        if simulation is None:
+            simulation = self._validated[actions] = validate(programs, m, stages)
+        if key is not None:
+            self._built_in[key] = programs
+        return programs, simulation
