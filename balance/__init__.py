@@ -59,8 +59,10 @@ def balance_by_time(
 
     Each layer's forward and backward pass on ``sample`` (one non-empty
     micro-batch as the first layer takes it: a Tensor, or tuples, lists and
-    dicts holding tensors, as a Pipe takes its input) is timed, each layer fed
-    the previous layer's real output, over repeated passes for about
+    dicts holding tensors, as a Pipe takes its input; a tuple of positional
+    arguments for a ``PositionalSequential``, which calls its layers that
+    way) is timed, each layer fed the previous layer's real output, over
+    repeated passes for about
     ``timeout`` seconds. Layers run one at a time as copies in training mode
     on ``device`` (default: the accelerator if there is one, else the CPU),
     so ``module`` and the random generators are left as they were.
@@ -94,7 +96,8 @@ def balance_by_size(
     (one micro-batch) times ``chunks`` (the micro-batches alive at once),
     plus its parameters times ``param_scale``: the copies of each parameter
     that training keeps (about 2 for SGD: weights and gradients; 3 with
-    momentum; 4 for Adam). Layers run one at a time as copies on ``device``
+    momentum; 4 for Adam). Layers are called as in ``balance_by_time``, and
+    run one at a time as copies on ``device``
     (default: the accelerator if there is one, else the CPU); on CUDA the
     allocator measures the activations, elsewhere the tensors autograd saves.
 

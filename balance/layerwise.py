@@ -9,6 +9,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from balance.errors import BalanceError
+from pipeline.runtime.partitions import PositionalSequential
 from pipeline.skip.carrier import Carrier
 from pipeline.skip.tracker import SkipKey, SkipTracker, use_tracker
 
@@ -30,8 +31,11 @@ def walk_layers(
 
     Each layer runs as a fresh copy on ``device`` in training mode, so that
     ``module`` (parameters, buffers, gradients, flags) is never touched and
-    only one layer's copy lives on the device at a time.
+    only one layer's copy lives on the device at a time. Layers are called as
+    ``module`` calls them: in a ``PositionalSequential`` a tuple reaches a
+    layer as positional arguments (``layer(*value)``), else as one value.
     """
+    positional = isinstance(module, PositionalSequential)
     # Profiling needs autograd even where the caller turned it off.
     with torch.inference_mode(False), torch.enable_grad(), use_tracker(_SkipSandbox(device)):
         inputs = fresh_inputs(sample, device)
@@ -39,7 +43,25 @@ def walk_layers(
             # Only a detached copy of the outputs outlives this line, so the
             # layer's copy and its graph are freed before the next layer runs.
             copied = sandbox(index, layer, device)
+            if positional:
+                copied = _Spread(copied)
             inputs = fresh_inputs(measure(index, copied, inputs), device)
+
+
+class _Spread(nn.Module):
+    """A layer of a ``PositionalSequential``: a tuple reaches it as positional arguments."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, value: Value) -> Value:
+        return self.layer(*value) if type(value) is tuple else self.layer(value)
+
+
+def _name(layer: nn.Module) -> str:
+    """The class name of the layer itself (not of its ``_Spread``)."""
+    return type(layer.layer if isinstance(layer, _Spread) else layer).__name__
 
 
 class _SkipSandbox(SkipTracker):
@@ -73,7 +95,7 @@ def run_layer(index: int, layer: nn.Module, inputs: Value) -> Value:
             else f"check that it accepts the output of layer {index - 1}"
         )
         raise BalanceError(
-            f"layer {index} ({type(layer).__name__}) failed on input {describe(inputs)} "
+            f"layer {index} ({_name(layer)}) failed on input {describe(inputs)} "
             f"with {type(error).__name__}: {error}; {fix}"
         ) from error
     return outputs
@@ -90,7 +112,7 @@ def backward_layer(index: int, layer: nn.Module, outputs: Value) -> None:
         raise
     except Exception as error:
         raise BalanceError(
-            f"backward of layer {index} ({type(layer).__name__}) failed with "
+            f"backward of layer {index} ({_name(layer)}) failed with "
             f"{type(error).__name__}: {error}; the layer must be differentiable to be timed"
         ) from error
 

@@ -10,8 +10,9 @@ from torch import Tensor, nn
 
 from balance import balance_by_params, balance_by_size, balance_by_time
 from balance.checks import check_sample
+from balance.errors import BalanceError
 from balance.profile import profile_activations
-from pipeline import NoChunk
+from pipeline import NoChunk, PositionalSequential
 
 CPU = torch.device("cpu")
 
@@ -280,6 +281,38 @@ def test_a_tuple_sample_reaches_the_first_layer_as_a_tuple() -> None:
     sample = (torch.randn(8, 16), torch.ones(8, 16, dtype=torch.long))
     assert sum(balance_by_size(2, model, sample, device=CPU)) == 3
     assert sum(balance_by_time(2, model, sample, timeout=0.05, device=CPU)) == 3
+
+
+class Masked(nn.Module):
+    """Takes two positional arguments and returns both, as PositionalSequential passes them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+
+    def forward(self, x: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+        return torch.tanh(self.linear(x)) * mask, mask
+
+
+class Unmask(nn.Module):
+    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
+        return x + mask
+
+
+@pytest.mark.parametrize("profile", ["time", "size"])
+def test_a_positional_sequential_is_profiled_as_it_calls_its_layers(profile: str) -> None:
+    # As the model runs: PositionalSequential(...)(x, mask) calls Masked()(x, mask).
+    model = PositionalSequential(Masked(), Masked(), Unmask())
+    sample = (torch.randn(8, 16), torch.rand(8, 16))
+    model(*sample)
+    if profile == "time":
+        balance = balance_by_time(2, model, sample, timeout=0.01, device=CPU)
+    else:
+        balance = balance_by_size(2, model, sample, device=CPU)
+    assert sum(balance) == 3 and len(balance) == 2
+    # The same layers in an nn.Sequential take the tuple whole, and fail naming the layer.
+    with pytest.raises(BalanceError, match=r"layer 0 \(Masked\) failed on input"):
+        balance_by_size(2, nn.Sequential(*model), sample, device=CPU)
 
 
 # Nested values, as pipeline.Pipe takes them: tuples, namedtuples, lists, dicts.
