@@ -131,7 +131,8 @@ def test_empty_sequential_with_empty_balance_is_an_identity() -> None:
         Pipe(nn.Sequential())
 
 
-def test_tied_weights_on_one_device_sum_their_gradients_and_across_devices_are_refused() -> None:
+def test_a_layer_listed_twice_sums_its_gradients_and_across_devices_is_refused() -> None:
+    # torchgpipe, fairscale and torch's Pipe refuse a layer listed twice; this Pipe accepts it.
     embedding = nn.Linear(4, 4, bias=False)
     model = nn.Sequential(embedding, nn.Tanh(), nn.Linear(4, 4), embedding).double()
     plain = copy.deepcopy(model)
@@ -139,6 +140,9 @@ def test_tied_weights_on_one_device_sum_their_gradients_and_across_devices_are_r
     x = torch.randn(4, 4, dtype=torch.double)
     pipe(x).sum().backward()  # type: ignore[union-attr]
     plain(x).sum().backward()
+    torch.testing.assert_close(embedding.weight.grad, plain[0].weight.grad)
+    embedding.weight.grad = None
+    pipe.step(x, x, lambda out, _: out.sum(), loss_reduction="sum")
     torch.testing.assert_close(embedding.weight.grad, plain[0].weight.grad)
     with pytest.raises(ValueError, match="same device only"):
         Pipe(nn.Sequential(embedding, embedding), [1, 1], devices=["cpu", "meta"])
