@@ -143,7 +143,10 @@ class Pipe(PipeBase):
 
     def _input(self, inputs: tuple[Value, ...]) -> Value:
         if self.call_style == "positional":
-            return inputs[0] if len(inputs) == 1 else inputs
+            # The value the first partition is called with, spread (runtime/partitions.py):
+            # one argument that is not a tuple stays itself, one tuple stays one argument.
+            single = len(inputs) == 1 and type(inputs[0]) is not tuple
+            return inputs[0] if single else inputs
         if len(inputs) != 1:
             raise TypeError(
                 f"Pipe.forward takes one input, got {len(inputs)}; pass several as a tuple, "
@@ -261,7 +264,7 @@ class Pipe(PipeBase):
     def _scatter_target(self, target: Value) -> list[Batch]:
         """The target as micro-batches on the last device."""
         check_input(target)
-        return scatter(to_device(target, self.devices[-1]), self.chunks)
+        return scatter(to_device(target, self.devices[-1]), self.chunks, "target")
 
     def _step(
         self,

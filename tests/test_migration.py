@@ -9,6 +9,7 @@ from collections import OrderedDict
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 import balance
@@ -97,6 +98,99 @@ def test_the_default_tuple_call_style_passes_a_tuple_whole_and_takes_one_input()
     torch.testing.assert_close(pipe((x, y)), x * y)
     with pytest.raises(TypeError, match="call_style='positional'"):
         pipe(x, y)
+
+
+class Arguments(nn.Module):
+    """Records how many arguments it was called with; returns its first tensor, scaled."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(()))
+        self.calls: list[int] = []
+
+    def forward(self, *args: object) -> Tensor:
+        self.calls.append(len(args))
+        first = args[0][0] if isinstance(args[0], tuple) else args[0]
+        assert isinstance(first, Tensor)
+        return first * self.scale
+
+
+def test_positional_call_style_passes_one_tuple_whole_as_torchs_pipe_did() -> None:
+    layer = Arguments()
+    pipe = Pipe(nn.Sequential(layer), [1], devices=["cpu"], chunks=1, call_style="positional")
+    a, b = torch.randn(2, 3), torch.randn(2, 3)
+    pipe(a, b)  # layer(a, b)
+    pipe((a, b))  # layer((a, b)), as torch's Pipe and PipeSequential
+    PositionalSequential(layer)((a, b))
+    PositionalSequential(layer)(a, b)
+    # step takes one input: a tuple there holds the arguments, step((a, b)) is pipe(a, b).
+    pipe.step((a, b), a, lambda out, _: out.sum(), loss_reduction="sum")
+    pipe.step(((a, b),), a, lambda out, _: out.sum(), loss_reduction="sum")
+    assert layer.calls == [2, 1, 1, 2, 2, 1]
+
+
+class Nest(nn.Module):
+    def forward(self, x: Tensor) -> tuple[tuple[Tensor, Tensor]]:
+        return ((x, x * 2),)  # one argument for the next layer: a pair
+
+
+class TakesPair(nn.Module):
+    def forward(self, pair: tuple[Tensor, Tensor]) -> Tensor:
+        return pair[0] + pair[1]
+
+
+def test_one_tuple_between_partitions_stays_one_argument_as_in_positional_sequential() -> None:
+    model = PositionalSequential(Nest(), TakesPair())
+    pipe = Pipe(model, [1, 1], devices=["cpu"] * 2, chunks=2, call_style="positional")
+    x = torch.randn(4, 3)
+    torch.testing.assert_close(pipe(x), model(x))
+
+
+class Rows(nn.Module):
+    """Returns its three inputs, each with its own rows (torch's test_uneven_batch_size)."""
+
+    def forward(self, a: Tensor, b: Tensor, c: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        return a * 2, b, c
+
+
+def test_inputs_of_different_sizes_in_dim_0_are_split_each_on_its_own_as_torchs_pipe_did() -> None:
+    model = PositionalSequential(Rows())
+    pipe = Pipe(model, [1], devices=["cpu"], chunks=2, call_style="positional")
+    a, b, c = torch.rand(3, 1), torch.rand(4, 1), torch.rand(7, 1)
+    out = pipe(a, b, c)
+    assert isinstance(out, tuple)
+    for found, expected in zip(out, model(a, b, c), strict=True):
+        torch.testing.assert_close(found, expected)
+    with pytest.raises(
+        ValueError,
+        match=r"numbers of micro-batches with chunks=2 \(input\[0\]: 1 rows in 1, "
+        r"input\[1\]: 4 rows in 2, input\[2\]: 7 rows in 2\)",
+    ):
+        pipe(torch.rand(1, 1), b, c)
+
+
+class FirstOfTwo(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, value: tuple[Tensor, Tensor]) -> Tensor:
+        return self.linear(value[0]) * value[1].mean()
+
+
+def test_a_step_on_uneven_inputs_weighs_micro_batches_by_the_first_tensors_rows() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(FirstOfTwo(), nn.Tanh(), nn.Linear(4, 4)).double()
+    plain = copy.deepcopy(model)
+    # x splits into 2, 2, 1 rows; aux into 1, 1, 1, all ones: each micro-batch as the plain model.
+    x, aux = torch.randn(5, 4, dtype=torch.double), torch.ones(3, 4, dtype=torch.double)
+    y = torch.randn(5, 4, dtype=torch.double)
+    expected = F.mse_loss(plain((x, aux)), y)
+    expected.backward()
+    loss = Pipe(model, [1, 2], devices=["cpu"] * 2, chunks=3).step((x, aux), y, F.mse_loss)
+    torch.testing.assert_close(loss, expected.detach())
+    for found, wanted in zip(model.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(found.grad, wanted.grad)
 
 
 def test_chunks_float_with_a_whole_value_is_converted_and_a_fraction_refused() -> None:

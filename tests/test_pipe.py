@@ -227,9 +227,9 @@ def test_bad_input_is_refused_before_any_work() -> None:
             calls.append(1)
             return x
 
-    pipe = Pipe(nn.Sequential(Count()), [1], devices=["cpu"])
+    pipe = Pipe(nn.Sequential(Count()), [1], devices=["cpu"], chunks=2)
     with pytest.raises(TypeError, match="holds no tensor"):
         pipe(None)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="disagree on the batch size"):
-        pipe((torch.zeros(2), torch.zeros(3)))
+    with pytest.raises(ValueError, match="different numbers of micro-batches"):
+        pipe((torch.zeros(2), torch.zeros(1)))
     assert calls == []

@@ -352,7 +352,7 @@ class DistributedPipe(PipeBase):
                 f"so its step() needs the {what}; pass it here (other processes may pass None)"
             )
         check_input(value)
-        return scatter(to_device(value, self.device), self.chunks)
+        return scatter(to_device(value, self.device), self.chunks, what)
 
     def _agree(
         self,

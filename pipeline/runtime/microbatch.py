@@ -133,12 +133,6 @@ def check_input(input: Value) -> None:
             f"Pipe input ({type(input).__name__}) holds no tensor to split into micro-batches "
             "(NoChunk tensors are not split); pass at least one tensor with a batch dimension"
         )
-    if len(set(sizes.values())) > 1:
-        listed = ", ".join(f"{where}: {n}" for where, n in sizes.items())
-        raise ValueError(
-            f"input tensors disagree on the batch size (dim 0): {listed}; every split tensor "
-            "must have the same dim 0, wrap the others in NoChunk"
-        )
     if 0 in sizes.values():
         raise ValueError(
             "input batch is empty (dim 0 has size 0): a Pipe needs at least one row to split "
@@ -146,20 +140,40 @@ def check_input(input: Value) -> None:
         )
 
 
-def scatter(input: Value, chunks: int) -> list[Batch]:
+def scatter(input: Value, chunks: int, name: str = "input") -> list[Batch]:
     """Split ``input`` into at most ``chunks`` micro-batches along dim 0.
 
     Follows ``Tensor.chunk``: 10 rows in 4 chunks gives 3, 3, 3 and 1 rows,
-    and 3 rows in 4 chunks gives 3 micro-batches of one row.
+    and 3 rows in 4 chunks gives 3 micro-batches of one row. Each tensor is
+    split on its own, so tensors of different sizes in dim 0 are fine as long
+    as they split into the same number of micro-batches (as in torch's Pipe);
+    else a ``ValueError`` names each tensor of ``name`` (the input, the
+    target) with its rows and pieces.
 
     >>> [b.rows() for b in scatter(torch.zeros(10, 2), 4)]
+    [3, 3, 3, 1]
+    >>> [b.rows() for b in scatter((torch.zeros(10, 2), torch.zeros(12)), 4)]
     [3, 3, 3, 1]
     """
     if isinstance(input, Tensor):
         return [Batch(piece) for piece in input.chunk(chunks)]
-    leaves, spec = tree_flatten(input, is_leaf=_is_leaf)
+    paths, spec = tree_flatten_with_path(input, is_leaf=_is_leaf)
+    leaves = [leaf for _, leaf in paths]
     columns = [leaf.chunk(chunks) if isinstance(leaf, Tensor) else None for leaf in leaves]
-    count = min(len(column) for column in columns if column is not None)
+    counts = {len(column) for column in columns if column is not None}
+    if len(counts) > 1:
+        listed = ", ".join(
+            f"{name}{keystr(path)}: {leaf.size(0)} rows in {len(column)}"
+            for (path, leaf), column in zip(paths, columns, strict=True)
+            if column is not None
+        )
+        raise ValueError(
+            f"the tensors of the {name} split into different numbers of micro-batches with "
+            f"chunks={chunks} ({listed}): each is split on its own (Tensor.chunk) and all must "
+            "give the same number; give them sizes in dim 0 that do, or wrap the ones not to "
+            "split in NoChunk"
+        )
+    count = min(counts, default=0)
     return [
         Batch.of(
             [_piece(leaf, column, i) for leaf, column in zip(leaves, columns, strict=True)], spec

@@ -88,7 +88,9 @@ class PositionalSequential(nn.Sequential):
     """
 
     def forward(self, *inputs: Any) -> Any:
-        value: Any = inputs[0] if len(inputs) == 1 else inputs
+        # As torch's PipeSequential: the first layer takes the arguments as
+        # they came, so one tuple stays one argument.
+        value: Any = inputs
         for layer in self:
             value = layer(*value) if type(value) is tuple else layer(value)
         return value
