@@ -48,6 +48,7 @@ from pipeline.runtime.agreement import camps, fingerprint, gather_rows, ranks_te
 from pipeline.runtime.microbatch import Batch, Value, check_input, gather, scatter, to_device
 from pipeline.runtime.process_group import collective_device, resolve_group
 from pipeline.skip.layout import SkipLayout, inspect_skip_layout
+from pipeline.step.cache import described_by_repr
 from pipeline.step.losses import LossDivisor
 from pipeline.step.mail import Message
 from pipeline.step.reports import DistributedStepReport
@@ -240,17 +241,19 @@ class DistributedPipe(PipeBase):
         batches: list[Batch] = []
         targets: list[Batch] = []
         reduction: LossReduction | None = None
+        named: str | None = None
         try:
             chosen, reduction = self._check_step(
                 loss_fn, schedule, loss_reduction, loss_divisor, grad_scaler
             )
+            named = self._schedule_name(chosen)
             batches = self._scatter(input, "input", needed=first)
             targets = self._scatter(target, "target", needed=last)
         except Exception as error:
             refusal = error
         choice = None
-        if chosen is not None:
-            choice = f"{chosen!r} {_loss_choice(reduction, loss_divisor)}"
+        if named is not None:
+            choice = f"{named} {_loss_choice(reduction, loss_divisor)}"
             choice += f", grad_scaler {_given(grad_scaler)}"
         rows = self._agree(batches, targets, choice, refusal)
         assert chosen is not None and reduction is not None, "else every process raised"
@@ -353,6 +356,18 @@ class DistributedPipe(PipeBase):
             )
         check_input(value)
         return scatter(to_device(value, self.device), self.chunks, what)
+
+    def _schedule_name(self, schedule: Schedule) -> str:
+        """What the processes compare of their schedules (``_agree``).
+
+        A built-in schedule's repr; for a schedule of one's own also its
+        programs, as two instances of one class print alike whatever they hold.
+        """
+        if described_by_repr(schedule):
+            return repr(schedule)
+        programs = schedule.programs(self.chunks, len(self.balance))
+        text = "\n".join(" ".join(map(str, program)) for program in programs)
+        return f"{schedule!r} (programs for {self.chunks} micro-batches: #{fingerprint(text):x})"
 
     def _agree(
         self,

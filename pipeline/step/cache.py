@@ -22,11 +22,16 @@ from pipeline.step.schedules import (
 )
 from pipeline.step.simulate import Simulation, validate
 
-__all__ = ["ProgramCache"]
+__all__ = ["ProgramCache", "described_by_repr"]
 
 # The schedules whose programs for (m, stages) depend on nothing but their
 # repr: exactly these classes, not their subclasses, which may add to them.
 _DESCRIBED_BY_REPR = (GPipe, OneFOneB, ZeroBubbleH1, Interleaved1F1B, Programs)
+
+
+def described_by_repr(schedule: Schedule) -> bool:
+    """Whether ``schedule``'s programs depend on nothing but its ``repr`` (a built-in one)."""
+    return type(schedule) in _DESCRIBED_BY_REPR
 
 
 class ProgramCache:
@@ -38,7 +43,7 @@ class ProgramCache:
 
     def programs(self, schedule: Schedule, m: int, stages: int) -> tuple[list[Program], Simulation]:
         """``schedule``'s programs for ``m`` micro-batches over ``stages`` stages, validated."""
-        key = (repr(schedule), m) if type(schedule) in _DESCRIBED_BY_REPR else None
+        key = (repr(schedule), m) if described_by_repr(schedule) else None
         programs = self._built_in.get(key) if key is not None else None
         if programs is None:
             programs = schedule.programs(m, stages)

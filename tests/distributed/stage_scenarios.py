@@ -28,7 +28,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from pipeline import DataParallel, Pipe
 from pipeline.distributed import DistributedPipe, PeerError
-from pipeline.schedules import Interleaved1F1B, resolve_schedule
+from pipeline.schedules import GPipe, Interleaved1F1B, OneFOneB, Schedule, resolve_schedule
 from pipeline.skip import Namespace
 from pipeline.step.runner import forward_programs
 from tests import gloo_groups
@@ -490,6 +490,16 @@ def a_pause_longer_than_the_group_timeout_and_new_shapes_are_harmless() -> None:
     pipe.close()
 
 
+class Wrapped(Schedule):
+    """A schedule of one's own without a __repr__: every instance prints alike."""
+
+    def __init__(self, inner: Schedule) -> None:
+        self.inner = inner
+
+    def programs(self, m: int, stages: int) -> Any:
+        return self.inner.programs(m, stages)
+
+
 @scenario
 def bad_arguments_are_refused_by_every_process_before_any_work() -> None:
     expect_error(ValueError, lambda: DistributedPipe(blocks(3), [1, 1, 1]), "multiple of")
@@ -507,6 +517,14 @@ def bad_arguments_are_refused_by_every_process_before_any_work() -> None:
         "chose different schedules",
         f"ranks [0] and ranks {list(range(1, world()))} chose differently",
         f"this process, rank {rank()}: {'GPipe' if rank() == 0 else 'OneFOneB'}() mean",
+    )
+    # Schedules of one's own that print alike ("Wrapped()") are told apart by their programs.
+    wrapped = Wrapped(GPipe() if rank() == 0 else OneFOneB())
+    expect_error(
+        ValueError,
+        lambda: pipe.step(x, y, F.mse_loss, schedule=wrapped),
+        "chose different schedules",
+        "Wrapped() (programs for 2 micro-batches: #",
     )
     assert all(p.grad is None for p in pipe.parameters()), "a refused step computed something"
     pipe.step(x, y, F.mse_loss)
