@@ -85,6 +85,9 @@ class PositionalSequential(nn.Sequential):
 
         model = PositionalSequential(Split(), Add())   # Split returns (a, b); Add(a, b)
         model(x)
+
+    The first layer takes the arguments as they came: ``model(a, b)`` calls
+    it as ``layer(a, b)`` and ``model((a, b))`` as ``layer((a, b))``.
     """
 
     def forward(self, *inputs: Any) -> Any:
