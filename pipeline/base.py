@@ -202,6 +202,7 @@ class PipeBase(nn.Module):
         loss_reduction: LossReduction,
         hooks: list[Hook],
         keep_outputs: bool,
+        threads: list[list[int]],
         *,
         transport: Transport | None = None,
         stages: Iterable[int] | None = None,
@@ -210,7 +211,11 @@ class PipeBase(nn.Module):
         measure_memory: bool = False,
         at_end: Iterable[torch.Tensor] = (),
     ) -> StepRun:
-        """One step's run: this pipe's partitions and skips, loss scales, checkpointed tasks."""
+        """One step's run: this pipe's partitions and skips, loss scales, checkpointed tasks.
+
+        ``threads[t]`` lists the stages thread ``t`` runs: which generators
+        each thread owns follows (``pipeline/runtime/ownership.py``).
+        """
         if grad_scaler is not None:
             # Its scale is made on first use: here, on the loss's device, not by a worker.
             grad_scaler.scale(torch.zeros((), device=self._runtime.devices[-1]))
@@ -224,6 +229,8 @@ class PipeBase(nn.Module):
             checkpointed_tasks(programs, len(rows), self.checkpoint, self.training),
             hooks,
             keep_outputs,
+            self._runtime.randomness(threads),
+            any(a.kind == "W" for program in programs for a in program),
             transport=transport,
             stages=stages,
             grad_scaler=grad_scaler,
@@ -240,11 +247,15 @@ class PipeBase(nn.Module):
         loss_reduction: LossReduction | None,
         loss_divisor: LossDivisor | None,
         keep_outputs: bool,
+        threads: list[list[int]],
         *,
         transport: Transport | None = None,
         stages: Iterable[int] | None = None,
     ) -> StepRun:
-        """An evaluation's run: forwards only, the loss weighed as a step weighs it."""
+        """An evaluation's run: forwards only, the loss weighed as a step weighs it.
+
+        ``threads`` as for ``_step_run``.
+        """
         return StepRun(
             self._runtime,
             self.skip_layout,
@@ -255,6 +266,8 @@ class PipeBase(nn.Module):
             set(),
             [],
             keep_outputs,
+            self._runtime.randomness(threads),
+            False,
             transport=transport,
             stages=stages,
             forward_only=True,

@@ -296,6 +296,7 @@ class Pipe(PipeBase):
             loss_reduction,
             list(self._completion_hooks.values()),
             return_outputs,
+            [sorted({a.stage for a in program}) for program in programs],
             loss_divisor=loss_divisor,
             grad_scaler=grad_scaler,
             measure_memory=measure_memory,
@@ -385,7 +386,8 @@ class Pipe(PipeBase):
                     loss_fn,
                     reduction,
                     loss_divisor,
-                    keep_outputs=return_outputs or loss_fn is None,
+                    return_outputs or loss_fn is None,
+                    [[j] for j in range(n)],
                 )
                 self._run_programs(run, forward_programs(len(batches), n, n))
         if loss_fn is None:
@@ -482,8 +484,9 @@ _RUNTIME_STATE = (
 
 _COMPILE_MESSAGE = (
     "torch.compile(pipe) is not supported: the Pipe runs its partitions on worker threads, "
-    "which a compiled graph cannot contain. Compile the layers instead and pipeline them: "
-    "Pipe(nn.Sequential(*(torch.compile(layer) for layer in layers)), balance, ...)"
+    "which a compiled graph cannot contain. Compile the layers instead, in place (which keeps "
+    "the plain model's state_dict keys), and pipeline them: for layer in model: "
+    "layer.compile(); Pipe(model, balance, ...)"
 )
 
 

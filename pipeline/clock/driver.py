@@ -12,10 +12,10 @@ Each clock cycle has two phases, both issued from the caller's thread:
   is re-raised once the cycle's tasks have ended too, so that none of them
   writes a buffer (BatchNorm statistics) after the call has raised.
 
-A task runs its partition under the caller's thread state, on the
-partition's compute stream, with its random draws seeded (``pipeline/runtime/rng.py``), and
-checkpointed (``checkpoint.py``) when its micro-batch is below the
-checkpoint stop.
+A task runs its partition under the caller's thread state and context
+variables, on the partition's compute stream, with its random draws
+replayable (``pipeline/runtime/rng.py``), and checkpointed
+(``checkpoint.py``) when its micro-batch is below the checkpoint stop.
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ class ClockDriver:
         self.workers = workers
         self.skip_layout = skip_layout
         self.copy_streams: list[list[Stream]] = [[] for _ in range(len(runtime))]
+        self.randomness = runtime.randomness([[j] for j in range(len(runtime))])
 
     def run(
         self,
@@ -142,7 +143,7 @@ class _ForwardPass:
         workers = self.driver.workers
         replies = Replies()
         for i, j in cycle:
-            workers[j].submit(partial(self._task, i, j), replies)
+            workers[j].submit(partial(self.state.run, self._task, i, j), replies)
         failure: Failure | None = None
         for result in replies.collect(len(cycle)):
             if isinstance(result, Failure):
@@ -167,7 +168,8 @@ class _ForwardPass:
         if self.skips is not None:
             function = self.skips.bind(i, function)
         function = traced(function, i, j)
-        randomness = rng.TaskRandomness(self.seeds, i, j)
+        checkpointed = i < self.checkpoint_stop
+        randomness = rng.TaskRandomness(self.seeds, i, j, self.driver.randomness[j], checkpointed)
         self._mark_arrival(i, j)
         batch = self.batches[i]
         with (
@@ -175,7 +177,7 @@ class _ForwardPass:
             use_stream(self.compute_streams[j]),
             randomness.drawing(),
         ):
-            if i < self.checkpoint_stop:
+            if checkpointed:
                 recomputation = Recomputation(
                     randomness,
                     runtime.buffers[j],

@@ -267,6 +267,7 @@ class DistributedPipe(PipeBase):
             reduction,
             [self._stage_done],
             return_outputs,
+            [self.local_stages],
             transport=self._transport,
             stages=self.local_stages,
             loss_divisor=loss_divisor,
@@ -484,7 +485,8 @@ class DistributedPipe(PipeBase):
                 loss_fn,
                 reduction,
                 loss_divisor,
-                keep_outputs=wants_outputs and last,
+                wants_outputs and last,
+                [self.local_stages],
                 transport=self._transport,
                 stages=self.local_stages,
             )

@@ -6,8 +6,9 @@ the pipe's call style (a tuple as positional arguments, or as one value) and
 its DeferredBatchNorm layers deferring their statistics. The runtime also
 keeps what running the partitions needs from one pass to the next: each
 partition's buffers as recomputation replays them (``buffers.py``), whether
-its first layer writes into its input, and the lock under which one thread
-at a time runs the partitions.
+its first layer writes into its input, how its random draws are replayed
+(``ownership.py``), and the lock under which one thread at a time runs the
+partitions.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from torch import Tensor, nn
 from pipeline.runtime.batchnorm import deferring_batch_norm
 from pipeline.runtime.buffers import PartitionBuffers
 from pipeline.runtime.microbatch import Batch, Value
+from pipeline.runtime.ownership import holds_compiled, holds_generator, randomness_plans
+from pipeline.runtime.rng import PartitionRandomness
 
 __all__ = [
     "Hook",
@@ -61,12 +64,18 @@ class PartitionRuntime:
         self.deferred_batch_norm = deferred_batch_norm
         self.buffers = [PartitionBuffers(p, j) for j, p in enumerate(partitions)]
         self.protect_inputs = [starts_in_place(p) for p in partitions]
+        self.holding_generator = [holds_generator(p) for p in partitions]
+        self.compiled = [holds_compiled(p) for p in partitions]
         # Held by each forward pass, each recomputation and each Pipe.step:
         # one thread at a time runs the partitions and touches their buffers.
         self.lock = threading.RLock()
 
     def __len__(self) -> int:
         return len(self.partitions)
+
+    def randomness(self, threads: list[list[int]]) -> list[PartitionRandomness]:
+        """How each partition draws when ``threads[t]`` lists the partitions thread ``t`` runs."""
+        return randomness_plans(self.devices, threads, self.holding_generator, self.compiled)
 
     def call(self, j: int, value: Value) -> Value:
         """Run partition ``j`` on ``value``, with the pipe's call style and BatchNorm deferral."""

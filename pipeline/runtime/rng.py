@@ -1,43 +1,69 @@
-"""Random draws replayed exactly, whatever op makes them, on worker threads sharing a generator.
+"""Random draws replayed exactly, whatever op makes them, on threads that may share a generator.
 
-Each device has one default generator (the CPU one serves the whole
-process), and partitions on one device run at once on their own threads, so
-their draws would interleave in an order that changes from run to run. A
-checkpointed task must also draw again, in recomputation, exactly what its
+A checkpointed task must draw again, in recomputation, exactly what its
 forward drew, although other micro-batches have advanced the generator in
 between. A list of random layers cannot promise that: ``F.dropout``,
 ``torch.rand``, ``bernoulli_``, attention dropout all draw. What is random is
-the op, and aten tags every such op ``nondeterministic_seeded``.
+the op, and aten tags every such op ``nondeterministic_seeded``. Each device
+has one default generator (the CPU one serves the whole process), so a task's
+draws are made replayable in one of two ways, chosen per partition
+(``ownership.py``):
 
-So every task runs under ``TaskRandomness.drawing()``, a dispatch mode that
-lets ordinary ops through untouched and runs each random op from a seed of
-its own, derived from the run's base seed (a forward pass or a step), the
-micro-batch, the partition and the rank of the draw in the task::
+- Owned: no other thread of the pipe draws from the generators the task can
+  draw from, so the task runs with nothing in the way. A checkpointed task
+  notes their states at the start and at the end of its forward;
+  recomputation sets the start state, runs, checks the end state and puts
+  back the state it found, as torch's own checkpointing does::
 
-    task (i, j):  linear  dropout              matmul  rand_like
-                          |lock, seed(i,j,1)|          |lock, seed(i,j,2)|
+      forward:     S0 -> [the task draws] -> E
+      recompute:   T (now) saved, S0 set -> [the same draws] -> E? -> T restored
 
-The generator is locked, seeded, used and restored around that one op only,
-so everything else overlaps. Recomputation replays the task under
-``replaying()`` and gets the same seeds, so the same masks. A generator the
-user passes to an op (``torch.rand(..., generator=g)``) keeps its own
-stream: its state before each draw is recorded and restored for the replay.
+  Ending at E is exact; ending at S0 means the replay drew nothing, so the
+  forward did not either (its change came from another thread). Anything
+  else raises: another thread drew meanwhile.
+
+- Seeded: partitions that run at once on threads of their own share a
+  generator, so their draws would interleave in an order that changes from
+  run to run. Their tasks run under ``TaskRandomness.drawing()``, a dispatch
+  mode that lets ordinary ops through untouched and runs each random op from
+  a seed of its own, derived from the run's base seed (a forward pass or a
+  step), the micro-batch, the partition and the rank of the draw in the
+  task::
+
+      task (i, j):  linear  dropout              matmul  rand_like
+                            |lock, seed(i,j,1)|          |lock, seed(i,j,2)|
+
+  The generator is locked, seeded, used and restored around that one op
+  only, so everything else overlaps. Recomputation replays the task under
+  ``replaying()`` and gets the same seeds, so the same masks; a checkpointed
+  task notes the state each draw ends in, and its replay raises if one ends
+  elsewhere (a thread drew without the lock inside the window). A generator
+  the user passes to an op (``torch.rand(..., generator=g)``) keeps its own
+  stream: its state before each draw is recorded and restored for the
+  replay. The mode lets compiled code run compiled (torch >= 2.9:
+  ``ignore_compile_internals``): inductor's graphs draw their seeds through
+  it with one op per call.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-__all__ = ["BaseSeed", "TaskRandomness"]
+__all__ = ["SEEDED", "BaseSeed", "PartitionRandomness", "TaskRandomness", "default_generator"]
 
 _SEED_MASK = (1 << 63) - 1
 _MIX_MASK = (1 << 64) - 1
+
+# Whether dynamo compiles under a dispatch mode that asks it to (torch >= 2.9);
+# before, code compiled in a seeded partition would silently run eager.
+MODE_COMPILES = hasattr(TorchDispatchMode, "ignore_compile_internals")
 
 _locks: dict[int, threading.Lock] = {}
 _locks_guard = threading.Lock()
@@ -62,7 +88,7 @@ def _lock(generator: torch.Generator) -> threading.Lock:
     return lock
 
 
-def _default_generator(device: torch.device) -> torch.Generator | None:
+def default_generator(device: torch.device) -> torch.Generator | None:
     """The generator an op on ``device`` draws from when given none (None if there is none)."""
     if device.type == "cpu":
         return torch.default_generator
@@ -75,15 +101,19 @@ def _default_generator(device: torch.device) -> torch.Generator | None:
 
 
 def _draw_device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.device:
-    """The device a random op draws on: its ``device`` argument or its first tensor's."""
+    """The device a random op draws on: its ``device`` argument, else its first tensor's.
+
+    Tensors among the keyword arguments count too: inductor's seeds come from
+    ``randint.low_out(low, high, size, out=buffer)``, whose only tensor is ``out``.
+    """
     device = kwargs.get("device")
     if device is not None:
         return torch.device(device)
-    for arg in args:
-        if isinstance(arg, torch.Tensor):
-            return arg.device
-        if isinstance(arg, list | tuple):
-            for item in arg:
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            return value.device
+        if isinstance(value, list | tuple):
+            for item in value:
                 if isinstance(item, torch.Tensor):
                     return item.device
     return torch.get_default_device()
@@ -99,6 +129,35 @@ def _random(func: Any) -> bool:
     return random
 
 
+def _state(generator: torch.Generator) -> torch.Tensor:
+    """The generator's state, never read inside another thread's seeded draw."""
+    with _lock(generator):
+        return generator.get_state()
+
+
+def _key(state: torch.Tensor) -> bytes:
+    """A state as bytes, compared in Python (``torch.equal`` would be one more op)."""
+    return state.numpy().tobytes()
+
+
+@dataclass(frozen=True)
+class PartitionRandomness:
+    """How the tasks of one partition draw: seeded op by op, or from generators its thread owns.
+
+    ``generators``: what an owned partition's checkpointed tasks capture and
+    replay (its device's default generator, and the CPU one). ``compiled``:
+    the partition holds a compiled layer, which the seeding mode would run
+    eager before torch 2.9.
+    """
+
+    seeded: bool
+    generators: tuple[torch.Generator, ...] = ()
+    compiled: bool = False
+
+
+SEEDED = PartitionRandomness(seeded=True)
+
+
 class BaseSeed:
     """The base seed of one run through the partitions, drawn once, when a task first needs it.
 
@@ -106,12 +165,14 @@ class BaseSeed:
     CPU generator, so ``torch.manual_seed`` makes a run reproducible, and
     only if some op draws: a model without randomness leaves the generator
     as the plain model does. A Pipe called from inside another Pipe's task
-    takes its seed from that task instead, so the outer task's
-    recomputation replays the inner Pipe's draws too.
+    takes its seed from that task instead (``nested``), and seeds every
+    draw of its own, so the outer task's recomputation replays the inner
+    Pipe's draws too.
     """
 
     def __init__(self) -> None:
         outer: TaskRandomness | None = getattr(_current, "task", None)
+        self.nested = outer is not None
         self._value = None if outer is None else outer.derive_seed()
         self._lock = threading.Lock()
 
@@ -126,16 +187,48 @@ class BaseSeed:
 
 
 class TaskRandomness:
-    """The random draws of task (micro-batch ``i``, partition ``j``): made once, replayable."""
+    """The random draws of task (micro-batch ``i``, partition ``j``): made once, replayable.
 
-    __slots__ = ("_base", "_draws", "_recorded", "_seed", "_task")
+    ``checkpointed``: the task will be recomputed, so what it drew is noted
+    for the replay; other tasks pay nothing for it.
+    """
 
-    def __init__(self, base: BaseSeed, microbatch: int, partition: int) -> None:
+    __slots__ = (
+        "_base",
+        "_checkpointed",
+        "_compiled",
+        "_draws",
+        "_ends",
+        "_generators",
+        "_recorded",
+        "_seed",
+        "_seeded",
+        "_span",
+        "_task",
+    )
+
+    def __init__(
+        self,
+        base: BaseSeed,
+        microbatch: int,
+        partition: int,
+        plan: PartitionRandomness = SEEDED,
+        checkpointed: bool = False,
+    ) -> None:
         self._base = base
         self._task = (microbatch, partition)
+        self._seeded = plan.seeded or base.nested
+        self._generators = plan.generators
+        self._compiled = plan.compiled
+        self._checkpointed = checkpointed
         self._seed: int | None = None
         self._draws = 0
+        # Seeded: a user generator's state before each draw; the state each
+        # seeded draw ended in (checkpointed tasks).
         self._recorded: dict[int, torch.Tensor] = {}
+        self._ends: dict[int, int] = {}
+        # Owned: the generators' states at the start and the end of the forward.
+        self._span: tuple[list[torch.Tensor], list[bytes]] | None = None
 
     def seed(self) -> int:
         if self._seed is None:
@@ -147,56 +240,113 @@ class TaskRandomness:
         self._draws += 1
         return _mix(self.seed(), self._draws, 1)
 
-    @contextmanager
-    def drawing(self) -> Iterator[None]:
-        """Run the task's forward: every random op draws from its own seed."""
-        with self._mode(replay=False):
-            yield
+    def drawing(self) -> AbstractContextManager[None]:
+        """Run the task's forward."""
+        if self._seeded:
+            return self._mode(replay=False)
+        if self._checkpointed:
+            return self._captured()
+        return _Acting(self)
+
+    def replaying(self) -> AbstractContextManager[None]:
+        """Run the task again (recomputation): the same ops draw the same numbers."""
+        if self._seeded:
+            return self._mode(replay=True)
+        return self._replayed()
+
+    # Owned generators
 
     @contextmanager
-    def replaying(self) -> Iterator[None]:
-        """Run the task again (recomputation): the same ops draw the same numbers."""
-        with self._mode(replay=True):
+    def _captured(self) -> Iterator[None]:
+        start = [_state(g) for g in self._generators]
+        with _Acting(self):
             yield
+        self._span = (
+            start,
+            [_key(state) for state in start] + [_key(_state(g)) for g in self._generators],
+        )
+
+    @contextmanager
+    def _replayed(self) -> Iterator[None]:
+        assert self._span is not None, "replaying() follows a checkpointed drawing()"
+        start, keys = self._span
+        count = len(start)
+        found = []
+        for generator, state in zip(self._generators, start, strict=True):
+            with _lock(generator):
+                found.append(generator.get_state())
+                generator.set_state(state)
+        try:
+            with _Acting(self):
+                yield
+            for k, generator in enumerate(self._generators):
+                ended = _key(_state(generator))
+                if ended != keys[count + k] and ended != keys[k]:
+                    raise self._foreign_draw(generator, "its forward or this recomputation")
+        finally:
+            for generator, state in zip(self._generators, found, strict=True):
+                with _lock(generator):
+                    generator.set_state(state)
+
+    # Seeded draws
 
     @contextmanager
     def _mode(self, replay: bool) -> Iterator[None]:
-        previous = getattr(_current, "task", None)
-        self._draws = 0
-        _current.task = self
-        try:
-            with _SeedEachDraw(self, replay):
-                yield
-        finally:
-            _current.task = previous
+        if self._compiled and not MODE_COMPILES:
+            raise RuntimeError(_compiled_message(self._task[1]))
+        with _Acting(self), _SeedEachDraw(self, replay):
+            yield
 
     def draw(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], replay: bool) -> Any:
         """Run random op ``func`` as this task's next draw."""
         self._draws += 1
         generator = kwargs.get("generator")
-        default = _default_generator(_draw_device(args, kwargs))
+        default = default_generator(_draw_device(args, kwargs))
         if generator is None or generator is default:
             if default is None:
                 return func(*args, **kwargs)
             # The seed first: drawing the base seed takes the CPU generator's lock.
-            return self._seeded(default, _mix(self.seed(), self._draws), func, args, kwargs)
+            seed = _mix(self.seed(), self._draws)
+            return self._seeded_draw(default, seed, func, args, kwargs, replay)
         return self._replayable(generator, func, args, kwargs, replay)
 
-    @staticmethod
-    def _seeded(
+    def _seeded_draw(
+        self,
         generator: torch.Generator,
         seed: int,
         func: Any,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
+        replay: bool,
     ) -> Any:
         with _lock(generator):
             saved = generator.get_state()
             generator.manual_seed(seed)
             try:
-                return func(*args, **kwargs)
+                result = func(*args, **kwargs)
+                if self._checkpointed:
+                    self._check_end(generator, replay)
+                return result
             finally:
                 generator.set_state(saved)
+
+    def _check_end(self, generator: torch.Generator, replay: bool) -> None:
+        """Note (forward) or compare (replay) the state this seeded draw ended in."""
+        ended = hash(_key(generator.get_state()))
+        if not replay:
+            self._ends[self._draws] = ended
+        elif self._ends.get(self._draws, ended) != ended:
+            raise self._foreign_draw(generator, f"draw {self._draws} of its forward or replay")
+
+    def _foreign_draw(self, generator: torch.Generator, where: str) -> RuntimeError:
+        i, j = self._task
+        return RuntimeError(
+            f"the recomputation of micro-batch {i} on partition {j} did not draw the random "
+            f"numbers its forward drew from the {generator.device} generator: another thread "
+            f"drew from that generator during {where} (a thread of yours, another Pipe, or "
+            "torch.compile compiling on another thread, which rewinds the generator); give "
+            "that thread a torch.Generator of its own, or use checkpoint='never'"
+        )
 
     def _replayable(
         self,
@@ -225,13 +375,50 @@ class TaskRandomness:
                 generator.set_state(saved)
 
 
+class _Acting:
+    """The task running on this thread (a nested Pipe seeds from it); its draws counted anew."""
+
+    __slots__ = ("previous", "task")
+
+    def __init__(self, task: TaskRandomness) -> None:
+        self.task = task
+        self.previous: TaskRandomness | None = None
+
+    def __enter__(self) -> None:
+        self.previous = getattr(_current, "task", None)
+        self.task._draws = 0
+        _current.task = self.task
+
+    def __exit__(self, *exc_info: object) -> None:
+        _current.task = self.previous
+
+
+def _compiled_message(partition: int) -> str:
+    return (
+        f"partition {partition} holds a compiled layer, but its random ops are seeded one by "
+        "one by a dispatch mode (its generator is shared with other threads of the pipe), and "
+        f"torch {torch.__version__} runs compiled code eagerly under such a mode: use torch "
+        ">= 2.9, or run the partitions on one thread (Pipe(..., threads='device') with every "
+        "partition on one device, or a DistributedPipe), where no seeding is needed"
+    )
+
+
 class _SeedEachDraw(TorchDispatchMode):
-    """Ordinary ops pass straight through; random ones go to the task's ``draw``."""
+    """Ordinary ops pass straight through; random ones go to the task's ``draw``.
+
+    Compiled code runs compiled under it: dynamo compiles with the mode off
+    and the compiled graphs' random ops (a seed draw per call with inductor)
+    come through it at run time.
+    """
 
     def __init__(self, task: TaskRandomness, replay: bool) -> None:
         super().__init__()
         self.task = task
         self.replay = replay
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
 
     def __torch_dispatch__(
         self,

@@ -2,23 +2,32 @@
 
 Grad mode, inference mode, autocast and the current CUDA device are
 thread-local in PyTorch, and so are the checkpointing phase flags (a Pipe
-nested in a checkpointed task recomputes when the outer task does). A
+nested in a checkpointed task recomputes when the outer task does). So are
+the caller's context variables, where torch keeps the settings made to
+``torch._dynamo.config``, ``torch._inductor.config`` and
+``torch._functorch.config``: compiled layers on a worker must see them. A
 worker thread starts with the defaults, so the caller's state is captured
-once per forward and applied around every task.
+once per forward and applied around every task, and each task runs in a copy
+of the caller's context (``run``).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import contextvars
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import ParamSpec, TypeVar
 
 import torch
 
 from pipeline.runtime.phase import is_checkpointing, is_recomputing, phase
 
 __all__ = ["ThreadState"]
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 
 def _autocast_device_types() -> tuple[str, ...]:
@@ -50,6 +59,7 @@ class ThreadState:
     cuda_device: int | None
     checkpointing: bool = False
     recomputing: bool = False
+    context: contextvars.Context = field(default_factory=contextvars.Context, compare=False)
 
     @classmethod
     def capture(cls) -> ThreadState:
@@ -67,7 +77,15 @@ class ThreadState:
             cuda_device=cuda_device,
             checkpointing=is_checkpointing(),
             recomputing=is_recomputing(),
+            context=contextvars.copy_context(),
         )
+
+    def run(self, function: Callable[_P, _R], *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        """Call ``function`` in a copy of the caller's context variables (torch's config).
+
+        A copy per call: threads cannot enter one context at once.
+        """
+        return self.context.copy().run(function, *args, **kwargs)
 
     def applied(self, device: torch.device) -> AbstractContextManager[object]:
         """Apply the state for a task on ``device`` (which becomes the current CUDA device)."""

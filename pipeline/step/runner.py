@@ -26,6 +26,7 @@ from contextlib import contextmanager
 from functools import partial
 
 import torch
+import torch._functorch.config
 from torch import Tensor
 
 from pipeline.arguments import CheckpointMode
@@ -33,6 +34,7 @@ from pipeline.runtime import rng
 from pipeline.runtime.microbatch import Batch
 from pipeline.runtime.partitions import Hook, PartitionRuntime
 from pipeline.runtime.recompute import checkpoint_stop
+from pipeline.runtime.rng import PartitionRandomness
 from pipeline.runtime.stream import current_stream
 from pipeline.runtime.threadstate import ThreadState
 from pipeline.runtime.worker import Failure, Replies, Worker, add_note
@@ -61,6 +63,8 @@ class StepRun:
         checkpointed: set[tuple[int, int]],
         hooks: list[Hook],
         keep_outputs: bool,
+        randomness: list[PartitionRandomness],
+        split_backward: bool,
         *,
         transport: Transport | None = None,
         stages: Iterable[int] | None = None,
@@ -71,19 +75,29 @@ class StepRun:
     ) -> None:
         """The step's ``StepContext``, and a ``StageRun`` per stage run here.
 
-        ``transport`` and ``stages`` (the stages this process runs) default
-        to every stage of ``runtime`` in this process; the other options are
-        ``StepContext``'s. The gradients of the tensors ``at_end`` are left to
-        the caller (``finish``).
+        ``randomness[j]``: how stage ``j``'s tasks draw. ``split_backward``:
+        the programs split backward into I and W. ``transport`` and
+        ``stages`` (the stages this process runs) default to every stage of
+        ``runtime`` in this process; the other options are ``StepContext``'s.
+        The gradients of the tensors ``at_end`` are left to the caller
+        (``finish``).
         """
         local = list(range(len(runtime)) if stages is None else stages)
+        state = ThreadState.capture()
+        if split_backward:
+            # A compiled node's backward runs in I with the graph kept for W:
+            # AOTAutograd must not donate its saved buffers to the first call.
+            # Set in the step's context only: it reaches the graphs compiled
+            # in this step, and the caller keeps its own setting.
+            state.context.run(setattr, torch._functorch.config, "donated_buffer", False)
         self.context = StepContext(
             runtime=runtime,
             skip_layout=skip_layout,
             transport=transport if transport is not None else LocalTransport(runtime.devices),
-            state=ThreadState.capture(),
+            state=state,
             compute_streams=[current_stream(d) for d in runtime.devices],
             seeds=rng.BaseSeed(),
+            randomness=randomness,
             batches=batches,
             targets=targets,
             loss_fn=loss_fn,
@@ -107,7 +121,7 @@ class StepRun:
         """
         replies = Replies()
         for w, program in enumerate(programs):
-            workers[w].submit(partial(self._work, program), replies)
+            workers[w].submit(partial(self.context.state.run, self._work, program), replies)
         results = replies.collect(len(programs), interrupted=self.transport.abort)
         failures = [result.exception for result in results if isinstance(result, Failure)]
         if failures:
@@ -116,7 +130,7 @@ class StepRun:
     def run_here(self, program: Program) -> None:
         """Run ``program`` on this thread (a process that runs one worker's stages)."""
         try:
-            self._work(program)
+            self.context.state.run(self._work, program)
         except KeyboardInterrupt:
             self.transport.abort()
             raise

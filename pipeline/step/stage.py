@@ -48,7 +48,7 @@ from torch import Tensor
 from pipeline.runtime.microbatch import Batch
 from pipeline.runtime.partitions import Hook, PartitionRuntime, protected
 from pipeline.runtime.recompute import Recomputation
-from pipeline.runtime.rng import BaseSeed, TaskRandomness
+from pipeline.runtime.rng import BaseSeed, PartitionRandomness, TaskRandomness
 from pipeline.runtime.stream import Stream, use_stream
 from pipeline.runtime.threadstate import ThreadState
 from pipeline.skip.carrier import Carrier
@@ -79,13 +79,15 @@ class StepContext:
     are final, one call at a time (``hooks_lock``); ``gradients`` sums the
     leaves' gradients until then (``gradients.py``). ``grad_scaler`` scales
     each loss that backward starts from; ``forward_only`` runs an evaluation;
-    ``measure_memory`` gives each stage an ``ActivationMeter``.
+    ``measure_memory`` gives each stage an ``ActivationMeter``;
+    ``randomness[j]`` says how stage ``j``'s tasks draw.
     """
 
     runtime: PartitionRuntime
     skip_layout: SkipLayout
     transport: Transport
     seeds: BaseSeed
+    randomness: list[PartitionRandomness]
     state: ThreadState
     compute_streams: list[Stream]
     batches: list[Batch]
@@ -183,9 +185,13 @@ class StageRun:
 
     def forward(self, i: int) -> None:
         inputs, sources = self._inputs(i)
-        randomness = TaskRandomness(self.context.seeds, i, self.j)
-        stashed = _Stashed(i, inputs, randomness, (i, self.j) in self.context.checkpointed, sources)
-        if not self.context.forward_only:
+        context = self.context
+        checkpointed = (i, self.j) in context.checkpointed
+        randomness = TaskRandomness(
+            context.seeds, i, self.j, context.randomness[self.j], checkpointed
+        )
+        stashed = _Stashed(i, inputs, randomness, checkpointed, sources)
+        if not context.forward_only:
             self.stash[i] = stashed
             self.peak_in_flight = max(self.peak_in_flight, len(self.stash))
         with randomness.drawing():

@@ -372,17 +372,22 @@ def hooks_of_one_backward_fire_once_per_step_with_the_whole_gradient() -> None:
             pipe.close()
 
 
-def noisy_model(dtype: torch.dtype) -> nn.Sequential:
-    """Dropout and BatchNorm in every stage."""
+def noisy_model(dtype: torch.dtype, dropout: float = 0.0) -> nn.Sequential:
+    """BatchNorm, and dropout if asked, in every stage."""
     torch.manual_seed(14)
     layers: list[nn.Module] = []
     for _ in range(world()):
-        layers += [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.BatchNorm1d(WIDTH)), nn.Dropout(0.3)]
+        layers += [
+            nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.BatchNorm1d(WIDTH)),
+            nn.Dropout(dropout),
+        ]
     return nn.Sequential(*layers).to(dtype)
 
 
 @scenario
-def dropout_batch_norm_and_autocast_match_the_single_process_pipe() -> None:
+def batch_norm_and_autocast_match_the_single_process_pipe() -> None:
+    # Without dropout: a process draws from generators of its own, in its own
+    # order, so its masks are not the single-process Pipe's.
     for mode in MODES:
         for autocast in (False, True):
             what = f"{mode}, autocast {autocast}"
@@ -396,7 +401,6 @@ def dropout_batch_norm_and_autocast_match_the_single_process_pipe() -> None:
             linear = pipe.partitions[pipe.local_stages[0]][0][0]
             linear.register_forward_hook(lambda m, i, out, seen=computed: seen.append(out.dtype))
             for model in (local, pipe):
-                torch.manual_seed(15)  # the step's seed, drawn on every process alike
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                     model.step(x, y, F.mse_loss)
             assert set(computed) == {torch.bfloat16 if autocast else dtype}, what
@@ -406,6 +410,59 @@ def dropout_batch_norm_and_autocast_match_the_single_process_pipe() -> None:
                 torch.testing.assert_close(value, reference[key], msg=f"{what}: {key}")
             local.close()
             pipe.close()
+
+
+@scenario
+def dropout_is_replayed_exactly_in_every_checkpoint_mode() -> None:
+    # A process runs its stages on one thread: it owns its generators and
+    # draws with no seeding mode, replaying a checkpointed task's draws from
+    # the states it captured.
+    x, y = batch(rows=12)
+    for schedule in ("gpipe", "1f1b", "zb-h1"):
+        found = {}
+        for mode in MODES:
+            pipe = DistributedPipe(noisy_model(torch.float64, dropout=0.5), [2] * world(),
+                                   chunks=3, checkpoint=mode)  # fmt: skip
+            torch.manual_seed(15 + rank())
+            pipe.step(x, y, F.mse_loss, schedule=schedule)
+            found[mode] = {name: p.grad for name, p in pipe.named_parameters()}
+            pipe.close()
+        for mode in ("always", "except_last"):
+            for name, grad in found["never"].items():
+                assert torch.equal(found[mode][name], grad), f"{schedule}, {mode}: {name}"
+
+
+class CompiledBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.tanh(self.linear(x))
+
+
+@scenario
+def compiled_stages_compile_and_give_the_plain_models_gradients() -> None:
+    import torch._dynamo
+
+    def model() -> nn.Sequential:
+        torch.manual_seed(17)
+        return nn.Sequential(*(CompiledBlock() for _ in range(2 * world()))).double()
+
+    plain = model()
+    x, y = batch()
+    F.mse_loss(plain(x), y).backward()
+    compiled = model()
+    for layer in compiled:
+        layer.compile(backend="aot_eager")
+    pipe = DistributedPipe(compiled, [2] * world(), chunks=2)
+    before = torch._dynamo.utils.counters["frames"]["ok"]
+    for schedule in ("gpipe", "1f1b", "zb-h1"):
+        pipe.zero_grad()
+        pipe.step(x, y, F.mse_loss, schedule=schedule)
+        assert_grads_equal(pipe, plain, schedule)
+    assert torch._dynamo.utils.counters["frames"]["ok"] > before
+    pipe.close()
 
 
 class Fork(nn.Module):

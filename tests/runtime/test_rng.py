@@ -1,8 +1,10 @@
-"""Random draws of partitions sharing a device: replayed exactly, reproducible, whatever draws.
+"""Random draws replayed exactly, reproducible, whatever draws: seeded or from owned generators.
 
 The strongest check: with the same seed, every checkpoint mode gives the same
 outputs and gradients, bit for bit. Recomputation that drew different numbers
-than its forward would give gradients of another function, and differ.
+than its forward would give gradients of another function, and differ. Two
+CPU partitions on threads of their own share the CPU generator and seed each
+draw; a single partition owns it and draws with no mode in the way.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pipeline import Pipe, is_checkpointing, is_recomputing
+from pipeline.runtime import rng
 from tests.helpers import Rendezvous, grads
 
 MODES = ("always", "except_last", "never")
@@ -127,7 +130,7 @@ def assert_modes_agree(model: nn.Sequential, partitions: int, chunks: int, seeds
     pipes = {
         mode: Pipe(
             copy.deepcopy(model),
-            [3] * partitions,
+            [len(model) // partitions] * partitions,
             devices=["cpu"] * partitions,
             chunks=chunks,
             checkpoint=mode,  # type: ignore[arg-type]
@@ -151,6 +154,116 @@ def assert_modes_agree(model: nn.Sequential, partitions: int, chunks: int, seeds
 @pytest.mark.parametrize("layer", list(RANDOM_LAYERS))
 def test_recompute_replays_every_random_op_exactly(layer: str) -> None:
     assert_modes_agree(random_model(RANDOM_LAYERS[layer], 2), partitions=2, chunks=4, seeds=6)
+
+
+@pytest.mark.parametrize("layer", list(RANDOM_LAYERS))
+def test_a_partition_owning_its_generator_replays_every_random_op_exactly(layer: str) -> None:
+    assert_modes_agree(random_model(RANDOM_LAYERS[layer], 2), partitions=1, chunks=4, seeds=4)
+
+
+def dispatch_modes_seen(pipe: Pipe, x: Tensor) -> list[bool]:
+    """Whether a dispatch mode was active in each call of the pipe's first layer."""
+    seen: list[bool] = []
+
+    def look(*_: object) -> None:
+        seen.append(bool(torch.utils._python_dispatch._get_current_dispatch_mode_stack()))
+
+    pipe[0].register_forward_pre_hook(look)
+    pipe(x)
+    return seen
+
+
+def test_only_partitions_sharing_a_generator_with_other_threads_seed_each_draw() -> None:
+    x = torch.ones(4, 8)
+    alone = Pipe(nn.Sequential(nn.Dropout(), nn.Dropout()), [2], devices=["cpu"], chunks=2)
+    shared = Pipe(nn.Sequential(nn.Dropout(), nn.Dropout()), [1, 1], devices=["cpu"] * 2, chunks=2)
+    own = Pipe(nn.Sequential(OwnGenerator(), nn.Dropout()), [2], devices=["cpu"], chunks=2)
+    assert dispatch_modes_seen(alone, x) == [False, False]
+    assert dispatch_modes_seen(shared, x) == [True, True]
+    # Only the mode sees which generator an op is given, so it replays a user generator.
+    assert dispatch_modes_seen(own, x) == [True, True]
+
+
+def test_a_partition_holding_a_generator_of_its_own_is_seeded_and_replayed() -> None:
+    assert_modes_agree(random_model(OwnGenerator, 1), partitions=1, chunks=4, seeds=3)
+
+
+def test_steps_of_a_partition_owning_its_generator_replay_exactly() -> None:
+    model = random_model(RANDOM_LAYERS["nn.TransformerEncoderLayer"], 2)
+    x, y = torch.randn(8, WIDTH, dtype=torch.double), torch.randn(8, WIDTH, dtype=torch.double)
+    for schedule in ("gpipe", "1f1b", "zb-h1"):
+        results = []
+        for mode in MODES:
+            pipe = Pipe(copy.deepcopy(model), [6], devices=["cpu"], chunks=4, checkpoint=mode)  # type: ignore[arg-type]
+            torch.manual_seed(21)
+            loss = pipe.step(x, y, F.mse_loss, schedule=schedule)
+            results.append((loss, grads(pipe)))
+        for loss, found in results[:2]:
+            assert torch.equal(loss, results[2][0]), schedule
+            assert all(torch.equal(found[k], results[2][1][k]) for k in found), schedule
+
+
+class DrawsBesideAThread(nn.Module):
+    """Dropout, while another thread of the process draws from the CPU generator (forward only)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not is_recomputing():
+            other = threading.Thread(target=torch.rand, args=(1,))
+            other.start()
+            other.join()
+        return F.dropout(x, 0.5)
+
+
+def test_recomputation_raises_when_another_thread_drew_from_an_owned_generator() -> None:
+    pipe = Pipe(
+        nn.Sequential(nn.Linear(4, 4), DrawsBesideAThread()),
+        [2],
+        devices=["cpu"],
+        checkpoint="always",
+    )
+    out = pipe(torch.randn(2, 4))
+    assert isinstance(out, Tensor)
+    with pytest.raises(RuntimeError, match="another thread drew from that generator"):
+        out.sum().backward()
+
+
+@torch.library.custom_op(
+    "pipegrad_tests::noise", mutates_args=(), tags=torch.Tag.nondeterministic_seeded
+)
+def noise(x: Tensor, stray: bool) -> Tensor:
+    """Noise like ``x``; ``stray``: a draw not the op's own lands inside its seeded window."""
+    if stray:
+        torch.rand(1)
+    return torch.rand_like(x)
+
+
+@noise.register_fake
+def _(x: Tensor, stray: bool) -> Tensor:
+    return torch.empty_like(x)
+
+
+class StrayDrawInForward(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.tanh(x + noise(x.detach(), not is_recomputing()))
+
+
+def test_recomputation_raises_when_a_seeded_draw_was_disturbed() -> None:
+    pipe = Pipe(
+        nn.Sequential(nn.Linear(4, 4), StrayDrawInForward()),
+        [1, 1],
+        devices=["cpu"] * 2,
+        checkpoint="always",
+    )
+    out = pipe(torch.randn(2, 4))
+    assert isinstance(out, Tensor)
+    with pytest.raises(RuntimeError, match=r"micro-batch 0 on partition 1 .* draw 1 of"):
+        out.sum().backward()
+
+
+def test_a_random_op_writing_into_out_draws_on_the_device_of_out() -> None:
+    # Inductor's seeds: aten.randint.low_out(low, high, size, out=buffer).
+    buffer = torch.empty(3, dtype=torch.int64, device="meta")
+    assert rng._draw_device((0, 10, [3]), {"out": buffer}) == torch.device("meta")
 
 
 @pytest.mark.parametrize(("partitions", "chunks"), [(3, 6), (4, 8)])
@@ -221,15 +334,18 @@ def test_a_generator_passed_to_an_op_keeps_its_own_stream_and_is_replayed() -> N
     torch.testing.assert_close(out, pipe[0](x) * torch.cat(expected))
 
 
-def test_nested_pipe_with_dropout_in_a_checkpointed_partition_is_replayed() -> None:
+@pytest.mark.parametrize("outer_balance", [[1, 1], [2]])
+def test_nested_pipe_with_dropout_in_a_checkpointed_partition_is_replayed(
+    outer_balance: list[int],
+) -> None:
     for _ in range(10):
         inner = Pipe(
             nn.Sequential(nn.Dropout(0.5), nn.Dropout(0.5)), [1, 1], devices=["cpu"] * 2, chunks=2
         )
         outer = Pipe(
             nn.Sequential(nn.Linear(16, 16), inner),
-            [1, 1],
-            devices=["cpu"] * 2,
+            outer_balance,
+            devices=["cpu"] * len(outer_balance),
             chunks=2,
             checkpoint="always",
         )

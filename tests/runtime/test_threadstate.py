@@ -102,3 +102,18 @@ def test_eval_mode_disables_checkpointing() -> None:
     pipe.eval()
     pipe(torch.randn(4, 4))
     assert not any(s["checkpointing"] for p in probes for s in p.seen)
+
+
+def test_torch_config_set_by_the_caller_reaches_every_task() -> None:
+    # torch keeps config overrides in context variables, which a new thread does not inherit.
+    import torch._functorch.config as functorch_config
+
+    seen: list[bool] = []
+    pipe, probes = probed_pipe()
+    for probe in probes:
+        probe.register_forward_hook(lambda *_: seen.append(functorch_config.donated_buffer))
+    with functorch_config.patch(donated_buffer=False):
+        pipe(torch.randn(4, 4))
+        pipe.step(torch.randn(4, 4), torch.randn(4, 4), torch.nn.functional.mse_loss)
+    pipe.step(torch.randn(4, 4), torch.randn(4, 4), torch.nn.functional.mse_loss)
+    assert seen == [False] * 8 + [True] * 4

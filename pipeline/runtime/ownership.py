@@ -1,0 +1,117 @@
+"""Which generators a thread owns, hence which partitions draw with no seeding mode in the way.
+
+A generator is owned by a thread when no other thread of the pipe can draw
+from it. A partition draws from its device's default generator and, through
+ops given no device (``torch.rand(n)``), from the CPU one::
+
+    the default generator of ...   is owned by a thread when
+    a CUDA (or other) device       that thread runs every partition on the device
+    the CPU                        that thread runs every partition of the pipe
+
+A partition whose thread owns its device's generator runs its tasks with
+nothing in the way, and its checkpointed tasks capture and replay the
+generators' states (``rng.py``). That covers a partition alone on its GPU, the
+partitions of one device on one thread (``threads='device'``), a pipe with a
+single thread in all, and a ``DistributedPipe``'s process, which runs all its
+stages on the caller's thread. A CUDA partition's draws from the CPU
+generator, which other threads may share, are captured and checked too:
+recomputation replays them exactly, or raises when another thread drew from
+it meanwhile.
+
+Every other partition seeds each random op on its own, and so does one that
+holds a ``torch.Generator`` (only the seeding mode sees which generator an op
+is given, and can replay a user generator's draws) and every partition of a
+Pipe nested in another one's task (``BaseSeed.nested``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from pipeline.runtime.rng import (
+    MODE_COMPILES,
+    SEEDED,
+    PartitionRandomness,
+    default_generator,
+)
+
+__all__ = ["holds_compiled", "holds_generator", "randomness_plans"]
+
+
+def randomness_plans(
+    devices: Sequence[torch.device],
+    threads: Sequence[Sequence[int]],
+    holding_generator: Sequence[bool],
+    compiled: Sequence[bool],
+) -> list[PartitionRandomness]:
+    """How each partition draws, when ``threads[t]`` lists the partitions thread ``t`` runs.
+
+    A partition that no thread runs here (another process's stage) is seeded.
+
+    >>> cpu = torch.device("cpu")
+    >>> [p.seeded for p in randomness_plans([cpu, cpu], [[0, 1]], [False, False], [False] * 2)]
+    [False, False]
+    >>> [p.seeded for p in randomness_plans([cpu, cpu], [[0], [1]], [False, False], [False] * 2)]
+    [True, True]
+    """
+    thread_of = {j: t for t, partitions in enumerate(threads) for j in partitions}
+    threads_of_device: dict[torch.device, set[int]] = {}
+    for j, t in thread_of.items():
+        threads_of_device.setdefault(devices[j], set()).add(t)
+    plans = []
+    for j, device in enumerate(devices):
+        owned = (
+            j in thread_of
+            and len(threads_of_device[device]) == 1
+            and (device.type != "cpu" or len(threads) == 1)
+            and not holding_generator[j]
+        )
+        plans.append(
+            PartitionRandomness(seeded=False, generators=_drawn_from(device))
+            if owned
+            else PartitionRandomness(seeded=True, compiled=compiled[j])
+            if compiled[j]
+            else SEEDED
+        )
+    return plans
+
+
+def _drawn_from(device: torch.device) -> tuple[torch.Generator, ...]:
+    """The generators a task on ``device`` draws from when an op is given none."""
+    generators = [default_generator(device), torch.default_generator]
+    return tuple(dict.fromkeys(g for g in generators if g is not None))
+
+
+def holds_generator(partition: nn.Module) -> bool:
+    """Whether a module of ``partition`` keeps a ``torch.Generator`` (directly or in a container).
+
+    A generator reached otherwise (a global, a closure) is not found, and
+    an owned partition's recomputation does not replay its draws: it draws
+    new numbers (docs/guide.md, "Randomness").
+    """
+    for module in partition.modules():
+        for value in vars(module).values():
+            items = value.values() if isinstance(value, dict) else value
+            if isinstance(value, torch.Generator) or (
+                isinstance(value, list | tuple | dict)
+                and any(isinstance(item, torch.Generator) for item in items)
+            ):
+                return True
+    return False
+
+
+def holds_compiled(partition: nn.Module) -> bool:
+    """Whether ``partition`` holds a compiled layer that the seeding mode would run eagerly.
+
+    Only before torch 2.9; from 2.9 compiled code runs compiled under the mode.
+    """
+    if MODE_COMPILES:
+        return False
+    return any(
+        getattr(module, "_compiled_call_impl", None) is not None
+        or type(module).__name__ == "OptimizedModule"
+        for module in partition.modules()
+    )
