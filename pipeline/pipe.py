@@ -28,12 +28,18 @@ from pipeline.runtime.batchnorm import DeferredBatchNorm
 from pipeline.runtime.microbatch import Batch, Value, check_input, gather, scatter, to_device
 from pipeline.runtime.partitions import PositionalSequential
 from pipeline.runtime.recompute import checkpoint_stop
-from pipeline.runtime.worker import Worker, stop_workers
+from pipeline.runtime.worker import (
+    Threads,
+    check_threads,
+    start_workers,
+    stop_workers,
+    thread_layout,
+)
 from pipeline.skip.layout import inspect_skip_layout
 from pipeline.step.actions import Program
 from pipeline.step.losses import LossDivisor
 from pipeline.step.reports import StepReport
-from pipeline.step.runner import StepRun, forward_programs
+from pipeline.step.runner import StepRun, forward_programs, program_threads
 from pipeline.step.schedules import Schedule, resolve_schedule
 from pipeline.trace.profiling import warn_if_workers_unseen
 from pipeline.trace.recording import begin_explicit_step
@@ -64,7 +70,7 @@ class Pipe(PipeBase):
             package) computes one from profiling.
         devices: a device per partition (default: the CUDA devices in order,
             or ``'cpu'`` for every partition without CUDA). Partitions may
-            share a device; each still gets its own worker thread.
+            share a device.
         chunks: the number of micro-batches per mini-batch.
         checkpoint: ``'always'``, ``'except_last'`` (every micro-batch but the
             last) or ``'never'``: which micro-batches recompute their
@@ -78,6 +84,15 @@ class Pipe(PipeBase):
             tuple's items as positional arguments, and ``pipe(x, y)`` passes
             ``x, y`` to the first layer; the plain model it equals is
             ``pipeline.PositionalSequential``.
+        threads: which partitions share a worker thread. ``'partition'``: a
+            thread each, so that partitions on one device run at once (two
+            CPU partitions on two cores), at the cost of a hand-off between
+            threads per task. ``'device'``: one thread per device runs its
+            partitions one task after another: fewer hand-offs, no overlap
+            on a device, and random draws without a seeding mode when the
+            thread owns the generator. ``'auto'`` (default): by device for
+            CUDA devices (a GPU runs its kernels asynchronously, so a second
+            thread adds hand-offs, not overlap), by partition elsewhere.
     """
 
     _NAME = "Pipe"
@@ -95,11 +110,13 @@ class Pipe(PipeBase):
         checkpoint: CheckpointMode = "except_last",
         deferred_batch_norm: bool = False,
         call_style: CallStyle = "tuple",
+        threads: Threads = "auto",
     ) -> None:
         super().__init__()
         arguments = check_pipe_arguments(
             module, balance, chunks, checkpoint, call_style, deferred_batch_norm
         )
+        self.threads = check_threads(threads)
         self._adopt_arguments(arguments)
         self.devices = resolve_devices(devices, len(self.balance))
         self.partitions = self._split(module, arguments.deferred_batch_norm)
@@ -110,14 +127,15 @@ class Pipe(PipeBase):
 
     def _start(self) -> None:
         """Start the worker threads and what runs on them (at construction and after a copy)."""
-        self._workers = [Worker(f"pipe-partition-{j}") for j in range(len(self.balance))]
+        self._thread_of = thread_layout(self.devices, self.threads)
+        self._workers = start_workers(self.devices, self.threads)
         self._finalizer = weakref.finalize(self, stop_workers, self._workers)
         # A Pipe defers the statistics of every DeferredBatchNorm it holds, converted or given.
         self._start_runtime(
             self.devices,
             deferred_batch_norm=any(isinstance(m, DeferredBatchNorm) for m in self.modules()),
         )
-        self._driver = ClockDriver(self._runtime, self._workers, self.skip_layout)
+        self._driver = ClockDriver(self._runtime, self._workers, self._thread_of, self.skip_layout)
         self.last_step: StepReport | None = None
 
     def forward(self, *inputs: Value) -> Value:
@@ -287,6 +305,7 @@ class Pipe(PipeBase):
             )
         rows = _rows_of(batches, targets)
         programs, simulation = self._programs(schedule, len(batches))
+        threads = program_threads(programs, self._thread_of)
         run = self._step_run(
             programs,
             batches,
@@ -296,14 +315,14 @@ class Pipe(PipeBase):
             loss_reduction,
             list(self._completion_hooks.values()),
             return_outputs,
-            [sorted({a.stage for a in program}) for program in programs],
+            [sorted({a.stage for k in ks for a in programs[k]}) for ks in threads.values()],
             loss_divisor=loss_divisor,
             grad_scaler=grad_scaler,
             measure_memory=measure_memory,
         )
         begin_explicit_step(simulation.mean_idle_fraction)
         with self._one_pass(), run.holding_hooks():
-            self._run_programs(run, programs)
+            self._run_programs(run, programs, threads)
             run.finish()
         self.last_step = StepReport(schedule, simulation, *self._measured(run, programs))
         loss = run.loss()
@@ -311,9 +330,11 @@ class Pipe(PipeBase):
             return loss, gather(run.outputs)
         return loss
 
-    def _run_programs(self, run: StepRun, programs: list[Program]) -> None:
-        """Run a step's (or an evaluation's) programs on the workers."""
-        run.run(programs, self._workers)
+    def _run_programs(
+        self, run: StepRun, programs: list[Program], threads: dict[int, list[int]]
+    ) -> None:
+        """Run a step's (or an evaluation's) programs: ``threads[w]`` on worker ``w``."""
+        run.run(programs, self._workers, threads)
 
     @overload
     def evaluate(self, input: Value) -> Value: ...
@@ -377,6 +398,8 @@ class Pipe(PipeBase):
             targets = self._scatter_target(target) if loss_fn is not None else []
             rows = _rows_of(batches, targets) if targets else [b.rows() for b in batches]
             n = len(self.partitions)
+            programs = forward_programs(len(batches), n, n)
+            threads = program_threads(programs, self._thread_of)
             begin_explicit_step()
             with self._evaluating():
                 run = self._evaluation_run(
@@ -387,9 +410,9 @@ class Pipe(PipeBase):
                     reduction,
                     loss_divisor,
                     return_outputs or loss_fn is None,
-                    [[j] for j in range(n)],
+                    [sorted({a.stage for k in ks for a in programs[k]}) for ks in threads.values()],
                 )
-                self._run_programs(run, forward_programs(len(batches), n, n))
+                self._run_programs(run, programs, threads)
         if loss_fn is None:
             return gather(run.outputs)
         if return_outputs:
@@ -475,6 +498,7 @@ _RUNTIME_STATE = (
     "_validated",
     "last_step",
     "_workers",
+    "_thread_of",
     "_finalizer",
     "_runtime",
     "_driver",

@@ -17,7 +17,8 @@ from tests.gloo_groups import GroupRunner, Outcomes, free_port, run_group
 
 
 def pipe_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("pipe-partition-")]
+    names = ("pipe-partition-", "pipe-device-")
+    return [t for t in threading.enumerate() if t.name.startswith(names)]
 
 
 @pytest.hookimpl(hookwrapper=True)

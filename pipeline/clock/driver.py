@@ -6,9 +6,11 @@ Each clock cycle has two phases, both issued from the caller's thread:
   and move each micro-batch to the device of the partition it enters
   (``Copy``/``Wait`` on copy streams);
 - compute: hand every task of the cycle to its partition's worker thread and
-  collect the results. A task that raises does not stop the others of its
-  cycle; once all have answered, the first exception is re-raised here with
-  its original traceback and a note naming the task. An interrupt (Ctrl-C)
+  collect the results. Partitions that share a thread (``threads='device'``)
+  run their tasks of the cycle one after another on it, as torchgpipe does.
+  A task that raises does not stop the others of its cycle; once all have
+  answered, the first exception is re-raised here with its original
+  traceback and a note naming the task. An interrupt (Ctrl-C)
   is re-raised once the cycle's tasks have ended too, so that none of them
   writes a buffer (BatchNorm statistics) after the call has raised.
 
@@ -45,16 +47,25 @@ __all__ = ["ClockDriver"]
 
 
 class ClockDriver:
-    """Runs GPipe's clock cycles over the partitions of ``runtime``, one worker thread each."""
+    """Runs GPipe's clock cycles over the partitions of ``runtime``.
+
+    Partition ``j`` runs on ``workers[thread_of[j]]``.
+    """
 
     def __init__(
-        self, runtime: PartitionRuntime, workers: list[Worker], skip_layout: SkipLayout
+        self,
+        runtime: PartitionRuntime,
+        workers: list[Worker],
+        thread_of: list[int],
+        skip_layout: SkipLayout,
     ) -> None:
         self.runtime = runtime
         self.workers = workers
+        self.thread_of = thread_of
         self.skip_layout = skip_layout
         self.copy_streams: list[list[Stream]] = [[] for _ in range(len(runtime))]
-        self.randomness = runtime.randomness([[j] for j in range(len(runtime))])
+        threads = [[j for j, t in enumerate(thread_of) if t == w] for w in range(len(workers))]
+        self.randomness = runtime.randomness(threads)
 
     def run(
         self,
@@ -140,10 +151,10 @@ class _ForwardPass:
         return list(Wait.apply(next_copy, next_compute, *values))
 
     def compute(self, cycle: list[tuple[int, int]]) -> None:
-        workers = self.driver.workers
+        workers, thread_of = self.driver.workers, self.driver.thread_of
         replies = Replies()
         for i, j in cycle:
-            workers[j].submit(partial(self.state.run, self._task, i, j), replies)
+            workers[thread_of[j]].submit(partial(self.state.run, self._task, i, j), replies)
         failure: Failure | None = None
         for result in replies.collect(len(cycle)):
             if isinstance(result, Failure):

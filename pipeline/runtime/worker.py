@@ -1,8 +1,19 @@
-"""Persistent worker threads, one per partition.
+"""Persistent worker threads: one per partition, or one per device.
 
-Each partition gets its own thread, started with the Pipe and kept for its
-lifetime, so that partitions run at once even when they share a device (two
-CPU partitions overlap; a Python thread releases the GIL inside torch ops).
+Threads are started with the Pipe and kept for its lifetime. Which
+partitions share one is the Pipe's ``threads`` choice (``thread_layout``):
+
+- ``"partition"``: a thread each, so that partitions run at once even when
+  they share a device (two CPU partitions overlap on two cores; a Python
+  thread releases the GIL inside torch ops). Handing work between threads
+  costs a wake-up and a GIL hand-off per task.
+- ``"device"``: one thread runs every partition of a device, one task after
+  another. A GPU runs its kernels asynchronously, so a second thread on it
+  adds hand-offs, not overlap; on the CPU it gives up overlap for fewer
+  hand-offs, and a thread that owns the device's random generator
+  (``ownership.py``).
+- ``"auto"`` (the default): by device for CUDA, by partition elsewhere.
+
 A worker takes tasks from its inbox and answers each with exactly one
 result, a value or the exception it raised, so the driver never waits for
 an answer that will not come. Each task comes with the ``Replies`` of the
@@ -16,12 +27,73 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, TypeAlias
 
-__all__ = ["Failure", "Replies", "Worker", "add_note", "stop_workers"]
+import torch
+
+__all__ = [
+    "THREADS",
+    "Failure",
+    "Replies",
+    "Threads",
+    "Worker",
+    "add_note",
+    "check_threads",
+    "start_workers",
+    "stop_workers",
+    "thread_layout",
+]
 
 Task = Callable[[], Any]
+Threads: TypeAlias = Literal["auto", "partition", "device"]
+THREADS = ("auto", "partition", "device")
+
+
+def check_threads(threads: Any) -> Threads:
+    """``threads`` if it is one of ``THREADS``."""
+    if threads not in THREADS:
+        raise ValueError(
+            f"threads must be 'auto' (a thread per CUDA device, per partition elsewhere), "
+            f"'partition' or 'device', got {threads!r}"
+        )
+    chosen: Threads = threads
+    return chosen
+
+
+def thread_layout(devices: Sequence[torch.device], threads: Threads) -> list[int]:
+    """The worker of each partition, as an index into the pipe's workers.
+
+    >>> cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    >>> thread_layout([cpu, cpu, gpu, gpu], "auto")
+    [0, 1, 2, 2]
+    >>> thread_layout([cpu, cpu, gpu, gpu], "device")
+    [0, 0, 1, 1]
+    """
+    keys = [_thread_key(j, d, threads) for j, d in enumerate(devices)]
+    index: dict[object, int] = {}
+    return [index.setdefault(key, len(index)) for key in keys]
+
+
+def _thread_key(j: int, device: torch.device, threads: Threads) -> object:
+    """What partition ``j`` shares its thread by: its device, or nothing (itself)."""
+    by_device = threads == "device" or (threads == "auto" and device.type == "cuda")
+    return device if by_device else j
+
+
+def start_workers(devices: Sequence[torch.device], threads: Threads) -> list[Worker]:
+    """The workers of ``thread_layout``, named by what they run.
+
+    ``pipe-partition-{j}`` runs partition ``j`` only; ``pipe-device-{device}``
+    runs the partitions of that device.
+    """
+    names: dict[object, str] = {}
+    for j, device in enumerate(devices):
+        key = _thread_key(j, device, threads)
+        names.setdefault(
+            key, f"pipe-device-{device}" if isinstance(key, torch.device) else f"pipe-partition-{j}"
+        )
+    return [Worker(name) for name in names.values()]
 
 
 class Failure:

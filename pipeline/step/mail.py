@@ -88,6 +88,20 @@ class Mailboxes:
                 self._changed.wait(left)
             return self._values.pop((step, key))
 
+    def has(self, step: int, key: Hashable) -> bool:
+        """Whether a message waits under (``step``, ``key``)."""
+        with self._changed:
+            return (step, key) in self._values
+
+    def wait_for_any(self, step: int, keys: list[Hashable], waiting_for: str) -> None:
+        """Wait until a message is under one of ``keys`` (``step``), or the step is aborted."""
+        with self._changed:
+            while not any((step, key) in self._values for key in keys):
+                failure = self._aborted.get(step) or self._broken
+                if failure is not None:
+                    raise AbortedError(f"gave up waiting for {waiting_for}: {failure}") from failure
+                self._changed.wait()
+
     def abort(self, step: int, error: BaseException) -> None:
         """Fail ``step``'s takes, waiting or to come, with ``error`` (the first reason stays)."""
         with self._changed:
@@ -213,6 +227,14 @@ class LocalTransport:
     def receive(self, key: Hashable, source: int, target: int) -> Message:
         waiting_for = f"{describe(key)} from stage {source}"
         return arrived(self.mailboxes.take(_ONE_STEP, key, waiting_for))
+
+    def has(self, key: Hashable) -> bool:
+        """Whether the message of ``key`` is there (``receive`` would not wait)."""
+        return self.mailboxes.has(_ONE_STEP, key)
+
+    def wait_for_any(self, keys: list[Hashable], waiting_for: str) -> None:
+        """Wait until the message of one of ``keys`` is there."""
+        self.mailboxes.wait_for_any(_ONE_STEP, keys, waiting_for)
 
     def abort(self, error: BaseException | None = None) -> None:
         self.mailboxes.abort(_ONE_STEP, AbortedError("another action of the step failed"))

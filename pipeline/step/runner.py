@@ -1,15 +1,18 @@
-"""Runner: one training step of an explicit schedule, each worker running its program.
+"""Runner: one training step of an explicit schedule, each worker running its programs.
 
-The caller's thread hands each worker its whole program (``schedules.py``,
-checked by ``simulate.validate``) and waits. A worker runs its actions in
-order through the stages it owns (``stage.py``); stages exchange values by
-mail (``mail.py``), so the order between workers comes from the data,
-as the programs promise. After a stage's last backward (or weight-gradient)
-action, its parameters get their gradients (``gradients.py``) and the
-partition backward hooks are called with its index, on the worker:
-DataParallel starts that partition's all-reduces while others still
-compute. What waits for the step's end (the caller's graph, tensors no
-partition registers) is accumulated by ``finish``, once every worker is done.
+The caller's thread hands each worker its whole programs (``schedules.py``,
+checked by ``simulate.validate``) and waits. A worker running one program
+runs its actions in order through the stages it owns (``stage.py``); one
+running the programs of several stages that share its thread
+(``threads='device'``) runs, of those, whichever next action has its mail
+there. Stages exchange values by mail (``mail.py``), so the order between
+programs comes from the data, as the programs promise. After a stage's last
+backward (or weight-gradient) action, its parameters get their gradients
+(``gradients.py``) and the partition backward hooks are called with its
+index, on the worker: DataParallel starts that partition's all-reduces while
+others still compute. What waits for the step's end (the caller's graph,
+tensors no partition registers) is accumulated by ``finish``, once every
+worker is done.
 
 The first action to fail aborts the transport, so every worker stops at its
 next wait or action; the caller re-raises that failure, with a note naming
@@ -21,7 +24,7 @@ its end first, so none writes into ``.grad`` after the step has raised.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from contextlib import contextmanager
 from functools import partial
 
@@ -42,11 +45,11 @@ from pipeline.skip.layout import SkipLayout
 from pipeline.step.actions import Action, Program
 from pipeline.step.gradients import GradientSums, StepGradients
 from pipeline.step.losses import LossFn, Scale
-from pipeline.step.mail import AbortedError, LocalTransport, Transport
+from pipeline.step.mail import AbortedError, LocalTransport, Transport, describe
 from pipeline.step.reports import Timed
 from pipeline.step.stage import StageRun, StepContext
 
-__all__ = ["StepRun", "checkpointed_tasks", "forward_programs"]
+__all__ = ["StepRun", "checkpointed_tasks", "forward_programs", "program_threads"]
 
 
 class StepRun:
@@ -113,16 +116,20 @@ class StepRun:
         self.transport = self.context.transport
         self.stage_runs = {j: StageRun(self.context, j) for j in local}
 
-    def run(self, programs: list[Program], workers: list[Worker]) -> None:
-        """Run each program on its worker thread; re-raise the first failure.
+    def run(
+        self, programs: list[Program], workers: list[Worker], threads: dict[int, list[int]]
+    ) -> None:
+        """Run ``programs[k]`` for each ``k`` in ``threads[w]`` on ``workers[w]``.
 
-        An interrupt aborts the transport and is re-raised once every worker
-        has answered (``Replies.collect``).
+        Re-raises the first failure. An interrupt aborts the transport and is
+        re-raised once every worker has answered (``Replies.collect``).
         """
         replies = Replies()
-        for w, program in enumerate(programs):
-            workers[w].submit(partial(self.context.state.run, self._work, program), replies)
-        results = replies.collect(len(programs), interrupted=self.transport.abort)
+        for w, indices in threads.items():
+            mine = [programs[k] for k in indices]
+            work = partial(self._work, mine[0]) if len(mine) == 1 else partial(self._in_turn, mine)
+            workers[w].submit(partial(self.context.state.run, work), replies)
+        results = replies.collect(len(threads), interrupted=self.transport.abort)
         failures = [result.exception for result in results if isinstance(result, Failure)]
         if failures:
             raise next((f for f in failures if not isinstance(f, AbortedError)), failures[0])
@@ -161,14 +168,51 @@ class StepRun:
 
     def _work(self, program: Program) -> None:
         for action in program:
-            self.transport.check()
-            try:
-                self.stage_runs[action.stage].act(action)
-            except BaseException as exception:
-                if not isinstance(exception, AbortedError):
-                    add_note(exception, f"(raised in action {action} of the schedule)")
-                self.transport.abort(exception)
-                raise
+            self._act(action)
+
+    def _in_turn(self, programs: list[Program]) -> None:
+        """Run several programs on this thread: any one's next action whose mail is there.
+
+        Each program's actions run in its order. This cannot deadlock on
+        programs that ``validate`` accepted: it played them to their end,
+        each in order, an action starting once the actions it needs had run.
+        Were every program's next action here (and on every other thread)
+        waiting, take among them the one that started first in that play, a.
+        What a needs started before a, so before the next action of its own
+        program (which starts no earlier than a): it has run, so its mail is
+        there and a could run. A skip's mail is sent before the activation
+        (or gradient) that leads to its receiver, so it is there too.
+        """
+        transport = self.transport
+        assert isinstance(transport, LocalTransport), "programs share threads in one process"
+        last = self.context.stages - 1
+        positions = [0] * len(programs)
+        left = sum(len(program) for program in programs)
+        while left:
+            waiting: list[Hashable] = []
+            before = left
+            for k, program in enumerate(programs):
+                while positions[k] < len(program):
+                    action = program[positions[k]]
+                    needed = _mail_needed(action, last)
+                    if needed is not None and not transport.has(needed):
+                        waiting.append(needed)
+                        break
+                    self._act(action)
+                    positions[k] += 1
+                    left -= 1
+            if left == before:  # nothing could run: wait for mail
+                transport.wait_for_any(waiting, ", ".join(map(describe, waiting)))
+
+    def _act(self, action: Action) -> None:
+        self.transport.check()
+        try:
+            self.stage_runs[action.stage].act(action)
+        except BaseException as exception:
+            if not isinstance(exception, AbortedError):
+                add_note(exception, f"(raised in action {action} of the schedule)")
+            self.transport.abort(exception)
+            raise
 
     def loss(self) -> Tensor:
         """The step's loss: the sum of the micro-batches' scaled losses (last stage only)."""
@@ -198,6 +242,45 @@ class StepRun:
             j: None if stage.meter is None else stage.meter.peak
             for j, stage in self.stage_runs.items()
         }
+
+
+def program_threads(programs: list[Program], thread_of: list[int]) -> dict[int, list[int]]:
+    """Which programs each worker runs: a program runs on the thread of its stages.
+
+    ``thread_of[j]`` is stage ``j``'s worker. A program whose stages have
+    different workers (an interleaved schedule over partitions of their own
+    threads) makes their workers one: the lowest runs the programs of all.
+
+    >>> from pipeline.step.actions import parse_program
+    >>> program_threads([parse_program("0F0 0B0"), parse_program("1F0 1B0")], [0, 0])
+    {0: [0, 1]}
+    """
+    root = list(range(max(thread_of, default=-1) + 1))
+
+    def find(w: int) -> int:
+        while root[w] != w:
+            w = root[w]
+        return w
+
+    for program in programs:
+        workers = sorted({find(thread_of[a.stage]) for a in program})
+        for w in workers[1:]:
+            root[w] = workers[0]
+    threads: dict[int, list[int]] = {}
+    for k, program in enumerate(programs):
+        if program:
+            threads.setdefault(find(thread_of[program[0].stage]), []).append(k)
+    return threads
+
+
+def _mail_needed(action: Action, last: int) -> tuple[str, int, int] | None:
+    """The mail ``action`` starts with: an activation, a gradient, or none."""
+    s, i = action.stage, action.microbatch
+    if action.kind == "F":
+        return ("act", s, i) if s > 0 else None
+    if action.kind in ("B", "I"):
+        return ("grad", s, i) if s < last else None
+    return None
 
 
 def forward_programs(m: int, stages: int, workers: int) -> list[Program]:

@@ -404,12 +404,22 @@ STEP_Y = torch.randn(4, 4, dtype=torch.float64, generator=torch.Generator().manu
 
 
 def interrupted_step(
-    sigints: Sigints, schedule: str, path: str, again_after: threading.Event | None = None
+    sigints: Sigints,
+    schedule: str,
+    path: str,
+    again_after: threading.Event | None = None,
+    threads: str = "auto",
 ) -> None:
     """A step interrupted while partition 1 is held in backward leaves nothing in ``.grad``
     after ``zero_grad``, and the next step's gradients are a clean step's."""
     gate = Gate()
-    pipe = Pipe(gated_model(gate, path), [1, 3], devices=["cpu"] * 2, chunks=2)
+    pipe = Pipe(
+        gated_model(gate, path),
+        [1, 3],
+        devices=["cpu"] * 2,
+        chunks=2,
+        threads=threads,  # type: ignore[arg-type]
+    )
     raised = interrupted(
         lambda: pipe.step(STEP_X, STEP_Y, nn.functional.mse_loss, schedule=schedule),
         gate,
@@ -435,6 +445,13 @@ def test_ctrl_c_in_step_raises_after_the_action_under_way_and_leaves_grad_alone(
     sigints: Sigints, schedule: str, path: str
 ) -> None:
     interrupted_step(sigints, schedule, path)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_ctrl_c_in_a_step_of_stages_sharing_a_thread_raises_after_the_action_under_way(
+    sigints: Sigints, schedule: str
+) -> None:
+    interrupted_step(sigints, schedule, "weight", threads="device")
 
 
 def test_a_second_ctrl_c_does_not_make_step_return_early(

@@ -125,7 +125,9 @@ def step(pipe: Pipe, x: Tensor) -> tuple[Tensor, dict[str, Tensor], Tensor]:
     return out.detach(), grads(pipe), x.grad
 
 
-def assert_modes_agree(model: nn.Sequential, partitions: int, chunks: int, seeds: int) -> None:
+def assert_modes_agree(
+    model: nn.Sequential, partitions: int, chunks: int, seeds: int, threads: str = "auto"
+) -> None:
     """Same seed: the same outputs and gradients, bit for bit, in every checkpoint mode."""
     pipes = {
         mode: Pipe(
@@ -134,6 +136,7 @@ def assert_modes_agree(model: nn.Sequential, partitions: int, chunks: int, seeds
             devices=["cpu"] * partitions,
             chunks=chunks,
             checkpoint=mode,  # type: ignore[arg-type]
+            threads=threads,  # type: ignore[arg-type]
         )
         for mode in MODES
     }
@@ -157,8 +160,10 @@ def test_recompute_replays_every_random_op_exactly(layer: str) -> None:
 
 
 @pytest.mark.parametrize("layer", list(RANDOM_LAYERS))
-def test_a_partition_owning_its_generator_replays_every_random_op_exactly(layer: str) -> None:
-    assert_modes_agree(random_model(RANDOM_LAYERS[layer], 2), partitions=1, chunks=4, seeds=4)
+def test_partitions_owning_their_generator_replay_every_random_op_exactly(layer: str) -> None:
+    # One thread runs both partitions: it owns the CPU generator.
+    model = random_model(RANDOM_LAYERS[layer], 2)
+    assert_modes_agree(model, partitions=2, chunks=4, seeds=4, threads="device")
 
 
 def dispatch_modes_seen(pipe: Pipe, x: Tensor) -> list[bool]:
@@ -177,9 +182,17 @@ def test_only_partitions_sharing_a_generator_with_other_threads_seed_each_draw()
     x = torch.ones(4, 8)
     alone = Pipe(nn.Sequential(nn.Dropout(), nn.Dropout()), [2], devices=["cpu"], chunks=2)
     shared = Pipe(nn.Sequential(nn.Dropout(), nn.Dropout()), [1, 1], devices=["cpu"] * 2, chunks=2)
+    one_thread = Pipe(
+        nn.Sequential(nn.Dropout(), nn.Dropout()),
+        [1, 1],
+        devices=["cpu"] * 2,
+        chunks=2,
+        threads="device",
+    )
     own = Pipe(nn.Sequential(OwnGenerator(), nn.Dropout()), [2], devices=["cpu"], chunks=2)
     assert dispatch_modes_seen(alone, x) == [False, False]
     assert dispatch_modes_seen(shared, x) == [True, True]
+    assert dispatch_modes_seen(one_thread, x) == [False, False]
     # Only the mode sees which generator an op is given, so it replays a user generator.
     assert dispatch_modes_seen(own, x) == [True, True]
 
@@ -188,13 +201,20 @@ def test_a_partition_holding_a_generator_of_its_own_is_seeded_and_replayed() -> 
     assert_modes_agree(random_model(OwnGenerator, 1), partitions=1, chunks=4, seeds=3)
 
 
-def test_steps_of_a_partition_owning_its_generator_replay_exactly() -> None:
+def test_steps_of_partitions_owning_their_generator_replay_exactly() -> None:
     model = random_model(RANDOM_LAYERS["nn.TransformerEncoderLayer"], 2)
     x, y = torch.randn(8, WIDTH, dtype=torch.double), torch.randn(8, WIDTH, dtype=torch.double)
-    for schedule in ("gpipe", "1f1b", "zb-h1"):
+    for schedule in ("gpipe", "1f1b", "interleaved", "zb-h1"):
         results = []
         for mode in MODES:
-            pipe = Pipe(copy.deepcopy(model), [6], devices=["cpu"], chunks=4, checkpoint=mode)  # type: ignore[arg-type]
+            pipe = Pipe(
+                copy.deepcopy(model),
+                [3, 3],
+                devices=["cpu"] * 2,
+                chunks=4,
+                checkpoint=mode,  # type: ignore[arg-type]
+                threads="device",
+            )
             torch.manual_seed(21)
             loss = pipe.step(x, y, F.mse_loss, schedule=schedule)
             results.append((loss, grads(pipe)))

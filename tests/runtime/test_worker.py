@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import gc
 import threading
 import traceback
@@ -43,6 +44,44 @@ def test_each_partition_has_its_own_named_thread() -> None:
     pipe(torch.zeros(1, 1))
     assert seen == {j: f"pipe-partition-{j}" for j in range(3)}
     assert len(pipe_threads()) == 3
+
+
+class Where(nn.Module):
+    """Records the name of the thread each call runs on."""
+
+    def __init__(self, seen: list[str]) -> None:
+        super().__init__()
+        self.seen = seen
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.seen.append(threading.current_thread().name)
+        return x * 2
+
+
+def test_partitions_of_one_device_share_its_thread_with_threads_device() -> None:
+    seen: list[str] = []
+    pipe = Pipe(
+        nn.Sequential(Where(seen), Where(seen), Where(seen)),
+        [1, 1, 1],
+        devices=["cpu"] * 3,
+        chunks=2,
+        checkpoint="never",
+        threads="device",
+    )
+    x = torch.ones(4, 1, requires_grad=True)
+    pipe(x).sum().backward()  # type: ignore[union-attr]
+    pipe.step(x, torch.zeros(4, 1), torch.nn.functional.mse_loss)
+    assert len(seen) == 12 and set(seen) == {"pipe-device-cpu"}
+    assert [t.name for t in pipe_threads()] == ["pipe-device-cpu"]
+    copied = copy.deepcopy(pipe)
+    assert copied.threads == "device" and len(pipe_threads()) == 2
+    pipe.close()
+    copied.close()
+
+
+def test_threads_must_name_a_layout() -> None:
+    with pytest.raises(ValueError, match="threads must be 'auto'"):
+        Pipe(nn.Sequential(nn.Identity()), [1], threads="gpu")  # type: ignore[arg-type]
 
 
 class Boom(nn.Module):

@@ -43,11 +43,12 @@ def _raise(grad: Tensor) -> Tensor:
     raise KeyError("failed in backward")
 
 
+@pytest.mark.parametrize("threads", ["partition", "device"])
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
 @pytest.mark.parametrize("where", ["forward", "backward"])
 @pytest.mark.parametrize("stage", [0, 1, 3])
 def test_a_failing_action_reaches_the_caller_and_the_next_step_is_right(
-    schedule: str, where: str, stage: int
+    schedule: str, where: str, stage: int, threads: str
 ) -> None:
     torch.manual_seed(9)
     layers: list[nn.Module] = [block() for _ in range(4)]
@@ -55,7 +56,14 @@ def test_a_failing_action_reaches_the_caller_and_the_next_step_is_right(
     layers[stage] = nn.Sequential(layers[stage], failing)
     model = nn.Sequential(*layers).double()
     plain = copy.deepcopy(model)
-    pipe = Pipe(model, [1, 1, 1, 1], devices=["cpu"] * 4, chunks=4, checkpoint="never")
+    pipe = Pipe(
+        model,
+        [1, 1, 1, 1],
+        devices=["cpu"] * 4,
+        chunks=4,
+        checkpoint="never",
+        threads=threads,  # type: ignore[arg-type]
+    )
     x, y = torch.randn(8, WIDTH, dtype=torch.double), torch.randn(8, WIDTH, dtype=torch.double)
     start = time.perf_counter()
     with pytest.raises(KeyError, match=f"failed in {where}") as info:
