@@ -89,12 +89,12 @@ class ThreadState:
 
     def applied(self, device: torch.device) -> AbstractContextManager[object]:
         """Apply the state for a task on ``device`` (which becomes the current CUDA device)."""
-        if self._only_grad_mode(device):
+        if self.only_grad_mode(device):
             # Entered once per task: the common case skips the general exit stack.
             return torch.set_grad_enabled(self.grad_enabled)
         return self._applied_in_full(device)
 
-    def _only_grad_mode(self, device: torch.device) -> bool:
+    def only_grad_mode(self, device: torch.device) -> bool:
         """Whether a task on ``device`` needs the grad mode and nothing else."""
         return not (
             self.inference_mode

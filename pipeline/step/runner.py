@@ -128,7 +128,7 @@ class StepRun:
         for w, indices in threads.items():
             mine = [programs[k] for k in indices]
             work = partial(self._work, mine[0]) if len(mine) == 1 else partial(self._in_turn, mine)
-            workers[w].submit(partial(self.context.state.run, work), replies)
+            workers[w].submit(partial(self.context.state.run, self._on_thread, work), replies)
         results = replies.collect(len(threads), interrupted=self.transport.abort)
         failures = [result.exception for result in results if isinstance(result, Failure)]
         if failures:
@@ -137,7 +137,7 @@ class StepRun:
     def run_here(self, program: Program) -> None:
         """Run ``program`` on this thread (a process that runs one worker's stages)."""
         try:
-            self.context.state.run(self._work, program)
+            self.context.state.run(self._on_thread, partial(self._work, program))
         except KeyboardInterrupt:
             self.transport.abort()
             raise
@@ -165,6 +165,19 @@ class StepRun:
             yield
         finally:
             self.context.gradients.hooks.release()
+
+    def _on_thread(self, work: Callable[[], None]) -> None:
+        """Do ``work`` in the caller's grad mode, with no autograd device threads.
+
+        Entered once for all the actions of the thread (grad mode is on in a
+        step, off in an evaluation; each forward applies the rest of the
+        caller's state). Without device threads a CUDA stage's backward runs
+        on this thread, never on a device thread that another stage could
+        block.
+        """
+        grad_enabled = self.context.state.grad_enabled
+        with torch.set_grad_enabled(grad_enabled), torch.autograd.set_multithreading_enabled(False):
+            work()
 
     def _work(self, program: Program) -> None:
         for action in program:

@@ -155,6 +155,10 @@ class StageRun:
             if context.measure_memory
             else None
         )
+        # Its thread holds grad mode and no autograd device threads for all
+        # its actions (``StepRun``), so an action on the CPU, with nothing
+        # else of the caller's state to apply, enters nothing.
+        self._plain = context.state.only_grad_mode(self.device)
 
     def act(self, action: Action) -> None:
         """Run ``action`` (one of this stage's) on its micro-batch, timed."""
@@ -385,8 +389,14 @@ class StageRun:
         """Tensors saved for backward counted by the stage's meter, if memory is measured."""
         return self.meter.hooks() if self.meter is not None else contextlib.nullcontext()
 
+    def _forward_context(self) -> AbstractContextManager[object]:
+        return _NOTHING if self._plain else self._forward_entered()
+
+    def _backward_context(self) -> AbstractContextManager[object]:
+        return _NOTHING if self._plain else self._backward_entered()
+
     @contextmanager
-    def _forward_context(self) -> Iterator[None]:
+    def _forward_entered(self) -> Iterator[None]:
         with (
             self.context.state.applied(self.device),
             use_stream(self.context.compute_streams[self.j]),
@@ -394,13 +404,10 @@ class StageRun:
             yield
 
     @contextmanager
-    def _backward_context(self) -> Iterator[None]:
+    def _backward_entered(self) -> Iterator[None]:
         # Backward runs outside the caller's autocast, as loss.backward()
-        # usually does, and without engine threads: CUDA nodes run on this
-        # worker, never on a device thread that another stage could block.
+        # usually does.
         with ExitStack() as stack:
-            stack.enter_context(torch.enable_grad())
-            stack.enter_context(torch.autograd.set_multithreading_enabled(False))
             stack.enter_context(use_stream(self.context.compute_streams[self.j]))
             if self.device.type == "cuda":
                 stack.enter_context(torch.cuda.device(self.device))
@@ -442,6 +449,9 @@ class _StageTracker(SkipTracker):
         self.stashed.skips_in[key] = leaf
         self.stashed.sources.append(tensor)
         return cast(Tensor, _view(leaf))
+
+
+_NOTHING = contextlib.nullcontext()
 
 
 def _leaf(x: Tensor) -> Tensor:
