@@ -1,19 +1,27 @@
 """Benchmark: the framework's cost per (micro-batch, partition) task, on a tiny model.
 
 The model is 16 Linear(32, 32) layers in 4 partitions of 4, run on 32
-micro-batches of 4 rows, with one intra-op thread: each task computes for
-microseconds, so what the Pipe adds (scheduling, hand-offs between threads,
-autograd edges) dominates. The overhead per task is
+micro-batches of 4 rows, ``checkpoint="never"``, with one intra-op thread:
+each task computes for microseconds, so what a pipeline adds (scheduling,
+hand-offs between threads, autograd edges) dominates. A training step
+(zero_grad, forward, backward of the sum of the outputs) is timed for:
 
-    (time of the Pipe - time of the plain model on the same micro-batches) / (m * n)
+- the plain model on the same micro-batches one after another (the baseline);
+- torchgpipe 0.0.7's ``GPipe(x)``, which runs every CPU partition on one thread;
+- ``pipe(x)``, ``Pipe.step`` with ``gpipe`` and with ``1f1b``, each with
+  ``threads="device"`` (one thread for the CPU's partitions: torchgpipe's
+  layout, the like-for-like comparison) and ``threads="partition"`` (a thread
+  per partition, the CPU's default: partitions overlap on a multi-core host,
+  and pay a hand-off between threads per task).
 
-for forward (no_grad), and for backward (the Pipe's backward time minus the
-plain model's, over m * n). For scale, the round trip of an empty task to a
-``pipeline.runtime.worker.Worker`` thread and back: the hand-off every task pays.
-Then what the trace wrappers cost per task when no trace runs (calls of a
-no-op partition, wrapped and not), what a Pipe call's profiler check costs
-when no profiler runs, and what a running trace adds per task.
-The last line is JSON.
+Every candidate runs once per round, in turn. The overhead per task of a
+round is (candidate's step - plain model's step) / (m * n); the figures are
+medians over rounds, and the ratio to torchgpipe is the median of the
+rounds' ratios. Before timing, every candidate's gradients are checked
+against the plain model's. Then, for scale, the round trip of an empty task
+to a worker thread, what the trace wrappers cost per task when no trace
+runs, what a Pipe call's profiler check costs when no profiler runs, and
+what a running trace adds. The last line is JSON.
 
 Run: python examples/benchmarks/overhead.py [--rounds 100]
 """
@@ -29,8 +37,8 @@ from functools import partial
 from types import ModuleType
 
 import torch
-from pipe_common import best_times, print_json, start_single_threaded
-from torch import nn
+from pipe_common import print_json, round_times, start_single_threaded
+from torch import Tensor, nn
 
 import pipeline
 from pipeline.runtime.worker import Replies, Worker, stop_workers
@@ -42,37 +50,101 @@ PARTITIONS = 4
 CHUNKS = 32
 ROWS = 4
 WIDTH = 32
+TASKS = CHUNKS * PARTITIONS
+THREADS = ("device", "partition")
 
 Run = Callable[[], object]
 
 
 def tiny_model() -> nn.Sequential:
+    torch.manual_seed(0)
     return nn.Sequential(*(nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)))
 
 
-def runs(model: nn.Module, x: torch.Tensor, micro: bool) -> tuple[Run, Run]:
-    """A forward-only and a forward + backward run of ``model``, whole or by micro-batch."""
-    pieces = x.chunk(CHUNKS) if micro else (x,)
+def sum_loss(output: Tensor, _: Tensor) -> Tensor:
+    return output.sum()
 
-    def forward() -> None:
-        with torch.no_grad():
-            torch.cat([model(piece) for piece in pieces])
 
-    def train() -> None:
-        for piece in pieces:
+def plain_step(model: nn.Module, x: Tensor) -> Run:
+    def run() -> None:
+        model.zero_grad(set_to_none=True)
+        for piece in x.chunk(CHUNKS):
             model(piece).sum().backward()
 
-    return forward, train
+    return run
 
 
-def per_task_overhead(times: dict[str, float], who: str) -> dict[str, float]:
-    """Microseconds per task that ``who`` adds to the plain model on micro-batches."""
-    tasks = CHUNKS * PARTITIONS
-    forward = times[f"{who} forward"] - times["micro forward"]
-    backward = (times[f"{who} train"] - times[f"{who} forward"]) - (
-        times["micro train"] - times["micro forward"]
-    )
-    return {"forward_us": forward / tasks * 1e6, "backward_us": backward / tasks * 1e6}
+def call_step(module: nn.Module, x: Tensor) -> Run:
+    """``module(x).sum().backward()``: ``pipe(x)``, torchgpipe's ``GPipe(x)``."""
+
+    def run() -> None:
+        module.zero_grad(set_to_none=True)
+        module(x).sum().backward()
+
+    return run
+
+
+def explicit_step(pipe: pipeline.Pipe, x: Tensor, schedule: str) -> Run:
+    def run() -> None:
+        pipe.zero_grad(set_to_none=True)
+        pipe.step(x, x, sum_loss, schedule=schedule, loss_reduction="sum")
+
+    return run
+
+
+def candidates(
+    model: nn.Sequential, x: Tensor, torchgpipe: ModuleType | None
+) -> dict[str, tuple[Run, nn.Module]]:
+    """Each candidate's training step, and the module it trains (a copy of ``model``)."""
+    balance = [LAYERS // PARTITIONS] * PARTITIONS
+    runs: dict[str, tuple[Run, nn.Module]] = {"plain": (plain_step(model, x), model)}
+    if torchgpipe is not None:
+        gpipe = torchgpipe.GPipe(copy.deepcopy(model), balance, devices=["cpu"] * PARTITIONS,
+                                 chunks=CHUNKS, checkpoint="never")  # fmt: skip
+        runs["torchgpipe"] = (call_step(gpipe, x), gpipe)
+    for threads in THREADS:
+        pipe = pipeline.Pipe(copy.deepcopy(model), balance, devices=["cpu"] * PARTITIONS,
+                             chunks=CHUNKS, checkpoint="never", threads=threads)  # fmt: skip
+        runs[f"pipe(x) threads={threads}"] = (call_step(pipe, x), pipe)
+        for schedule in ("gpipe", "1f1b"):
+            step = explicit_step(pipe, x, schedule)
+            runs[f"Pipe.step {schedule} threads={threads}"] = (step, pipe)
+    return runs
+
+
+def check_gradients(runs: dict[str, tuple[Run, nn.Module]]) -> None:
+    """Every candidate's step leaves the plain model's gradients."""
+    run, plain = runs["plain"]
+    run()
+    expected = [p.grad for p in plain.parameters()]
+    for name, (run, module) in runs.items():
+        run()
+        for found, grad in zip(module.parameters(), expected, strict=True):
+            assert found.grad is not None and grad is not None, name
+            torch.testing.assert_close(found.grad, grad, msg=name)
+
+
+def overheads(times: dict[str, list[float]]) -> dict[str, dict[str, float]]:
+    """Per candidate: median step (ms), overhead per task (us), ratio to torchgpipe's (medians)."""
+    plain = times["plain"]
+    per_round = {
+        name: [(t - p) / TASKS * 1e6 for t, p in zip(ts, plain, strict=True)]
+        for name, ts in times.items()
+        if name != "plain"
+    }
+    result: dict[str, dict[str, float]] = {}
+    for name, ts in times.items():
+        row = {"step_ms": statistics.median(ts) * 1e3}
+        if name in per_round:
+            row["overhead_us_per_task"] = statistics.median(per_round[name])
+            if "torchgpipe" in per_round:
+                ratios = [
+                    ours / theirs
+                    for ours, theirs in zip(per_round[name], per_round["torchgpipe"], strict=True)
+                ]
+                row["over_torchgpipe"] = statistics.median(ratios)
+        result[name] = row
+    return result
 
 
 def handoff_round_trip(calls: int = 2000) -> float:
@@ -89,17 +161,13 @@ def handoff_round_trip(calls: int = 2000) -> float:
     return statistics.median(times) * 1e6
 
 
-def untraced_wrapper_cost(calls: int = 200_000) -> float:
+def untraced_wrapper_cost(calls: int = 20_000, rounds: int = 5) -> float:
     """Microseconds the trace wrappers add to a task when nothing traces or profiles."""
 
-    def partition_call(x: torch.Tensor) -> torch.Tensor:
+    def partition_call(x: Tensor) -> Tensor:
         return x
 
     x = torch.zeros(1)
-
-    def plain() -> None:
-        for _ in range(calls):
-            partition_call(x)
 
     def wrapped() -> None:
         for _ in range(calls):
@@ -108,15 +176,16 @@ def untraced_wrapper_cost(calls: int = 200_000) -> float:
                 pass
 
     def partial_only() -> None:
-        # The driver built this partial before tracing existed; only the rest is new.
+        # The driver builds this partial anyway; only the rest is the trace's.
         for _ in range(calls):
             partial(partition_call)(x)
 
-    times = best_times({"plain": plain, "wrapped": wrapped, "partial": partial_only}, rounds=5)
-    return (times["wrapped"] - times["partial"]) / calls * 1e6
+    times = round_times({"wrapped": wrapped, "partial": partial_only}, rounds)
+    differences = [w - p for w, p in zip(times["wrapped"], times["partial"], strict=True)]
+    return statistics.median(differences) / calls * 1e6
 
 
-def unprofiled_check_cost(calls: int = 200_000) -> float:
+def unprofiled_check_cost(calls: int = 200_000, rounds: int = 5) -> float:
     """Microseconds a Pipe call's profiler check adds when no profiler runs.
 
     The check (``warn_if_workers_unseen``) against an empty function called alike.
@@ -132,86 +201,60 @@ def unprofiled_check_cost(calls: int = 200_000) -> float:
 
         return calls_of
 
-    times = best_times({"empty": loop(empty), "check": loop(warn_if_workers_unseen)}, rounds=5)
-    return (times["check"] - times["empty"]) / calls * 1e6
+    times = round_times({"empty": loop(empty), "check": loop(warn_if_workers_unseen)}, rounds)
+    differences = [c - e for c, e in zip(times["check"], times["empty"], strict=True)]
+    return statistics.median(differences) / calls * 1e6
 
 
-def traced_cost(pipe: pipeline.Pipe, x: torch.Tensor, rounds: int) -> float:
+def traced_cost(run: Run, rounds: int) -> float:
     """Microseconds per task that a running ``pipeline.trace()`` adds to a training step."""
 
-    def train() -> None:
-        pipe(x).sum().backward()
-
-    def traced_train() -> None:
+    def traced_run() -> None:
         with pipeline.trace():
-            train()
+            run()
 
-    times = best_times({"off": train, "on": traced_train}, rounds)
-    return (times["on"] - times["off"]) / (CHUNKS * PARTITIONS) * 1e6
-
-
-def gpipe(torchgpipe: ModuleType, model: nn.Sequential) -> nn.Module:
-    module: nn.Module = torchgpipe.GPipe(
-        copy.deepcopy(model),
-        balance=[LAYERS // PARTITIONS] * PARTITIONS,
-        devices=["cpu"] * PARTITIONS,
-        chunks=CHUNKS,
-        checkpoint="never",
-    )
-    return module
+    times = round_times({"off": run, "on": traced_run}, rounds)
+    differences = [on - off for on, off in zip(times["on"], times["off"], strict=True)]
+    return statistics.median(differences) / TASKS * 1e6
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=100, help="timed rounds; the best counts")
-    args = parser.parse_args()
+    parser.add_argument("--rounds", type=int, default=100, help="timed rounds; medians count")
+    args = parser.parse_args(argv)
     info, torchgpipe = start_single_threaded()
 
     model = tiny_model()
     x = torch.randn(CHUNKS * ROWS, WIDTH)
-    pipe = pipeline.Pipe(
-        copy.deepcopy(model),
-        balance=[LAYERS // PARTITIONS] * PARTITIONS,
-        chunks=CHUNKS,
-        checkpoint="never",
-    )
-    candidates: dict[str, Run] = {}
-    for who, module, micro in (("micro", model, True), ("pipe", pipe, False)):
-        candidates[f"{who} forward"], candidates[f"{who} train"] = runs(module, x, micro)
-    if torchgpipe is not None:
-        candidates["torchgpipe forward"], candidates["torchgpipe train"] = runs(
-            gpipe(torchgpipe, model), x, micro=False
-        )
+    runs = candidates(model, x, torchgpipe)
+    check_gradients(runs)
     start = time.perf_counter()
-    times = best_times(candidates, args.rounds, warmup=3)
-    print(f"timed {args.rounds} rounds in {time.perf_counter() - start:.1f} s")
-    for name, seconds in times.items():
-        print(f"  {name:20s} {seconds * 1e3:8.2f} ms per step")
-
-    overhead = {"pipe": per_task_overhead(times, "pipe")}
-    if torchgpipe is not None:
-        overhead["torchgpipe"] = per_task_overhead(times, "torchgpipe")
-    tasks = f"{CHUNKS} micro-batches x {PARTITIONS} partitions"
-    for who, cost in overhead.items():
-        print(
-            f"{who} overhead per task ({tasks}): forward {cost['forward_us']:.1f} us, "
-            f"backward {cost['backward_us']:.1f} us"
-        )
+    times = round_times({name: run for name, (run, _) in runs.items()}, args.rounds, warmup=3)
+    print(f"timed {args.rounds} interleaved rounds in {time.perf_counter() - start:.1f} s")
+    found = overheads(times)
+    print(f"{CHUNKS} micro-batches x {PARTITIONS} partitions, medians over rounds:")
+    for name, row in found.items():
+        line = f"  {name:34s} step {row['step_ms']:7.2f} ms"
+        if "overhead_us_per_task" in row:
+            line += f"  overhead {row['overhead_us_per_task']:7.1f} us per task"
+        if "over_torchgpipe" in row and name != "torchgpipe":
+            line += f"  {row['over_torchgpipe']:.2f}x torchgpipe's"
+        print(line)
     handoff = handoff_round_trip()
     print(f"an empty task's round trip to a worker thread: {handoff:.1f} us (median)")
     off = untraced_wrapper_cost()
     check = unprofiled_check_cost()
-    on = traced_cost(pipe, x, args.rounds)
+    on = traced_cost(runs["pipe(x) threads=partition"][0], args.rounds)
     print(f"trace wrappers with no trace running: {off:.2f} us per task")
     print(f"a Pipe call's profiler check with no profiler running: {check * 1e3:.0f} ns")
-    print(f"a running pipeline.trace() adds {on:.1f} us per task (forward + backward)")
+    print(f"a running pipeline.trace() adds {on:.1f} us per task (pipe(x), forward + backward)")
     print_json(
         {
             "benchmark": "overhead",
             "machine": info,
             "tasks": {"microbatches": CHUNKS, "partitions": PARTITIONS},
-            "step_ms": {name: seconds * 1e3 for name, seconds in times.items()},
-            "overhead_per_task": overhead,
+            "rounds": args.rounds,
+            "candidates": found,
             "handoff_round_trip_us": handoff,
             "untraced_wrapper_us": off,
             "unprofiled_check_us": check,

@@ -18,7 +18,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["best_times", "machine", "print_json", "thread_scaling", "torchgpipe_or_none"]
+__all__ = [
+    "best_times",
+    "machine",
+    "print_json",
+    "round_times",
+    "thread_scaling",
+    "torchgpipe_or_none",
+]
 
 
 def best_times(
@@ -38,6 +45,30 @@ def best_times(
             run()
             best[name] = min(best[name], time.perf_counter() - start)
     return best
+
+
+def round_times(
+    candidates: dict[str, Callable[[], object]], rounds: int, warmup: int = 1
+) -> dict[str, list[float]]:
+    """The wall time in seconds of each candidate in each of ``rounds`` rounds.
+
+    Every candidate runs once per round; the order turns by one each round,
+    so that no candidate always follows the same neighbour. Compare
+    candidates round by round (the load a round sees is shared) and take
+    medians. Example: ``statistics.median(round_times({"a": f}, rounds=5)["a"])``.
+    """
+    names = list(candidates)
+    for _ in range(warmup):
+        for run in candidates.values():
+            run()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        turn = r % len(names)
+        for name in names[turn:] + names[:turn]:
+            start = time.perf_counter()
+            candidates[name]()
+            times[name].append(time.perf_counter() - start)
+    return times
 
 
 def thread_scaling(work: Callable[[], object], rounds: int) -> float:
