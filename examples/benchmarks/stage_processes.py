@@ -1,30 +1,35 @@
-"""Benchmark: stages in two processes, DistributedPipe against torch.distributed.pipelining.
+"""Benchmark: stages in processes, DistributedPipe against torch.distributed.pipelining.
 
-Two processes on gloo (``torchrun --nproc_per_node=2``), one intra-op thread
-each, share one model: 8 blocks of Linear(1024, 1024) + ReLU, cut 4 + 4,
-``--chunks`` micro-batches of ``--rows`` rows, MSE loss. One training step
-(forward, loss, backward) is timed as:
+P processes on gloo (``torchrun --nproc_per_node=P``, P = 2 or 4), one
+intra-op thread each, share one model: 8 blocks of Linear(W, W) + ReLU
+(W = ``--width``, 1024 by default), cut in P equal stages, micro-batches of
+``--rows`` rows, MSE loss. For each m of ``--chunks``, one training step
+(forward, loss, backward) is timed, both libraries in the same processes:
 
 - the plain model on the same micro-batches one after another, in process 0
   (the baseline of the speedups);
-- the single-process ``Pipe.step`` (``gpipe``, ``1f1b``) over two CPU
-  partitions on two threads, in process 0;
+- the single-process ``Pipe.step`` (``gpipe``, ``1f1b``) over P CPU
+  partitions, in process 0, with ``threads="device"`` (one thread) and
+  ``threads="partition"`` (a thread each);
 - ``DistributedPipe.step`` with ``gpipe``, ``1f1b`` and ``zb-h1``;
 - torch's ``PipelineStage`` with ``ScheduleGPipe`` and ``Schedule1F1B``;
 
-every candidate once per round, in turn, keeping its best time (a step of
-two processes takes as long as the slower one). The pipelines run without
-checkpointing (torch's schedules have none); ``DistributedPipe`` with
-``except_last`` is reported beside them. Before timing, each pipeline's
-gradients are checked against the plain model's. The last line is JSON.
+every candidate once per round, in turn, the order turning each round (a
+step of P processes takes as long as the slowest). The figures are medians
+over rounds, and each ratio is the median of the rounds' ratios. The
+pipelines run without checkpointing (torch's schedules have none);
+``DistributedPipe`` with ``except_last`` is reported beside them. Before
+timing, each pipeline's gradients are checked against the plain model's. The
+last line is JSON.
 
-Run: torchrun --nproc_per_node=2 examples/benchmarks/stage_processes.py [--chunks 8]
+Run: torchrun --nproc_per_node=2 examples/benchmarks/stage_processes.py [--chunks 4 8 16]
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -41,13 +46,16 @@ from pipeline.distributed import DistributedPipe, init_process_group_from_env
 
 Step = Callable[[], object]
 MODES = ("never", "except_last")
+BLOCKS = 8
+# (schedule, torch's schedule class): the pairs compared.
+PAIRS = (("gpipe", "ScheduleGPipe"), ("1f1b", "Schedule1F1B"))
 
 
-def mlp() -> nn.Sequential:
+def mlp(width: int) -> nn.Sequential:
     torch.manual_seed(0)
     layers: list[nn.Module] = []
-    for _ in range(8):
-        layers += [nn.Linear(1024, 1024), nn.ReLU()]
+    for _ in range(BLOCKS):
+        layers += [nn.Linear(width, width), nn.ReLU()]
     return nn.Sequential(*layers)
 
 
@@ -86,14 +94,14 @@ def torchs(stage: PipelineStage, module: nn.Module, schedule: Any, x: Tensor, y:
 
 
 def local_part(model: nn.Sequential) -> nn.Sequential:
-    """This process's half of ``model``, under the whole model's names, for torch's stage."""
-    half = len(model) // 2
+    """This process's stage of ``model``, under the whole model's names, for torch's stage."""
+    size = len(model) // dist.get_world_size()
     rank = dist.get_rank()
-    return model[half * rank : half * (rank + 1)]
+    return model[size * rank : size * (rank + 1)]
 
 
 def max_grad_difference(module: nn.Module, plain: nn.Sequential) -> float:
-    """Largest difference of ``module``'s gradients from the plain model's, over every rank.
+    """Largest difference of ``module``'s gradients from the plain model's (this process).
 
     Every candidate names its parameters as the whole model does.
     """
@@ -103,19 +111,19 @@ def max_grad_difference(module: nn.Module, plain: nn.Sequential) -> float:
         expected = reference[name].grad
         assert param.grad is not None and expected is not None, name
         worst = torch.maximum(worst, (param.grad - expected).abs().max())
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     return float(worst)
 
 
-def timed(candidates: dict[str, tuple[Step, bool]], rounds: int) -> dict[str, float]:
-    """Best seconds per step of each candidate; ``(step, everywhere)``: False runs on rank 0.
+def timed(candidates: dict[str, tuple[Step, bool]], rounds: int) -> dict[str, list[float]]:
+    """Seconds per step of each candidate in each round; ``(step, everywhere)``: False runs
+    on rank 0 only.
 
     The order turns by one each round (the same on every rank), so that no
-    candidate always follows the same neighbour.
+    candidate always follows the same neighbour. Round 0 warms up.
     """
     names = list(candidates)
-    best = dict.fromkeys(names, float("inf"))
-    for round_ in range(rounds + 1):  # round 0 warms up
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for round_ in range(rounds + 1):
         for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
             step, everywhere = candidates[name]
             dist.barrier()
@@ -125,89 +133,130 @@ def timed(candidates: dict[str, tuple[Step, bool]], rounds: int) -> dict[str, fl
             took = torch.tensor(time.perf_counter() - start)
             dist.all_reduce(took, op=dist.ReduceOp.MAX)
             if round_:
-                best[name] = min(best[name], float(took))
-    return best
+                times[name].append(float(took))
+    return times
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--chunks", type=int, default=8)
-    parser.add_argument("--rows", type=int, default=64, help="rows per micro-batch")
-    parser.add_argument("--rounds", type=int, default=20)
-    args = parser.parse_args()
-    env = init_process_group_from_env("gloo")
-    if env.world_size != 2:
-        raise SystemExit("run it with torchrun --nproc_per_node=2")
-    torch.set_num_threads(1)
-    m = args.chunks
+def median_ratio(numerators: list[float], denominators: list[float]) -> float:
+    """The median of the rounds' ratios."""
+    return round(statistics.median(a / b for a, b in zip(numerators, denominators, strict=True)), 3)
+
+
+def measure(m: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Every candidate at ``m`` micro-batches, built, checked and timed in these processes."""
+    world, width = dist.get_world_size(), args.width
+    balance = [2 * BLOCKS // world] * world
     gen = torch.Generator().manual_seed(1)
-    x = torch.randn(args.rows * m, 1024, generator=gen)
-    y = torch.randn(args.rows * m, 1024, generator=gen)
-    if env.rank == 0:
-        print(f"machine: {machine()}")
-
-    plain = mlp()
+    x = torch.randn(args.rows * m, width, generator=gen)
+    y = torch.randn(args.rows * m, width, generator=gen)
+    plain = mlp(width)
     plain_step(plain, x, y, m)()
     candidates: dict[str, tuple[Step, bool]] = {
-        "plain micro-batches": (plain_step(mlp(), x, y, m), False)
+        "plain micro-batches": (plain_step(mlp(width), x, y, m), False)
     }
-    checked: dict[str, nn.Module] = {}
-    local = Pipe(mlp(), [8, 8], devices=["cpu", "cpu"], chunks=m, checkpoint="never")
-    for schedule in ("gpipe", "1f1b"):
-        candidates[f"Pipe.step {schedule} (threads)"] = (ours(local, x, y, schedule), False)
-    pipes = [DistributedPipe(mlp(), [8, 8], chunks=m, checkpoint=mode) for mode in MODES]
+    checked: dict[str, tuple[nn.Module, bool]] = {}
+    locals_ = []
+    for threads in ("device", "partition"):
+        local = Pipe(mlp(width), balance, devices=["cpu"] * world, chunks=m, checkpoint="never",
+                     threads=threads)  # type: ignore[arg-type]  # fmt: skip
+        locals_.append(local)
+        for schedule, _ in PAIRS:
+            name = f"Pipe.step {schedule} (1 process, threads={threads})"
+            candidates[name] = (ours(local, x, y, schedule), False)
+            checked[name] = (local, False)
+    pipes = [DistributedPipe(mlp(width), balance, chunks=m, checkpoint=mode) for mode in MODES]
     for pipe, mode in zip(pipes, MODES, strict=True):
         for schedule in ("gpipe", "1f1b", "zb-h1") if mode == "never" else ("1f1b",):
             name = f"DistributedPipe {schedule}" + ("" if mode == "never" else f" {mode}")
             candidates[name] = (ours(pipe, x, y, schedule), True)
-            checked[name] = pipe
-    for label, kind in (("ScheduleGPipe", ScheduleGPipe), ("Schedule1F1B", Schedule1F1B)):
-        part = local_part(mlp())
-        stage = PipelineStage(part, env.rank, env.world_size, torch.device("cpu"))
+            checked[name] = (pipe, True)
+    for _, label in PAIRS:
+        kind = {"ScheduleGPipe": ScheduleGPipe, "Schedule1F1B": Schedule1F1B}[label]
+        part = local_part(mlp(width))
+        stage = PipelineStage(part, dist.get_rank(), world, torch.device("cpu"))
         schedule = kind(stage, n_microbatches=m, loss_fn=F.mse_loss)
         candidates[f"torch {label}"] = (torchs(stage, part, schedule, x, y), True)
-        checked[f"torch {label}"] = part
+        checked[f"torch {label}"] = (part, True)
 
     differences = {}
-    for name, module in checked.items():
-        candidates[name][0]()
-        differences[name] = max_grad_difference(module, plain)
-    if env.rank == 0:
-        for schedule in ("gpipe", "1f1b"):
-            ours(local, x, y, schedule)()
-            worst = max((a.grad - b.grad).abs().max().item() for a, b in
-                        zip(local.parameters(), plain.parameters(), strict=True))  # fmt: skip
-            differences[f"Pipe.step {schedule} (threads)"] = worst
-    best = timed(candidates, args.rounds)
-    baseline = best["plain micro-batches"]
+    for name, (module, everywhere) in checked.items():
+        worst = torch.zeros(())
+        if everywhere or dist.get_rank() == 0:
+            candidates[name][0]()
+            worst = torch.tensor(max_grad_difference(module, plain))
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        differences[name] = float(worst)
+    times = timed(candidates, args.rounds)
+    baseline = times["plain micro-batches"]
     result: dict[str, Any] = {
-        "benchmark": "stage_processes",
         "chunks": m,
-        "rows": args.rows,
-        "ms": {k: round(v * 1e3, 2) for k, v in best.items()},
-        "speedup_vs_plain": {k: round(baseline / v, 3) for k, v in best.items()},
+        "ms": {k: round(statistics.median(v) * 1e3, 2) for k, v in times.items()},
+        "speedup_vs_plain": {k: median_ratio(baseline, v) for k, v in times.items()},
         "max_grad_difference_from_plain": differences,
-        "torch_over_ours": {
-            schedule: round(best[f"torch {label}"] / best[f"DistributedPipe {schedule}"], 3)
-            for schedule, label in (("gpipe", "ScheduleGPipe"), ("1f1b", "Schedule1F1B"))
+        "ours_over_torch_throughput": {
+            f"DistributedPipe {schedule}": median_ratio(
+                times[f"torch {label}"], times[f"DistributedPipe {schedule}"]
+            )
+            for schedule, label in PAIRS
         },
     }
-    if env.rank == 0:
-        print(f"{m} micro-batches of {args.rows} rows, 2 stage processes (gloo), 1 thread each")
-        for name, seconds in best.items():
-            difference = differences.get(name)
-            checked_line = "" if difference is None else f"  grads within {difference:.1e}"
-            print(
-                f"  {name:34s} {seconds * 1e3:8.1f} ms  {baseline / seconds:5.2f}x plain"
-                + checked_line
-            )
-        for schedule, ratio in result["torch_over_ours"].items():
-            print(f"  {schedule}: torch's step takes {ratio:.3f}x DistributedPipe's")
-        print_json(result)
+    for threads in ("device", "partition"):
+        name = f"Pipe.step 1f1b (1 process, threads={threads})"
+        result["ours_over_torch_throughput"][name] = median_ratio(
+            times["torch Schedule1F1B"], times[name]
+        )
     for pipe in pipes:
         pipe.close()
-    del candidates, pipes, local
+    for local in locals_:
+        local.close()
+    del candidates, checked, pipes, locals_
     gc.collect()
+    return result
+
+
+def report(result: dict[str, Any], rows: int, world: int) -> None:
+    m = result["chunks"]
+    print(f"{m} micro-batches of {rows} rows, {world} stage processes (gloo), 1 thread each")
+    for name, ms in result["ms"].items():
+        difference = result["max_grad_difference_from_plain"].get(name)
+        checked = "" if difference is None else f"  grads within {difference:.1e}"
+        speedup = result["speedup_vs_plain"][name]
+        print(f"  {name:46s} {ms:8.1f} ms  {speedup:5.2f}x plain{checked}")
+    for name, ratio in result["ours_over_torch_throughput"].items():
+        print(f"  {name}: {ratio:.3f}x the throughput of torch's")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--chunks", type=int, nargs="+", default=[4, 8, 16])
+    parser.add_argument("--rows", type=int, default=64, help="rows per micro-batch")
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--rounds", type=int, default=20)
+    args = parser.parse_args(argv)
+    env = init_process_group_from_env("gloo")
+    if env.world_size not in (2, 4):
+        raise SystemExit("run it with torchrun --nproc_per_node=2 (or 4)")
+    torch.set_num_threads(1)
+    info = machine()
+    if env.rank == 0:
+        print(f"machine: {info}")
+    results = []
+    for m in args.chunks:
+        results.append(measure(m, args))
+        if env.rank == 0:
+            report(results[-1], args.rows, env.world_size)
+    if env.rank == 0:
+        print_json(
+            {
+                "benchmark": "stage_processes",
+                "machine": info,
+                "processes": env.world_size,
+                "rows": args.rows,
+                "width": args.width,
+                "rounds": args.rounds,
+                "results": results,
+            }
+        )
     dist.destroy_process_group()
 
 
