@@ -62,7 +62,8 @@ def test_compiled_layers_compile_and_give_the_plain_models_gradients(balance: li
     pipe = Pipe(compiled(blocks()), balance, devices=["cpu"] * len(balance), chunks=2)
     assert list(pipe.state_dict()) == list(plain.state_dict())
     runs = {"pipe(x)": lambda: F.mse_loss(pipe(X), Y).backward()}
-    for schedule in SCHEDULES if len(balance) == 2 else ("gpipe", "1f1b", "zb-h1"):
+    # Every schedule where stages seed their draws; the owned path runs one stage.
+    for schedule in SCHEDULES if len(balance) == 2 else ("zb-h1",):
         runs[schedule] = lambda s=schedule: pipe.step(X, Y, F.mse_loss, schedule=s)
     before = frames()
     for what, run in runs.items():
