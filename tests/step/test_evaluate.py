@@ -44,10 +44,12 @@ def batch(rows: int = 7) -> tuple[Tensor, Tensor]:
     return x, torch.randn(rows, WIDTH, generator=gen, dtype=torch.double)
 
 
-def test_evaluate_equals_the_plain_model_in_eval() -> None:
+@pytest.mark.parametrize("threads", ["partition", "device"])
+def test_evaluate_equals_the_plain_model_in_eval(threads: str) -> None:
+    # threads="device": one thread runs the three stages' forwards, grad off.
     model = model_with_state()
     plain = copy.deepcopy(model).eval()
-    pipe = Pipe(model, [3, 2, 2], devices=["cpu"] * 3, chunks=3)  # 3, 3, 1 rows
+    pipe = Pipe(model, [3, 2, 2], devices=["cpu"] * 3, chunks=3, threads=threads)  # type: ignore[arg-type]
     x, y = batch()
     with torch.no_grad():
         output = plain(x)
@@ -86,10 +88,13 @@ def test_evaluate_leaves_grads_statistics_modes_and_generators() -> None:
     assert torch.equal(torch.get_rng_state(), generator)
 
 
-def test_evaluate_draws_fresh_and_reproducibly() -> None:
+@pytest.mark.parametrize("threads", ["partition", "device"])
+def test_evaluate_draws_fresh_and_reproducibly(threads: str) -> None:
+    # "device": the thread owns the CPU generator and draws with no seeding mode.
     def draws() -> list[Tensor]:
         torch.manual_seed(11)
-        pipe = Pipe(nn.Sequential(block(), Noise(), block()), [2, 1], devices=["cpu"] * 2)
+        model = nn.Sequential(block(), Noise(), block())
+        pipe = Pipe(model, [2, 1], devices=["cpu"] * 2, threads=threads)  # type: ignore[arg-type]
         x = torch.zeros(4, WIDTH)
         return [pipe.evaluate(x) for _ in range(2)]
 
