@@ -2,7 +2,8 @@
 
 The model is 8 blocks of Linear(1024, 1024) + ReLU in 2 partitions, trained
 on one batch of ``--rows`` rows split into ``--chunks`` micro-batches, by
-``pipe(x)`` then ``backward()`` (``pipe``), by ``pipe.step`` with 1F1B
+``pipe(x)`` then ``backward()`` (``pipe``; ``pipe-one-thread`` with
+``threads="device"``, torchgpipe's layout on one device), by ``pipe.step`` with 1F1B
 (``step``), and by torchgpipe where it is installed. Each
 configuration runs in a fresh Python process, so that nothing another one
 allocated is counted; there a first step allocates what stays (gradients,
@@ -45,7 +46,9 @@ WIDTH = 1024
 BLOCKS = 8
 MODES: tuple[CheckpointMode, ...] = ("never", "except_last", "always")
 CONFIGURATIONS = ["plain"] + [
-    f"{backend} {mode}" for backend in ("pipe", "step", "torchgpipe") for mode in MODES
+    f"{backend} {mode}"
+    for backend in ("pipe", "pipe-one-thread", "step", "torchgpipe")
+    for mode in MODES
 ]
 # glibc serves blocks above this size with mmap and unmaps them when freed.
 MALLOC_ENV = {
@@ -82,7 +85,12 @@ def build(configuration: str, chunks: int) -> nn.Module:
         )
         return gpipe
     return pipeline.Pipe(
-        model, balance=halves, devices=[device()] * 2, chunks=chunks, checkpoint=mode
+        model,
+        balance=halves,
+        devices=[device()] * 2,
+        chunks=chunks,
+        checkpoint=mode,
+        threads="device" if backend == "pipe-one-thread" else "auto",
     )
 
 
