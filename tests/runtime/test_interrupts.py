@@ -470,7 +470,11 @@ def test_a_second_ctrl_c_does_not_make_step_return_early(
     interrupted_step(sigints, "1f1b", "weight", again_after=aborted)
 
 
-def test_ctrl_c_in_a_forward_raises_after_the_tasks_under_way(sigints: Sigints) -> None:
+@pytest.mark.parametrize("threads", ["partition", "device"])
+def test_ctrl_c_in_a_forward_raises_after_the_tasks_under_way(
+    sigints: Sigints, threads: str
+) -> None:
+    # "device": the cycle's tasks run one after the other on one thread.
     gate = Gate()
     norm = nn.BatchNorm1d(4).double()
     pipe = Pipe(
@@ -478,6 +482,7 @@ def test_ctrl_c_in_a_forward_raises_after_the_tasks_under_way(sigints: Sigints) 
         [1, 2],
         devices=["cpu"] * 2,
         chunks=2,
+        threads=threads,  # type: ignore[arg-type]
     )
     at_raise: list[Tensor] = []
     interrupted(
