@@ -5,7 +5,7 @@ gets, summing to ``len(module)`` with no empty partition, ready for
 ``pipeline.Pipe(module, balance)``.
 """
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
@@ -52,6 +52,7 @@ def balance_by_time(
     module: nn.Sequential,
     sample: Value,
     *,
+    kwargs: Mapping[str, Value] | None = None,
     timeout: float = 1.0,
     device: torch.device | str | None = None,
 ) -> list[int]:
@@ -61,8 +62,9 @@ def balance_by_time(
     micro-batch as the first layer takes it: a Tensor, or tuples, lists and
     dicts holding tensors, as a Pipe takes its input; a tuple of positional
     arguments for a ``PositionalSequential``, which calls its layers that
-    way) is timed, each layer fed the previous layer's real output, over
-    repeated passes for about
+    way; ``kwargs``, the first layer's keyword arguments, as ``Pipe.step``
+    takes them) is timed, each layer fed the previous layer's real output,
+    over repeated passes for about
     ``timeout`` seconds. Layers run one at a time as copies in training mode
     on ``device`` (default: the accelerator if there is one, else the CPU),
     so ``module`` and the random generators are left as they were.
@@ -75,7 +77,7 @@ def balance_by_time(
     """
     layers = check_sequential(module)
     count = check_partitions(partitions, len(layers), "layers")
-    inputs = check_sample(sample)
+    inputs = check_sample(sample, kwargs)
     seconds = check_positive("timeout", timeout)
     target = check_device(device)
     return balance_cost(profile_times(layers, inputs, seconds, target), count)
@@ -86,6 +88,7 @@ def balance_by_size(
     module: nn.Sequential,
     sample: Value,
     *,
+    kwargs: Mapping[str, Value] | None = None,
     chunks: int = 1,
     param_scale: float = 2.0,
     device: torch.device | str | None = None,
@@ -93,7 +96,8 @@ def balance_by_size(
     """The balance whose largest partition in memory is as small as possible.
 
     A layer's memory is the activations it keeps for backward on ``sample``
-    (one micro-batch) times ``chunks`` (the micro-batches alive at once),
+    (one micro-batch, and the first layer's ``kwargs``, as ``balance_by_time``
+    takes them) times ``chunks`` (the micro-batches alive at once),
     plus its parameters times ``param_scale``: the copies of each parameter
     that training keeps (about 2 for SGD: weights and gradients; 3 with
     momentum; 4 for Adam). Layers are called as in ``balance_by_time``, and
@@ -108,7 +112,7 @@ def balance_by_size(
     """
     layers = check_sequential(module)
     count = check_partitions(partitions, len(layers), "layers")
-    inputs = check_sample(sample)
+    inputs = check_sample(sample, kwargs)
     copies = check_count("chunks", chunks)
     scale = check_non_negative("param_scale", param_scale)
     target = check_device(device)

@@ -2,14 +2,15 @@
 
 import math
 import numbers
+from collections.abc import Mapping
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import keystr, tree_flatten_with_path, tree_map
+from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map
 
 from balance.errors import BalanceError
 from balance.layerwise import Value
-from pipeline.runtime.microbatch import NoChunk
+from pipeline.runtime.microbatch import Arguments, NoChunk
 
 
 def check_partitions(partitions: object, items: int, noun: str) -> int:
@@ -33,24 +34,30 @@ def check_count(name: str, value: object) -> int:
     return count
 
 
-def check_sample(sample: object) -> Value:
+def check_sample(sample: object, kwargs: object = None) -> Value:
     """Return ``sample`` as the first layer takes it, once it holds at least one row.
 
     ``sample`` is one micro-batch: a Tensor, or tuples, namedtuples, lists and
     dicts holding tensors (and other values), nested at will, as a Pipe takes
     its input. A tensor wrapped in ``pipeline.NoChunk`` is unwrapped, as each
-    micro-batch of a Pipe gets it, and does not count as a row.
+    micro-batch of a Pipe gets it, and does not count as a row. ``kwargs``,
+    the first layer's keyword arguments, count as ``sample`` does; with them,
+    the first layer is called with ``(sample, **kwargs)`` (``(**kwargs)`` if
+    ``sample`` is None), given as a ``pipeline.runtime.microbatch.Arguments``.
     """
-    paths, spec = tree_flatten_with_path(sample, is_leaf=_is_no_chunk)
-    if spec.is_leaf() and not isinstance(sample, Tensor | NoChunk):
+    value = _with_keywords(sample, kwargs)
+    parts = value.parts() if isinstance(value, Arguments) else [("sample", sample)]
+    structured = not tree_flatten(value, is_leaf=_is_no_chunk)[1].is_leaf()
+    if not structured and not isinstance(value, Tensor | NoChunk):
         raise TypeError(
             f"sample must be a Tensor or hold tensors (in tuples, lists, dicts or "
             f"namedtuples), got {type(sample).__name__}; pass one micro-batch as the first "
             "layer takes it"
         )
     rows = {
-        "sample" + keystr(path): leaf.size(0)
-        for path, leaf in paths
+        name + keystr(path): leaf.size(0)
+        for name, part in parts
+        for path, leaf in tree_flatten_with_path(part, is_leaf=_is_no_chunk)[0]
         if isinstance(leaf, Tensor) and leaf.dim() > 0
     }
     if not rows:
@@ -66,9 +73,29 @@ def check_sample(sample: object) -> Value:
                 "profile the layers on, as a Pipe needs one to split into micro-batches; "
                 "pass one non-empty micro-batch as the first layer takes it"
             )
-    if isinstance(sample, Tensor):
+    if isinstance(value, Tensor):
+        return value
+    return tree_map(_unwrap, value, is_leaf=_is_no_chunk)
+
+
+def _with_keywords(sample: object, kwargs: object) -> object:
+    """``sample``, or the ``Arguments`` of the first layer's call when keywords are given."""
+    if kwargs is None:
         return sample
-    return tree_map(_unwrap, sample, is_leaf=_is_no_chunk)
+    if not isinstance(kwargs, Mapping) or not all(isinstance(key, str) for key in kwargs):
+        raise TypeError(
+            f"kwargs must be a dict of the first layer's keyword arguments by name, got "
+            f"{type(kwargs).__name__} {kwargs!r}"
+        )
+    if not kwargs:
+        return sample
+    return Arguments(() if sample is None else (sample,), kwargs)
+
+
+def _holds_leaves(sample: object) -> bool:
+    return (
+        isinstance(sample, Tensor | NoChunk) or not tree_flatten(sample, _is_no_chunk)[1].is_leaf()
+    )
 
 
 def _is_no_chunk(value: object) -> bool:

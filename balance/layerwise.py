@@ -9,6 +9,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from balance.errors import BalanceError
+from pipeline.runtime.microbatch import Arguments
 from pipeline.runtime.partitions import PositionalSequential
 from pipeline.skip.carrier import Carrier
 from pipeline.skip.tracker import SkipKey, SkipTracker, use_tracker
@@ -55,8 +56,11 @@ class _Spread(nn.Module):
         super().__init__()
         self.layer = layer
 
-    def forward(self, value: Value) -> Value:
-        return self.layer(*value) if type(value) is tuple else self.layer(value)
+    def forward(self, *args: Value, **kwargs: Value) -> Value:
+        # One tuple (with or without the first layer's keywords) is spread, as a Pipe does.
+        if len(args) == 1 and type(args[0]) is tuple:
+            args = args[0]
+        return self.layer(*args, **kwargs)
 
 
 def _name(layer: nn.Module) -> str:
@@ -85,7 +89,7 @@ def run_layer(index: int, layer: nn.Module, inputs: Value) -> Value:
     Every measurement runs layers through this one function.
     """
     try:
-        outputs = layer(inputs)
+        outputs = inputs.call(layer) if type(inputs) is Arguments else layer(inputs)
     except torch.OutOfMemoryError:
         raise
     except Exception as error:
@@ -201,6 +205,10 @@ def describe(value: Value) -> str:
         return "[" + ", ".join(describe(item) for item in value) + "]"
     if isinstance(value, Mapping):
         return "{" + ", ".join(f"{key!r}: {describe(item)}" for key, item in value.items()) + "}"
+    if isinstance(value, Arguments):
+        shown = [describe(item) for item in value.args]
+        shown += [f"{key}={describe(item)}" for key, item in value.kwargs.items()]
+        return f"({', '.join(shown)})"
     return type(value).__name__
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from contextlib import AbstractContextManager
 from typing import Any, ClassVar
 
@@ -31,8 +31,13 @@ from pipeline.arguments import (
 from pipeline.runtime.batchnorm import DeferredBatchNorm, statistics_of_one_pass
 from pipeline.runtime.evaluation import evaluating, evaluation_seed
 from pipeline.runtime.layers import named_layers, register_names
-from pipeline.runtime.microbatch import Batch
-from pipeline.runtime.partitions import Hook, PartitionRuntime, PositionalSequential
+from pipeline.runtime.microbatch import Arguments, Batch, Value, check_input, scatter, to_device
+from pipeline.runtime.partitions import (
+    Hook,
+    KeywordSequential,
+    PartitionRuntime,
+    PositionalSequential,
+)
 from pipeline.skip.layout import SkipLayout
 from pipeline.step.actions import Program
 from pipeline.step.cache import ProgramCache
@@ -98,7 +103,7 @@ class PipeBase(nn.Module):
         if deferred_batch_norm:
             DeferredBatchNorm.convert(module)
         layers = list(named_layers(module).items())
-        sequential = PositionalSequential if self.call_style == "positional" else nn.Sequential
+        sequential = PositionalSequential if self.call_style == "positional" else KeywordSequential
         bounds = [sum(self.balance[:j]) for j in range(len(self.balance) + 1)]
         return [sequential(OrderedDict(layers[a:b])) for a, b in itertools.pairwise(bounds)]
 
@@ -128,6 +133,45 @@ class PipeBase(nn.Module):
         self._completion_hooks = OrderedDict()
         self._validated = ProgramCache()
         self._evaluations = 0
+
+    # Inputs
+
+    def _first_call(self, args: tuple[Value, ...], kwargs: Mapping[str, Value]) -> Value:
+        """The first layer's call with keywords, as one value that scatters into micro-batches.
+
+        An ``Arguments``: the first layer gets ``(*args_i, **kwargs_i)``, each
+        tensor split along dim 0, every other value given to each micro-batch.
+        """
+        bad = [key for key in kwargs if not isinstance(key, str)]
+        if bad:
+            raise TypeError(f"keyword argument names must be strings, got {bad!r}")
+        return Arguments(args, kwargs)
+
+    def _input_of(self, input: Value | None, kwargs: Mapping[str, Value] | None) -> Value:
+        """The first layer's call for ``step(input, ..., kwargs=...)`` and ``evaluate``.
+
+        ``input`` is what ``step`` takes without keywords (in the
+        ``'positional'`` style a tuple holds the positional arguments); with
+        ``kwargs``, ``None`` means no positional argument: the first layer
+        gets only the keywords.
+        """
+        if kwargs is not None and not isinstance(kwargs, Mapping):
+            raise TypeError(
+                f"kwargs must be a dict of the first layer's keyword arguments, got "
+                f"{type(kwargs).__name__}"
+            )
+        if not kwargs:
+            return input
+        if input is None:
+            return self._first_call((), kwargs)
+        if self.call_style == "positional" and type(input) is tuple:
+            return self._first_call(input, kwargs)
+        return self._first_call((input,), kwargs)
+
+    def _micro_batches(self, input: Value, device: torch.device, name: str) -> list[Batch]:
+        """``input`` (``name``: the input, the target) checked, on ``device``, in micro-batches."""
+        check_input(input)
+        return scatter(to_device(input, device), self.chunks, name)
 
     # Steps
 

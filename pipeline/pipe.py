@@ -5,7 +5,7 @@ from __future__ import annotations
 import operator
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal, overload
 
 import torch
@@ -138,17 +138,22 @@ class Pipe(PipeBase):
         self._driver = ClockDriver(self._runtime, self._workers, self._thread_of, self.skip_layout)
         self.last_step: StepReport | None = None
 
-    def forward(self, *inputs: Value) -> Value:
+    def forward(self, *inputs: Value, **kwargs: Value) -> Value:
         """Run the input through the pipeline; the output is on the last device.
 
         One input (a tensor, or a structure holding tensors) with the
-        ``'tuple'`` call style; any number with ``'positional'``. Interrupted
-        (Ctrl-C), the call raises once the tasks under way have ended, so none
-        writes a buffer (BatchNorm statistics) afterwards.
+        ``'tuple'`` call style; any number with ``'positional'``. Keyword
+        arguments go to the first layer, split like the input: each tensor
+        along dim 0, any other value given to every micro-batch
+        (``pipe(ids, attention_mask=mask)`` calls the first layer with
+        ``(ids_i, attention_mask=mask_i)``; with keywords, the ``'tuple'``
+        style takes one positional input or none). Interrupted (Ctrl-C), the
+        call raises once the tasks under way have ended, so none writes a
+        buffer (BatchNorm statistics) afterwards.
         """
         if torch.compiler.is_compiling():
             raise RuntimeError(_COMPILE_MESSAGE)
-        input = self._input(inputs)
+        input = self._input(inputs, kwargs)
         self._check_open()
         if not self.partitions:
             _check_holds_tensor(input)
@@ -159,22 +164,23 @@ class Pipe(PipeBase):
         with self._runtime.lock:
             return self._run(input)
 
-    def _input(self, inputs: tuple[Value, ...]) -> Value:
+    def _input(self, inputs: tuple[Value, ...], kwargs: dict[str, Value]) -> Value:
+        if self.call_style == "tuple" and (len(inputs) > 1 or not (inputs or kwargs)):
+            raise TypeError(
+                f"Pipe.forward takes one input, got {len(inputs)}; pass several as a tuple, "
+                "pipe((x, y)), or build the Pipe with call_style='positional' to call pipe(x, y)"
+            )
+        if kwargs:
+            return self._first_call(inputs, kwargs)
         if self.call_style == "positional":
             # The value the first partition is called with, spread (runtime/partitions.py):
             # one argument that is not a tuple stays itself, one tuple stays one argument.
             single = len(inputs) == 1 and type(inputs[0]) is not tuple
             return inputs[0] if single else inputs
-        if len(inputs) != 1:
-            raise TypeError(
-                f"Pipe.forward takes one input, got {len(inputs)}; pass several as a tuple, "
-                "pipe((x, y)), or build the Pipe with call_style='positional' to call pipe(x, y)"
-            )
         return inputs[0]
 
     def _run(self, input: Value) -> Value:
-        input = to_device(input, self.devices[0])
-        batches = scatter(input, self.chunks)
+        batches = scatter(to_device(input, self.devices[0]), self.chunks)
         hooks = list(self._completion_hooks.values())
         rows = sum(b.rows() for b in batches)
         stop = checkpoint_stop(self.checkpoint, len(batches), self.training)
@@ -188,6 +194,7 @@ class Pipe(PipeBase):
         target: Value,
         loss_fn: Callable[[Value, Value], torch.Tensor],
         *,
+        kwargs: Mapping[str, Value] | None = None,
         schedule: str | Schedule = "1f1b",
         loss_reduction: LossReduction | None = None,
         loss_divisor: LossDivisor | None = None,
@@ -197,11 +204,11 @@ class Pipe(PipeBase):
     ) -> torch.Tensor | tuple[torch.Tensor, Value]:
         """Run a training step, forward and backward, as the explicit ``schedule``.
 
-        Equivalent to ``loss = loss_fn(model(input), target); loss.backward()``
-        on the plain model: the gradients accumulate into ``.grad`` (zero them
-        as usual), each tensor's once per step, so its hooks are called as
-        one backward calls them (docs/schedules.md, "Gradients and hooks"),
-        and the loss is returned, detached, on the last device. The
+        Equivalent to ``loss = loss_fn(model(input, **kwargs), target);
+        loss.backward()`` on the plain model: the gradients accumulate into
+        ``.grad`` (zero them as usual), each tensor's once per step, so its
+        hooks are called as one backward calls them (docs/schedules.md,
+        "Gradients and hooks"), and the loss is returned, detached, on the last device. The
         backward runs on the workers too, so that it overlaps across
         partitions, in the order ``schedule`` gives: ``"gpipe"``, ``"1f1b"``
         (the default: each partition holds at most as many micro-batches as
@@ -224,6 +231,13 @@ class Pipe(PipeBase):
             loss = pipe.step(x, y, nn.functional.cross_entropy, schedule="1f1b")
             optimizer.step()
 
+        ``input`` is what ``pipe(input)`` takes; ``kwargs``, a dict, holds
+        the first layer's keyword arguments, split like the input (tensors
+        along dim 0, other values given to every micro-batch): ``pipe.step(ids,
+        y, loss_fn, kwargs={"attention_mask": mask})`` is the step of
+        ``model(ids, attention_mask=mask)``. With ``kwargs``, ``input=None``
+        calls the first layer with the keywords alone.
+
         With ``grad_scaler`` (a ``torch.amp.GradScaler``), each micro-batch's
         backward starts from its scaled loss, as ``scaler.scale(loss).backward()``
         does, and the unscaled loss is returned; then call
@@ -241,9 +255,10 @@ class Pipe(PipeBase):
         reduction = self._check_step(loss_fn, loss_reduction, loss_divisor, grad_scaler)
         chosen = resolve_schedule(schedule)
         warn_if_workers_unseen(stacklevel=2)
+        value = self._input_of(input, kwargs)
         with self._runtime.lock:
             return self._step(
-                self._scatter_input(input),
+                self._scatter_input(value),
                 self._scatter_target(target),
                 loss_fn,
                 chosen,

@@ -1,50 +1,85 @@
 """Materialising a model built on the ``meta`` device, stage by stage: storage on the
-process's device, values from each module's reset.
+process's device, values from each module's reset (or the model's own initialisation).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
+from itertools import chain
 from typing import cast
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["materialized", "meta_resets"]
+__all__ = ["Init", "materialized", "meta_resets"]
+
+# Gives one module's own tensors their initial values (transformers: model._init_weights).
+Init = Callable[[nn.Module], None]
 
 
-def materialized(partition: nn.Sequential, device: torch.device) -> nn.Sequential:
-    """``partition`` on ``device``; layers on ``meta`` get storage and their initial values.
+def materialized(
+    partition: nn.Sequential,
+    device: torch.device,
+    init: Init | None = None,
+    model: nn.Module | None = None,
+) -> nn.Sequential:
+    """``partition`` on ``device``; tensors on ``meta`` get storage and their initial values.
 
     Every module with tensors on ``meta`` (its own or its children's) is
-    reset by its ``reset_parameters`` (or ``_reset_parameters``, as
-    ``nn.MultiheadAttention`` names it), children before their parents, so
-    that a parent's own initialisation of its children wins; layers not on
-    ``meta`` keep their values. A module holding tensors on ``meta`` with
-    neither method is refused: its values would be whatever the new storage
-    held.
+    reset by ``init(module)`` if given, else by its ``reset_parameters`` (or
+    ``_reset_parameters``, as ``nn.MultiheadAttention`` names it), children
+    before their parents, so that a parent's own initialisation of its
+    children wins; tensors not on ``meta`` keep their values. A module
+    holding tensors on ``meta`` with no reset is refused: its values would be
+    whatever the new storage held.
+
+    Each tensor on ``meta`` becomes one new tensor, put in every slot that
+    held it, in the partition and in ``model`` (the whole model it is part
+    of): a weight tied to another module (GPT-2's head and token embedding)
+    stays one parameter wherever the model holds it, and the modules a split
+    model's pieces read it from see it.
     """
-    resets = meta_resets(partition)
-    partition._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t.to(device))
+    resets = meta_resets(partition, init)
+    meta = [t for t in chain(partition.parameters(), partition.buffers()) if t.is_meta]
+    fresh = {id(t): _storage_for(t, device) for t in meta}
+    holders = [*partition.modules(), *([] if model is None else model.modules())]
+    for holder in holders:
+        for name, parameter in holder._parameters.items():
+            if parameter is not None and id(parameter) in fresh:
+                holder._parameters[name] = cast(nn.Parameter, fresh[id(parameter)])
+        for name, buffer in holder._buffers.items():
+            if buffer is not None and id(buffer) in fresh:
+                holder._buffers[name] = fresh[id(buffer)]
+    partition._apply(lambda t: t.to(device))
     with torch.no_grad():
         for reset in reversed(resets):
             reset()
     return partition
 
 
-def meta_resets(module: nn.Module) -> list[Callable[[], None]]:
+def _storage_for(tensor: Tensor, device: torch.device) -> Tensor:
+    empty = torch.empty_like(tensor, device=device)
+    if isinstance(tensor, nn.Parameter):
+        return nn.Parameter(empty, requires_grad=tensor.requires_grad)
+    return empty
+
+
+def meta_resets(module: nn.Module, init: Init | None = None) -> list[Callable[[], None]]:
     """The resets that give ``module``'s tensors on ``meta`` values, parents first.
 
     Raises ``ValueError`` for a module holding tensors on ``meta`` without one.
     """
     resets = []
     for name, child in module.named_modules():
-        reset = _reset_of(child)
+        reset = _reset_of(child) if init is None else partial(init, child)
         if reset is None and any(t.is_meta for t in _tensors(child, recurse=False)):
             raise ValueError(
                 f"layer {name} ({type(child).__name__}) holds tensors on the meta device but "
                 "has no reset_parameters() to give them values after materialisation: give it "
-                "one, or build the model on a real device"
+                "one, pass DistributedPipe(init=...) (a function that initialises one module: "
+                "model._init_weights for a transformers model), or build the model on a real "
+                "device"
             )
         if reset is not None and any(t.is_meta for t in _tensors(child, recurse=True)):
             resets.append(reset)

@@ -39,13 +39,13 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from pipeline.arguments import CallStyle, CheckpointMode, LossReduction, PipeArguments
 from pipeline.base import PipeBase
-from pipeline.distributed.meta import materialized, meta_resets
+from pipeline.distributed.meta import Init, materialized, meta_resets
 from pipeline.distributed.p2p import P2PTransport
 from pipeline.distributed.stage_arguments import check_alone, disagreement
 from pipeline.distributed.ties import TiedWeights
 from pipeline.distributed.wire_format import DEFAULT_MAX_MESSAGE_BYTES
 from pipeline.runtime.agreement import camps, fingerprint, gather_rows, ranks_text, refused_text
-from pipeline.runtime.microbatch import Batch, Value, check_input, gather, scatter, to_device
+from pipeline.runtime.microbatch import Batch, Value, gather
 from pipeline.runtime.process_group import collective_device, resolve_group
 from pipeline.skip.layout import SkipLayout, inspect_skip_layout
 from pipeline.step.cache import described_by_repr
@@ -77,11 +77,13 @@ class DistributedPipe(PipeBase):
         optimizer.step()                       # over pipe.parameters(): this stage's
 
     Args:
-        module: the whole ``nn.Sequential`` (on the ``meta`` device, or any).
-            This process keeps the layers of its stages, moved to ``device``;
-            layers on ``meta`` get storage there and their modules'
-            ``reset_parameters`` (children first); a module holding tensors
-            on ``meta`` without one is refused.
+        module: the whole ``nn.Sequential`` (on the ``meta`` device, or any),
+            or a model split by ``pipeline.split`` (keeping the model's names
+            for what its stages' pieces use). This process keeps the layers
+            of its stages, moved to ``device``; tensors on ``meta`` get
+            storage there and their modules' ``reset_parameters`` (children
+            first), or ``init``; a module holding tensors on ``meta`` with no
+            reset is refused.
         balance: layers per stage; ``len(balance)`` must be a multiple of the
             group's size (stage ``s`` runs in group rank ``s % size``).
         group: the processes of one pipeline (default: the default group).
@@ -94,6 +96,10 @@ class DistributedPipe(PipeBase):
             processes may hold (an activation, a gradient, a skip); a peer
             announcing more is refused before anything is allocated, and so
             is a larger message before it is sent.
+        init: gives a module on ``meta`` its values, called with each module
+            of this process's stages that holds tensors on ``meta`` once they
+            have storage, children first, instead of its ``reset_parameters``
+            (``model._init_weights`` for a transformers model).
     """
 
     _NAME = "DistributedPipe"
@@ -112,6 +118,7 @@ class DistributedPipe(PipeBase):
         call_style: CallStyle = "tuple",
         timeout: float = DEFAULT_TIMEOUT_S,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        init: Init | None = None,
     ) -> None:
         super().__init__()
         self.group = resolve_group(group)
@@ -127,6 +134,7 @@ class DistributedPipe(PipeBase):
             device,
             timeout,
             max_message_bytes,
+            init,
         )
         self._adopt_arguments(arguments)
         n = len(self.balance)
@@ -136,7 +144,9 @@ class DistributedPipe(PipeBase):
         self.skip_layout = inspect_skip_layout(every, [self.device] * n)
         self._ties = TiedWeights(every, self.owner)
         self.partitions = [
-            materialized(p, self.device) if self.owner[s] == self.rank else nn.Sequential()
+            materialized(p, self.device, init, module)
+            if self.owner[s] == self.rank
+            else nn.Sequential()
             for s, p in enumerate(every)
         ]
         self._register_names(module, [self.partitions[s] for s in self.local_stages])
@@ -167,6 +177,7 @@ class DistributedPipe(PipeBase):
         device: torch.device | str | None,
         timeout: float,
         max_message_bytes: int,
+        init: Init | None,
     ) -> tuple[PipeArguments, list[list[int]]]:
         """The arguments, once every process of the job agrees to build; and every pipeline.
 
@@ -189,7 +200,9 @@ class DistributedPipe(PipeBase):
             self.device = (
                 torch.device(device) if device is not None else collective_device(self.group)
             )
-            meta_resets(module)  # every process refuses a model it could not materialise
+            if init is not None and not callable(init):
+                raise TypeError(f"init must be callable(module), got {init!r}")
+            meta_resets(module, init)  # every process refuses a model it could not materialise
         except Exception as error:
             refusal, arguments = error, None
         # Every process compares, a refusing one too: the others wait for it.
@@ -214,6 +227,7 @@ class DistributedPipe(PipeBase):
         target: Value | None,
         loss_fn: Callable[[Value, Value], Tensor],
         *,
+        kwargs: Mapping[str, Value] | None = None,
         schedule: str | Schedule = "1f1b",
         loss_reduction: LossReduction | None = None,
         loss_divisor: LossDivisor | None = None,
@@ -223,9 +237,10 @@ class DistributedPipe(PipeBase):
     ) -> Tensor | tuple[Tensor, Value | None]:
         """Run a training step over every process; see ``Pipe.step``.
 
-        Every process of the group calls it. ``input`` is needed only where
-        stage 0 runs and ``target`` only where the last stage runs (pass
-        ``None`` elsewhere). Each process's gradients accumulate into its own
+        Every process of the group calls it. ``input`` (and ``kwargs``, the
+        first layer's keyword arguments) is needed only where stage 0 runs
+        and ``target`` only where the last stage runs (pass ``None``
+        elsewhere). Each process's gradients accumulate into its own
         parameters' ``.grad``; the loss is returned on every process, on its
         device (and the output, with ``return_outputs``, where the last stage
         runs, ``None`` elsewhere). ``loss_divisor`` is used where the last
@@ -247,7 +262,7 @@ class DistributedPipe(PipeBase):
                 loss_fn, schedule, loss_reduction, loss_divisor, grad_scaler
             )
             named = self._schedule_name(chosen)
-            batches = self._scatter(input, "input", needed=first)
+            batches = self._scatter(self._input_of(input, kwargs), "input", needed=first)
             targets = self._scatter(target, "target", needed=last)
         except Exception as error:
             refusal = error
@@ -355,8 +370,7 @@ class DistributedPipe(PipeBase):
                 f"this process runs stage {0 if what == 'input' else len(self.balance) - 1}, "
                 f"so its step() needs the {what}; pass it here (other processes may pass None)"
             )
-        check_input(value)
-        return scatter(to_device(value, self.device), self.chunks, what)
+        return self._micro_batches(value, self.device, what)
 
     def _schedule_name(self, schedule: Schedule) -> str:
         """What the processes compare of their schedules (``_agree``).

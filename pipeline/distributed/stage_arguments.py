@@ -26,7 +26,7 @@ from pipeline.runtime.agreement import (
     ranks_text,
     refused_text,
 )
-from pipeline.runtime.layers import Layered
+from pipeline.runtime.layers import named_layers
 
 __all__ = ["check_alone", "disagreement"]
 
@@ -71,12 +71,6 @@ def check_alone(
     checked = check_pipe_arguments(
         module, balance, chunks, checkpoint, call_style, deferred_batch_norm
     )
-    if isinstance(module, Layered):
-        raise TypeError(
-            f"DistributedPipe does not take a split model ({type(module).__name__}) yet: each "
-            "process would have to keep only the model's names that its pieces use; run it "
-            "with pipeline.Pipe, or give DistributedPipe an nn.Sequential of layers"
-        )
     stages = len(checked.balance)
     if stages % processes:
         raise ValueError(
@@ -144,12 +138,9 @@ def _model_difference(
 
 
 def _layer_texts(module: nn.Sequential) -> list[tuple[str, str]]:
-    """Each layer as hashed (its modules' names and types, its tensors), and as shown."""
+    """Each layer the pipe splits (its modules' names and types, its tensors): hashed, shown."""
     found = []
-    for name, layer in module._modules.items():
-        if layer is None:
-            found.append((f"{name}: None", f"{name!r}: None"))
-            continue
+    for name, layer in named_layers(module).items():
         modules = [
             f"{path}: {type(sub).__module__}.{type(sub).__qualname__}"
             for path, sub in layer.named_modules(remove_duplicate=False)

@@ -39,7 +39,10 @@ class TiedWeights:
             params = []
             for occurrences in self.found[holders]:
                 stage, name = next((s, n) for s, n in occurrences if s in local_stages)
-                params.append(partitions[stage].get_parameter(name))
+                # By name in the partition: a split model's pieces hold their blocks
+                # without registering them, so get_parameter cannot reach them.
+                named = dict(partitions[stage].named_parameters(remove_duplicate=False))
+                params.append(named[name])
             self.groups[holders] = (subgroup, params)
         self.stages = {
             s

@@ -7,26 +7,44 @@ at any depth, is split along dim 0; other values (and tensors wrapped in
 micro-batch is kept flat (``Batch``: its leaves and the structure that
 rebuilds the value), so that copies, dependency edges and checkpointing see
 every tensor, and the next partition gets the value back with its types.
+
+The first partition may be called with keyword arguments too: ``Arguments``
+holds the positional and keyword arguments of that call, and scatters like
+any value (keyword tensors split along dim 0, other keywords given to every
+micro-batch).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from functools import partial
 from typing import Any, TypeAlias
 
 import torch
 from torch import Tensor
 from torch.utils._pytree import (
+    KeyEntry,
+    MappingKey,
+    SequenceKey,
     TreeSpec,
     keystr,
+    register_pytree_node,
     tree_flatten,
     tree_flatten_with_path,
     tree_map,
     tree_unflatten,
 )
 
-__all__ = ["Batch", "NoChunk", "Value", "check_input", "gather", "scatter", "to_device"]
+__all__ = [
+    "Arguments",
+    "Batch",
+    "NoChunk",
+    "Value",
+    "check_input",
+    "gather",
+    "scatter",
+    "to_device",
+]
 
 # What a partition takes and returns: a tensor or a structure holding tensors.
 Value: TypeAlias = Any
@@ -50,6 +68,66 @@ class NoChunk:
 
     def __repr__(self) -> str:
         return f"NoChunk({self.tensor!r})"
+
+
+class Arguments:
+    """The call of a first layer: its positional and keyword arguments, as one value.
+
+    A value like any other for the pipeline: its tensors, at any depth, are
+    split along dim 0 and its other values reach every micro-batch; a
+    partition given one calls its first layer with ``(*args, **kwargs)``.
+
+    >>> call = Arguments((torch.zeros(4, 2),), {"mask": torch.ones(4), "p": 0.5})
+    >>> [b.value for b in scatter(call, 2)][1]
+    Arguments(tensor([[0., 0.],
+            [0., 0.]]), mask=tensor([1., 1.]), p=0.5)
+    """
+
+    __slots__ = ("args", "kwargs")
+
+    def __init__(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
+        self.args = tuple(args)
+        self.kwargs = dict(kwargs)
+
+    def call(self, function: Callable[..., Any]) -> Any:
+        return function(*self.args, **self.kwargs)
+
+    def parts(self) -> list[tuple[str, Any]]:
+        """Each argument with the name error messages give it."""
+        named = [(f"argument {i}", value) for i, value in enumerate(self.args)]
+        return named + [(f"keyword argument {key!r}", value) for key, value in self.kwargs.items()]
+
+    def __repr__(self) -> str:
+        shown = [repr(value) for value in self.args]
+        shown += [f"{key}={value!r}" for key, value in self.kwargs.items()]
+        return f"Arguments({', '.join(shown)})"
+
+
+def _flatten_arguments(arguments: Arguments) -> tuple[list[Any], Any]:
+    values = [*arguments.args, *arguments.kwargs.values()]
+    return values, (len(arguments.args), tuple(arguments.kwargs))
+
+
+def _flatten_arguments_with_keys(arguments: Arguments) -> tuple[list[tuple[KeyEntry, Any]], Any]:
+    values, context = _flatten_arguments(arguments)
+    keys: list[KeyEntry] = [SequenceKey(i) for i in range(context[0])]
+    keys += [MappingKey(key) for key in context[1]]
+    return list(zip(keys, values, strict=True)), context
+
+
+def _unflatten_arguments(values: Iterable[Any], context: Any) -> Arguments:
+    count, keys = context
+    values = list(values)
+    return Arguments(tuple(values[:count]), dict(zip(keys, values[count:], strict=True)))
+
+
+register_pytree_node(
+    Arguments,
+    _flatten_arguments,
+    _unflatten_arguments,
+    serialized_type_name="pipeline.Arguments",
+    flatten_with_keys_fn=_flatten_arguments_with_keys,
+)
 
 
 class Batch:
@@ -118,10 +196,14 @@ def _is_leaf(value: Any) -> bool:
 def check_input(input: Value) -> None:
     """Raise a clear error unless ``input`` can be split into micro-batches."""
     sizes: dict[str, int] = {}
-    for path, leaf in tree_flatten_with_path(input, is_leaf=_is_leaf)[0]:
-        if not isinstance(leaf, Tensor):
-            continue
-        where = "input" + keystr(path)
+    parts = input.parts() if isinstance(input, Arguments) else [("input", input)]
+    tensors = [
+        (name + keystr(path), leaf)
+        for name, part in parts
+        for path, leaf in tree_flatten_with_path(part, is_leaf=_is_leaf)[0]
+        if isinstance(leaf, Tensor)
+    ]
+    for where, leaf in tensors:
         if leaf.dim() == 0:
             raise ValueError(
                 f"{where} is a 0-dim tensor and cannot be split into micro-batches; wrap it "
@@ -129,8 +211,9 @@ def check_input(input: Value) -> None:
             )
         sizes[where] = leaf.size(0)
     if not sizes:
+        what = "the arguments" if isinstance(input, Arguments) else type(input).__name__
         raise TypeError(
-            f"Pipe input ({type(input).__name__}) holds no tensor to split into micro-batches "
+            f"Pipe input ({what}) holds no tensor to split into micro-batches "
             "(NoChunk tensors are not split); pass at least one tensor with a batch dimension"
         )
     if 0 in sizes.values():

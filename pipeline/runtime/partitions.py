@@ -22,12 +22,13 @@ from torch import Tensor, nn
 
 from pipeline.runtime.batchnorm import deferring_batch_norm
 from pipeline.runtime.buffers import PartitionBuffers
-from pipeline.runtime.microbatch import Batch, Value
+from pipeline.runtime.microbatch import Arguments, Batch, Value
 from pipeline.runtime.ownership import holds_compiled, holds_generator, randomness_plans
 from pipeline.runtime.rng import PartitionRandomness
 
 __all__ = [
     "Hook",
+    "KeywordSequential",
     "PartitionCall",
     "PartitionRuntime",
     "PositionalSequential",
@@ -81,16 +82,35 @@ class PartitionRuntime:
         """Run partition ``j`` on ``value``, with the pipe's call style and BatchNorm deferral."""
         partition = self.partitions[j]
         with deferring_batch_norm(self.deferred_batch_norm):
+            if type(value) is Arguments:
+                return value.call(partition)
             if self.positional and type(value) is tuple:
                 return partition(*value)
             return partition(value)
+
+
+class KeywordSequential(nn.Sequential):
+    """An ``nn.Sequential`` whose first layer is called as it is, keyword arguments included.
+
+    A partition of the ``'tuple'`` call style: ``partition(x)`` is
+    ``nn.Sequential``'s call, and ``partition(x, mask=m)`` calls the first
+    layer with ``(x, mask=m)``; each later layer gets the previous output.
+    """
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        layers = iter(self)
+        value = next(layers)(*args, **kwargs)
+        for layer in layers:
+            value = layer(value)
+        return value
 
 
 class PositionalSequential(nn.Sequential):
     """An ``nn.Sequential`` that passes a tuple to the next layer as positional arguments.
 
     The plain model that a Pipe with ``call_style='positional'`` equals
-    (``torch.distributed.pipeline.sync.Pipe``'s convention)::
+    (``torch.distributed.pipeline.sync.Pipe``'s convention); keyword
+    arguments go to the first layer::
 
         model = PositionalSequential(Split(), Add())   # Split returns (a, b); Add(a, b)
         model(x)
@@ -99,12 +119,14 @@ class PositionalSequential(nn.Sequential):
     it as ``layer(a, b)`` and ``model((a, b))`` as ``layer((a, b))``.
     """
 
-    def forward(self, *inputs: Any) -> Any:
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         # As torch's PipeSequential: the first layer takes the arguments as
-        # they came, so one tuple stays one argument.
+        # they came, so one tuple stays one argument; the keywords are its.
         value: Any = inputs
+        first = kwargs
         for layer in self:
-            value = layer(*value) if type(value) is tuple else layer(value)
+            value = layer(*value, **first) if type(value) is tuple else layer(value, **first)
+            first = {}
         return value
 
 

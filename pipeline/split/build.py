@@ -70,6 +70,8 @@ class Built:
     output: Any
     constants: nn.Module
     fetched: list[tuple[nn.Module, str]]
+    # The mode of each dropout in its code, read from the model at run time.
+    trainings: list[Training]
 
 
 def build_piece(piece: PieceNodes, sources: Sources, output: fx.Node | None) -> Built:
@@ -93,6 +95,7 @@ def build_piece(piece: PieceNodes, sources: Sources, output: fx.Node | None) -> 
         result,
         builder.constants,
         builder.fetched,
+        builder.trainings,
     )
 
 
@@ -112,6 +115,7 @@ class _Builder:
         # A region's body is part of its piece: what it reads belongs to the piece.
         self.constants: nn.Module = nn.Module() if parent is None else parent.constants
         self.fetched: list[tuple[nn.Module, str]] = [] if parent is None else parent.fetched
+        self.trainings: list[Training] = [] if parent is None else parent.trainings
 
     def allocate(self, node: fx.Node) -> Slot:
         slot = self.slots[node] = Slot(self.count)
@@ -172,7 +176,9 @@ class _Builder:
             return Grad(-1, enabled, _region(region, self), self.template(inputs))
         args = self.template(node.args)
         if target in DROPOUTS and self.sources.dropouts_follow_mode and len(args) > 2:
-            args = (*args[:2], training_of(node, self.sources.model), *args[3:])
+            training = training_of(node, self.sources.model)
+            self.trainings.append(training)
+            args = (*args[:2], training, *args[3:])
         return Op(-1, _callable(target), args, self.template(node.kwargs))
 
 

@@ -49,6 +49,10 @@ class SplitModel(nn.Sequential):
         """The pieces by layer name (``'0'``, ``'1'``, ...): what a Pipe partitions."""
         return OrderedDict((str(i), piece) for i, piece in enumerate(self._split_pieces))
 
+    def modes_read(self, layer: str) -> list[nn.Module]:
+        """The modules whose mode piece ``layer`` reads, beyond those it runs."""
+        return self._split_pieces[int(layer)].modes_read()
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         first, *rest = self._split_pieces
         value = first(*args, **kwargs)

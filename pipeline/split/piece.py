@@ -92,6 +92,7 @@ class Piece(Skippable):
         self.signature = signature
         self.output = None if out_spec is None else Output(built.output, out_spec)
         self.modes = modes
+        self.trainings = [*built.trainings, *(mode.training for mode in modes)]
         self.blocks = blocks
         self.owners = owners
         self.stashable_names = tuple(name for name, _ in built.stashes)
@@ -157,6 +158,17 @@ class Piece(Skippable):
                 if remove_duplicate:
                     memo.add(module)
                 yield _join(prefix, name), module
+
+    def modes_read(self) -> list[nn.Module]:
+        """The modules whose mode its code reads, beyond those it runs (``named_modules()``).
+
+        A dropout's module, or the model and its children for code of the
+        model's own forward; a pipe holding this piece keeps their mode too.
+        """
+        found: dict[int, nn.Module] = {}
+        for training in self.trainings:
+            found.update((id(module), module) for module in training.modules())
+        return list(found.values())
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> Piece:
         super()._apply(fn, recurse)

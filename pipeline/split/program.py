@@ -71,6 +71,10 @@ class Training:
     def __repr__(self) -> str:
         return f"Training({type(self.module).__name__})"
 
+    def modules(self) -> list[nn.Module]:
+        """The modules whose mode it reads."""
+        return [self.module, *self.children]
+
     def value(self) -> bool:
         if not self.children:
             return self.module.training

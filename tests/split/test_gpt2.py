@@ -101,6 +101,31 @@ def test_pipe_step(positional_split, schedule: str) -> None:
     pipe.close()
 
 
+def test_pipe_takes_the_mask_as_a_keyword(keyword_split) -> None:
+    model, seq = keyword_split
+    plain = twin(model)
+    pipe = Pipe(seq, [2, 2, 1], devices=["cpu"] * 3, chunks=3)
+    ids, mask, target = tokens(5, 9, padded=4)
+    model.zero_grad()
+    out = pipe(ids, attention_mask=mask)
+    expected = plain(ids, attention_mask=mask)
+    torch.testing.assert_close(out.logits, expected.logits)
+    lm_loss(out, target).backward()
+    lm_loss(expected, target).backward()
+    assert_same(gradients(model), gradients(plain))
+    model.zero_grad()
+    plain.zero_grad()
+    kwargs = {"attention_mask": mask}
+    loss = pipe.step(ids, target, lm_loss, kwargs=kwargs, schedule="gpipe")
+    expected_loss = lm_loss(plain(ids, attention_mask=mask), target)
+    expected_loss.backward()
+    torch.testing.assert_close(loss, expected_loss.detach())
+    assert_same(gradients(model), gradients(plain))
+    balance = balance_by_time(3, seq, ids[:2], kwargs={"attention_mask": mask[:2]}, timeout=0.01)
+    assert sum(balance) == len(seq)
+    pipe.close()
+
+
 def test_balance_profiles_the_pieces(positional_split) -> None:
     _, seq = positional_split
     ids, mask, _ = tokens(2, 6, padded=1)
