@@ -49,6 +49,9 @@ class _Here:
     def __deepcopy__(self, memo: dict[int, Any]) -> _Here:
         return self
 
+    def __reduce__(self) -> str:
+        return "HERE"  # the one instance, which ``load`` recognises by identity
+
 
 HERE = _Here()
 
@@ -123,6 +126,31 @@ class Op(Step):
 
     def __repr__(self) -> str:
         return f"Op({self.target})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A torch op does not pickle (torch.save of a split model); its name does.
+        state = self.__dict__.copy()
+        if isinstance(self.target, torch._ops.OpOverload):
+            state["target"] = _OpName(self.target.name())
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        if isinstance(state["target"], _OpName):
+            state["target"] = state["target"].op()
+        self.__dict__.update(state)
+
+
+@dataclass(frozen=True)
+class _OpName:
+    """A torch op by its qualified name, ``aten::add.Tensor``, as a pickle keeps it."""
+
+    name: str
+
+    def op(self) -> Callable[..., Any]:
+        namespace, _, name = self.name.partition("::")
+        packet, _, overload = name.partition(".")
+        found = getattr(getattr(getattr(torch.ops, namespace), packet), overload or "default")
+        return cast(Callable[..., Any], found)
 
 
 class Block(Step):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import io
 
 import pytest
 import torch
@@ -194,3 +195,17 @@ def test_a_copy_runs_on_its_own_modules() -> None:
         twin.head.bias.add_(1)
     x = torch.randn(2, 8, dtype=torch.float64)
     torch.testing.assert_close(twin(x), seq(x) + 1)
+
+
+def test_a_saved_split_model_loads_and_runs_on_its_own_modules() -> None:
+    model = early_late()
+    seq = pipeline.split(model, (torch.randn(3, 8, dtype=torch.float64),))
+    saved = io.BytesIO()
+    torch.save(seq, saved)  # its steps keep torch ops by name
+    saved.seek(0)
+    loaded = torch.load(saved, weights_only=False)
+    x = torch.randn(2, 8, dtype=torch.float64)
+    torch.testing.assert_close(loaded(x), seq(x))
+    with torch.no_grad():
+        loaded.head.bias.add_(1)
+    torch.testing.assert_close(loaded(x), seq(x) + 1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import io
 
 import pytest
 import torch
@@ -67,6 +68,23 @@ def test_state_dict_round_trips_both_ways(keyword_split) -> None:
     back = gpt2()
     back.load_state_dict(seq.state_dict())
     torch.testing.assert_close(back(ids, attention_mask=mask).logits, expected)
+
+
+def test_a_saved_split_model_keeps_its_head_tied(keyword_split) -> None:
+    _, seq = keyword_split
+    saved = io.BytesIO()
+    torch.save(seq, saved)
+    saved.seek(0)
+    loaded = torch.load(saved, weights_only=False)
+    assert loaded.lm_head.weight is loaded.transformer.wte.weight
+    assert loaded.lm_head.weight is not seq.lm_head.weight
+    ids, mask, target = tokens(3, 5, padded=1)
+    torch.testing.assert_close(
+        loaded(ids, attention_mask=mask).logits, seq(ids, attention_mask=mask).logits
+    )
+    seq.zero_grad()
+    lm_loss(loaded(ids, attention_mask=mask), target).backward()
+    assert loaded.lm_head.weight.grad is not None and seq.lm_head.weight.grad is None
 
 
 def test_pipe_forward_backward_and_names(positional_split) -> None:
