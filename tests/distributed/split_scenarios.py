@@ -2,13 +2,15 @@
 
 Started by tests/gloo_groups.py's run_group with ``script=split_scenarios.py``;
 the runner and its helpers are that module's. Each process splits its own
-copy of the model, built alike from a seed (on ``meta`` too).
+copy of the model, built alike from a seed (on ``meta`` too), once: the
+scenarios share it and start from its initial weights (a split takes seconds).
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from functools import cache, partial
 from typing import Any
 
 import torch
@@ -18,7 +20,7 @@ from torch import Tensor, nn
 import pipeline
 from pipeline.distributed import DistributedPipe
 from pipeline.schedules import Interleaved1F1B
-from tests.gloo_groups import main, rank, scenario, world
+from tests.gloo_groups import expect_error, main, rank, scenario, world
 from tests.split.split_models import gpt2, llama, lm_loss, tokens
 
 
@@ -41,6 +43,20 @@ def split_gpt2(model: nn.Module) -> nn.Sequential:
 def split_llama(model: nn.Module) -> nn.Sequential:
     ids, mask, _ = batch()
     return pipeline.split(model, (ids.to(model.device), mask.to(model.device)))
+
+
+@cache
+def _shared_gpt2() -> tuple[nn.Module, nn.Sequential, dict[str, Tensor]]:
+    model = seeded(gpt2)
+    return model, split_gpt2(model), copy.deepcopy(model.state_dict())
+
+
+def shared_gpt2() -> tuple[nn.Module, nn.Sequential, nn.Module]:
+    """This process's split GPT-2 at its initial weights, and a plain copy of it."""
+    model, seq, initial = _shared_gpt2()
+    model.load_state_dict(initial)
+    model.zero_grad()
+    return model, seq, copy.deepcopy(model)
 
 
 def ends(pipe: DistributedPipe) -> tuple[bool, bool]:
@@ -87,21 +103,18 @@ def assert_names_cover_the_model(pipe: DistributedPipe, model: nn.Module) -> Non
 
 @scenario
 def split_gpt2_equals_the_plain_model_with_every_schedule() -> None:
-    model = seeded(gpt2)
-    plain = copy.deepcopy(model)
-    seq = split_gpt2(model)
+    model, seq, plain = shared_gpt2()
     ids, mask, target = batch()
     expected = lm_loss(plain(ids, attention_mask=mask), target)
     expected.backward()
-    for schedule in ("gpipe", "1f1b", "zb-h1"):
-        for checkpoint in ("always", "never"):
-            what = f"GPT-2, {schedule}, {checkpoint}"
-            model.zero_grad()
-            pipe = DistributedPipe(seq, [3, 2], chunks=3, checkpoint=checkpoint)
-            loss = gpt2_step(pipe, ids, mask, target, schedule=schedule)
-            torch.testing.assert_close(loss, expected.detach(), msg=what)
-            assert_like_the_plain_model(pipe, plain, what)
-            pipe.close()
+    for schedule, checkpoint in (("gpipe", "always"), ("1f1b", "never"), ("zb-h1", "always")):
+        what = f"GPT-2, {schedule}, {checkpoint}"
+        model.zero_grad()
+        pipe = DistributedPipe(seq, [3, 2], chunks=3, checkpoint=checkpoint)
+        loss = gpt2_step(pipe, ids, mask, target, schedule=schedule)
+        torch.testing.assert_close(loss, expected.detach(), msg=what)
+        assert_like_the_plain_model(pipe, plain, what)
+        pipe.close()
     pipe = DistributedPipe(seq, [3, 2], chunks=3)
     assert_names_cover_the_model(pipe, model)
     pipe.close()
@@ -109,9 +122,8 @@ def split_gpt2_equals_the_plain_model_with_every_schedule() -> None:
 
 @scenario
 def split_gpt2_tied_head_and_embedding_train_like_the_plain_model() -> None:
-    model = seeded(gpt2)
-    plain = copy.deepcopy(model)
-    pipe = DistributedPipe(split_gpt2(model), [2, 3], chunks=2)
+    model, seq, plain = shared_gpt2()
+    pipe = DistributedPipe(seq, [2, 3], chunks=2)
     optimizer = torch.optim.SGD(pipe.parameters(), lr=0.5)
     plain_optimizer = torch.optim.SGD(plain.parameters(), lr=0.5)
     for step in range(3):
@@ -134,21 +146,6 @@ def split_gpt2_tied_head_and_embedding_train_like_the_plain_model() -> None:
     pipe.close()
 
 
-@scenario
-def split_llama_interleaved_equals_the_plain_model() -> None:
-    model = seeded(llama)
-    plain = copy.deepcopy(model)
-    ids, mask, target = batch()
-    pipe = DistributedPipe(split_llama(model), [2, 1, 1, 1], chunks=2)
-    loss = llama_step(pipe, ids, mask, target, schedule=Interleaved1F1B(virtual=2))
-    expected = lm_loss(plain(ids, mask), target)
-    expected.backward()
-    torch.testing.assert_close(loss, expected.detach())
-    assert_like_the_plain_model(pipe, plain, "Llama, interleaved")
-    assert_names_cover_the_model(pipe, model)
-    pipe.close()
-
-
 def on_meta(make: Callable[[], nn.Module]) -> nn.Module:
     with torch.device("meta"):
         return seeded(make)
@@ -158,23 +155,49 @@ def meta_names(model: nn.Module) -> set[str]:
     return {name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta}
 
 
+def assert_initialised_like_transformers(pipe: DistributedPipe, model: nn.Module) -> None:
+    for name, param in pipe.named_parameters():
+        if name.endswith(("layernorm.weight", "norm.weight", "ln_1.weight", "ln_f.weight")):
+            assert torch.equal(param, torch.ones_like(param)), name
+        if name.endswith(("c_attn.weight", "q_proj.weight")):  # normal(0, 0.02)
+            assert 0.01 < float(param.detach().std()) < 0.03, name
+    if model.lm_head.weight is not model.get_input_embeddings().weight:
+        return
+    # A tied head starts equal in both processes, from the first holder's values.
+    head = model.lm_head.weight.detach().clone()
+    copies = [torch.empty_like(head) for _ in range(world())]
+    dist.all_gather(copies, head)
+    assert torch.equal(copies[0], copies[1])
+
+
+REFUSED_WITHOUT_INIT = ("has no reset_parameters()", "init=")
+
+
+LLAMA = (llama, split_llama, llama_step, [2, 1, 1, 1], Interleaved1F1B(virtual=2))
+GPT2 = (gpt2, split_gpt2, gpt2_step, [3, 2], "1f1b")
+
+
 @scenario
 def split_models_built_on_meta_materialise_only_their_pieces() -> None:
-    for make, split, step in ((gpt2, split_gpt2, gpt2_step), (llama, split_llama, llama_step)):
+    """Llama (its stages interleaved) and GPT-2, each process materialising its pieces."""
+    for make, split, step, balance, schedule in (LLAMA, GPT2):
         plain = seeded(make)
         model = on_meta(make)
         seq = split(model)  # captured on the meta model, with inputs on meta
-        pipe = DistributedPipe(seq, [3, 2], chunks=2, init=model._init_weights)
         what = type(model).__name__
+        if make is llama:  # no reset_parameters() in transformers modules: init= is needed
+            expect_error(ValueError, partial(DistributedPipe, seq, balance), *REFUSED_WITHOUT_INIT)
+        pipe = DistributedPipe(seq, balance, chunks=2, init=model._init_weights)
         held = {name for name, _ in [*pipe.named_parameters(), *pipe.named_buffers()]}
         assert held and not meta_names(pipe), f"{what}: {meta_names(pipe)} still on meta"
         # What other processes hold stays on meta here; a tied weight is held by both.
         left = meta_names(model)
         everything = {name for name, _ in [*model.named_parameters(), *model.named_buffers()]}
         assert left and left == everything - held, what
+        assert_initialised_like_transformers(pipe, model)
         pipe.load_state_dict(plain.state_dict())
         ids, mask, target = batch()
-        loss = step(pipe, ids, mask, target)
+        loss = step(pipe, ids, mask, target, schedule=schedule)
         expected = lm_loss(
             plain(ids, mask) if make is llama else plain(ids, attention_mask=mask), target
         )
@@ -182,46 +205,38 @@ def split_models_built_on_meta_materialise_only_their_pieces() -> None:
         torch.testing.assert_close(loss, expected.detach(), msg=what)
         assert_like_the_plain_model(pipe, plain, what)
         pipe.close()
+        pipe = DistributedPipe(seq, balance, init=model._init_weights)
+        assert_names_cover_the_model(pipe, model)
+        pipe.close()
 
 
-@scenario
-def split_models_built_on_meta_get_the_models_initialisation() -> None:
-    model = on_meta(gpt2)
-    pipe = DistributedPipe(split_gpt2(model), [3, 2], init=model._init_weights)
-    for name, param in pipe.named_parameters():
-        if name.endswith("ln_1.weight") or name.endswith("ln_f.weight"):
-            assert torch.equal(param, torch.ones_like(param)), name
-        if name.endswith("c_attn.weight"):  # normal(0, 0.02), as transformers initialises it
-            assert 0.01 < float(param.std()) < 0.03, name
-    # The tied head starts equal in both processes, from the first holder's values.
-    head = model.lm_head.weight.detach().clone()
-    copies = [torch.empty_like(head) for _ in range(world())]
-    dist.all_gather(copies, head)
-    assert torch.equal(copies[0], copies[1])
-    pipe.close()
-    refused = on_meta(llama)
-    try:
-        DistributedPipe(split_llama(refused), [3, 2])
-    except ValueError as error:
-        assert "has no reset_parameters()" in str(error) and "init=" in str(error), str(error)
-    else:
-        raise AssertionError("a Llama on meta without init was not refused")
+def set_dropout(model: nn.Module, p: float) -> None:
+    """Inside GPT-2's blocks (each called as itself), a dropout's p is read at each call."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = p
 
 
 @scenario
 def split_gpt2_in_eval_mode_across_processes() -> None:
-    model = seeded(gpt2, embd_pdrop=0.5, resid_pdrop=0.5, attn_pdrop=0.5)
-    plain = copy.deepcopy(model).eval()
-    pipe = DistributedPipe(split_gpt2(model), [1, 4], chunks=2)
-    pipe.eval()
-    assert not model.transformer.drop.training or rank() != 0, "the embedding's dropout"
-    ids, mask, target = batch()
-    loss = gpt2_step(pipe, ids, mask, target)
-    expected = lm_loss(plain(ids, attention_mask=mask), target)
-    expected.backward()
-    torch.testing.assert_close(loss, expected.detach())
-    assert_like_the_plain_model(pipe, plain, "eval mode")
-    pipe.close()
+    model, seq, plain = shared_gpt2()
+    set_dropout(model, 0.5)
+    set_dropout(plain, 0.5)
+    plain.eval()
+    try:
+        pipe = DistributedPipe(seq, [1, 4], chunks=2)
+        pipe.eval()
+        assert not model.transformer.drop.training or rank() != 0, "the embedding's dropout"
+        ids, mask, target = batch()
+        loss = gpt2_step(pipe, ids, mask, target)
+        expected = lm_loss(plain(ids, attention_mask=mask), target)
+        expected.backward()
+        torch.testing.assert_close(loss, expected.detach())
+        assert_like_the_plain_model(pipe, plain, "eval mode")
+        pipe.close()
+    finally:
+        set_dropout(model, 0.0)
+        model.train()
 
 
 if __name__ == "__main__":

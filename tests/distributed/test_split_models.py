@@ -18,9 +18,7 @@ SCENARIOS = Path(__file__).with_name("split_scenarios.py")
 SHARED = [
     "split_gpt2_equals_the_plain_model_with_every_schedule",
     "split_gpt2_tied_head_and_embedding_train_like_the_plain_model",
-    "split_llama_interleaved_equals_the_plain_model",
     "split_models_built_on_meta_materialise_only_their_pieces",
-    "split_models_built_on_meta_get_the_models_initialisation",
     "split_gpt2_in_eval_mode_across_processes",
 ]
 
