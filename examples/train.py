@@ -1,13 +1,17 @@
-"""The main job: train a small residual MLP classifier through a Pipe.
+"""The main job: train a small residual MLP classifier, an ordinary model, through a Pipe.
 
 The data is generated (a spiral of classes in 2-D, lifted to 64 features by a
-fixed random projection), so nothing is downloaded. The model runs through a
-``pipeline.Pipe`` on whatever devices exist: every CUDA device, or worker
-threads on the CPU. Each training step is one ``pipe.step`` (1F1B by
-default: forward and backward both run on the partitions' workers); with
-``--schedule call`` it is ``pipe(x)`` then ``loss.backward()``. At the end the
-same model is trained again without the pipeline from the same seed, and the
-two final losses must agree.
+fixed random projection), so nothing is downloaded. The model is an ordinary
+``nn.Module`` (its blocks in an ``nn.ModuleList``, its own ``forward``), not an
+``nn.Sequential``: ``pipeline.split`` cuts it into pieces (one per block, one
+before and one after), ``balance.balance_by_time`` groups them into
+partitions by their measured time, and a ``pipeline.Pipe`` runs them on
+whatever devices exist: every CUDA device, or worker threads on the CPU. Each
+training step is one ``pipe.step`` (1F1B by default: forward and backward
+both run on the partitions' workers); with ``--schedule call`` it is
+``pipe(x)`` then ``loss.backward()``. At the end the same model is trained
+again without the pipeline from the same seed, and the two final losses
+must agree.
 
     python examples/train.py                       # defaults: 200 steps, 1F1B
     python examples/train.py --steps 50 --chunks 8 --checkpoint always --schedule gpipe
@@ -27,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 import pipeline
+from balance import balance_by_time
 from pipeline import Pipe
 
 
@@ -43,11 +48,21 @@ class Block(nn.Module):
         return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
 
 
-def build_model(features: int, width: int, depth: int, classes: int) -> nn.Sequential:
-    layers: list[nn.Module] = [nn.Linear(features, width)]
-    layers += [Block(width) for _ in range(depth)]
-    layers += [nn.LayerNorm(width), nn.Linear(width, classes)]
-    return nn.Sequential(*layers)
+class Classifier(nn.Module):
+    """An embedding, residual blocks, a normalised head: the model as one would write it."""
+
+    def __init__(self, features: int, width: int, depth: int, classes: int) -> None:
+        super().__init__()
+        self.embed = nn.Linear(features, width)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h))
 
 
 def spiral_data(samples: int, features: int, classes: int, seed: int) -> tuple[Tensor, Tensor]:
@@ -81,10 +96,6 @@ def pick_devices(partitions: int) -> list[str]:
     if count == 0:
         return ["cpu"] * partitions
     return [f"cuda:{j % count}" for j in range(partitions)]
-
-
-def even_balance(layers: int, partitions: int) -> list[int]:
-    return [layers // partitions + (j < layers % partitions) for j in range(partitions)]
 
 
 def train(
@@ -150,6 +161,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--classes", type=int, default=5)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--balance-timeout",
+        type=float,
+        default=1.0,
+        help="seconds balance_by_time spends timing the pieces",
+    )
     parser.add_argument("--log-every", type=int, default=50)
     parser.add_argument(
         "--trace", metavar="PATH", help="write a Chrome trace of the pipe's steps, print its bubble"
@@ -163,14 +180,21 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     torch.manual_seed(args.seed)
-    model = build_model(args.features, args.width, args.depth, args.classes)
+    model = Classifier(args.features, args.width, args.depth, args.classes)
     plain = copy.deepcopy(model)
     devices = pick_devices(args.partitions)
-    balance = even_balance(len(model), args.partitions)
-    pipe = Pipe(model, balance, devices=devices, chunks=args.chunks, checkpoint=args.checkpoint)
+    # A micro-batch as the pipe will run it: the split accepts any batch size,
+    # and balance_by_time times each piece on it, forward and backward.
+    sample = spiral_data(max(2, args.batch_size // args.chunks), args.features, args.classes, 1)[0]
+    seq = pipeline.split(model, (sample,))
+    balance = balance_by_time(
+        args.partitions, seq, sample, timeout=args.balance_timeout, device=devices[0]
+    )
+    pipe = Pipe(seq, balance, devices=devices, chunks=args.chunks, checkpoint=args.checkpoint)
     params = sum(p.numel() for p in pipe.parameters())
     print(
-        f"model: {len(pipe)} layers, {params / 1e6:.2f}M parameters; balance {balance} on "
+        f"model: {type(model).__name__} split into {len(seq)} pieces, {params / 1e6:.2f}M "
+        f"parameters; balance_by_time {balance} on "
         f"{[str(d) for d in pipe.devices]}; chunks {args.chunks}; checkpoint {args.checkpoint}; "
         f"schedule {args.schedule}"
     )

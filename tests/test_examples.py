@@ -1,4 +1,5 @@
-"""The main job runs end to end and its pipe matches the plain model."""
+"""The main job runs end to end (an ordinary module split and balanced) and its pipe matches
+the plain model."""
 
 from __future__ import annotations
 
@@ -21,7 +22,10 @@ def load(name: str) -> ModuleType:
     return module
 
 
-def test_train_matches_the_plain_model(capsys: pytest.CaptureFixture[str]) -> None:
+def test_train_matches_the_plain_model(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "transformers", None)  # the main job runs without it
     train = load("train")
     argv = [
         "--steps",
@@ -38,9 +42,14 @@ def test_train_matches_the_plain_model(capsys: pytest.CaptureFixture[str]) -> No
         "3",
         "--log-every",
         "3",
+        "--balance-timeout",
+        "0.05",
     ]
     assert train.main(argv) == 0
     printed = capsys.readouterr().out
+    # An ordinary module: split into embed, 2 blocks, head, and balanced by time.
+    assert "model: Classifier split into 4 pieces" in printed
+    assert "balance_by_time [" in printed
     assert "[pipe] step    6/6" in printed and "final losses agree" in printed
     assert "samples/s" in printed
 
@@ -66,6 +75,8 @@ def test_train_writes_a_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]
         "--trace",
         str(path),
         "--no-compare",
+        "--balance-timeout",
+        "0.05",
     ]
     assert train.main(argv) == 0
     events = json.loads(path.read_text())
@@ -88,5 +99,6 @@ def test_gpt_trains_through_step_with_a_tied_head(
 def test_train_runs_the_pipe_call_too(capsys: pytest.CaptureFixture[str]) -> None:
     train = load("train")
     argv = ["--steps", "4", "--batch-size", "32", "--width", "16", "--depth", "1"]
-    assert train.main([*argv, "--schedule", "call", "--log-every", "2"]) == 0
+    argv += ["--balance-timeout", "0.05", "--schedule", "call", "--log-every", "2"]
+    assert train.main(argv) == 0
     assert "final losses agree" in capsys.readouterr().out
