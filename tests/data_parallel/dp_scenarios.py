@@ -29,6 +29,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
+import pipeline
 from pipeline import DataParallel, Pipe
 from pipeline.runtime.process_group import collective_device
 from tests import gloo_groups
@@ -41,6 +42,7 @@ from tests.gloo_groups import (
     scenario,
     world,
 )
+from tests.split.split_models import EarlyLate
 
 # Caps of a few KiB, so the small test models still span several buckets.
 SMALL_BUCKETS = {"bucket_cap_mb": 2e-3, "first_bucket_mb": 5e-4}
@@ -512,6 +514,29 @@ def a_mean_over_every_replicas_tokens_with_a_divisor() -> None:
     dist.all_reduce(loss)
     torch.testing.assert_close(loss / world(), expected.detach())
     assert_grads_close(dp.module, full_batch, "the mean over every replica's tokens")
+
+
+@scenario
+def pipe_of_a_split_model_matches_full_batch() -> None:
+    """A model with its own forward (early values used at the end), split, in DataParallel."""
+    torch.manual_seed(23)
+    model = EarlyLate(width=WIDTH)
+    full_batch = copy.deepcopy(model)
+    x, _ = global_batch(0)
+    pipe = Pipe(pipeline.split(model, (x[:4],)), [2, 4], devices=["cpu", "cpu"], chunks=2)
+    dp = DataParallel(pipe, **SMALL_BUCKETS)
+    for step, schedule in enumerate(("1f1b", "gpipe", "call")):
+        x, _ = global_batch(step)
+        y = torch.sin(x[:, :3])
+        if schedule == "call":
+            F.mse_loss(dp(shard(x)), shard(y)).backward()
+        else:
+            dp.step(shard(x), shard(y), F.mse_loss, schedule=schedule)
+        F.mse_loss(full_batch(x), y).backward()
+        assert_grads_close(pipe, full_batch, f"DataParallel(Pipe(split model)), {schedule}")
+    assert [name for name, _ in pipe.named_parameters()] == [
+        name for name, _ in full_batch.named_parameters()
+    ]
 
 
 @contextmanager

@@ -36,6 +36,7 @@ SHARED = [
     "torch_ddp_wraps_a_checkpointed_pipe",
     "pipe_step_matches_full_batch",
     "a_mean_over_every_replicas_tokens_with_a_divisor",
+    "pipe_of_a_split_model_matches_full_batch",
     "unused_parameter_without_flag_raises",
     "repeated_accumulation_without_protocol_raises",
     "pipe_two_forwards_one_backward_raises",

@@ -100,11 +100,12 @@ def test_pipe_forward_and_backward(split_model, balance: list[int], chunks: int)
     pipe.close()
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zb-h1"])
 def test_pipe_step(split_model, schedule: str) -> None:
     model, seq = split_model
     plain = twin(model)
-    pipe = Pipe(seq, [2, 2, 2], devices=["cpu"] * 3, chunks=3)
+    balance = [2, 1, 1, 2] if schedule == "interleaved" else [2, 2, 2]
+    pipe = Pipe(seq, balance, devices=["cpu"] * len(balance), chunks=4)
     x, y = torch.randn(8, 8, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
     model.zero_grad()
     loss = pipe.step(x, y, F.mse_loss, schedule=schedule)
@@ -112,6 +113,22 @@ def test_pipe_step(split_model, schedule: str) -> None:
     expected.backward()
     torch.testing.assert_close(loss, expected.detach())
     assert_same(gradients(model), gradients(plain))
+    pipe.close()
+
+
+def test_a_trace_records_every_partitions_tasks(split_model) -> None:
+    _, seq = split_model
+    pipe = Pipe(seq, [2, 2, 2], devices=["cpu"] * 3, chunks=2, checkpoint="except_last")
+    x, y = torch.randn(4, 8, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    with pipeline.trace() as timeline:
+        pipe.step(x, y, F.mse_loss, schedule="1f1b")
+    done = {(e.kind, e.microbatch, e.partition) for e in timeline.events}
+    every = {(i, j) for i in range(2) for j in range(3)}
+    for kind in ("forward", "backward"):
+        assert {(i, j) for k, i, j in done if k == kind} == every, kind
+    # except_last: micro-batch 0 recomputed where its backward waits (not on the last partition).
+    assert {(i, j) for k, i, j in done if k == "recompute"} == {(0, 0), (0, 1)}
+    assert len(timeline.summary().partitions) == 3
     pipe.close()
 
 
