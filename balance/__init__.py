@@ -52,9 +52,9 @@ def balance_by_time(
     module: nn.Sequential,
     sample: Value,
     *,
-    kwargs: Mapping[str, Value] | None = None,
     timeout: float = 1.0,
     device: torch.device | str | None = None,
+    kwargs: Mapping[str, Value] | None = None,
 ) -> list[int]:
     """The balance whose slowest partition is as fast as possible, timed on ``device``.
 
@@ -88,10 +88,10 @@ def balance_by_size(
     module: nn.Sequential,
     sample: Value,
     *,
-    kwargs: Mapping[str, Value] | None = None,
     chunks: int = 1,
     param_scale: float = 2.0,
     device: torch.device | str | None = None,
+    kwargs: Mapping[str, Value] | None = None,
 ) -> list[int]:
     """The balance whose largest partition in memory is as small as possible.
 

@@ -43,8 +43,10 @@ def test_torchgpipe_constructor_and_helpers_keep_their_names_and_arguments() -> 
     assert model.balance == [2, 4] and model.chunks == 8 and model.checkpoint == "except_last"
     time_args = list(inspect.signature(balance.balance_by_time).parameters)
     size_args = list(inspect.signature(balance.balance_by_size).parameters)
-    assert time_args == ["partitions", "module", "sample", "timeout", "device"]
-    assert size_args == ["partitions", "module", "sample", "chunks", "param_scale", "device"]
+    # torchgpipe's arguments, in its order; then the first layer's keywords, new here.
+    assert time_args == ["partitions", "module", "sample", "timeout", "device", "kwargs"]
+    size = ["partitions", "module", "sample", "chunks", "param_scale", "device", "kwargs"]
+    assert size_args == size
 
 
 class Two(nn.Module):
@@ -279,7 +281,8 @@ def test_state_dict_keys_are_the_plain_models_and_layers_are_direct_children() -
     pipe = Pipe(model, [2, 2], devices=["cpu"] * 2)
     assert list(pipe.state_dict()) == keys
     assert isinstance(pipe.partitions, list)
-    assert all(type(p) is nn.Sequential for p in pipe.partitions)
+    # nn.Sequential's (a subclass whose first layer also takes the pipe's keyword arguments).
+    assert all(isinstance(p, nn.Sequential) for p in pipe.partitions)
     assert pipe.fc2 is pipe.partitions[1][0]
 
 
