@@ -352,7 +352,7 @@ class Pipe(PipeBase):
         run.run(programs, self._workers, threads)
 
     @overload
-    def evaluate(self, input: Value) -> Value: ...
+    def evaluate(self, input: Value, *, kwargs: Mapping[str, Value] | None = None) -> Value: ...
 
     @overload
     def evaluate(
@@ -361,6 +361,7 @@ class Pipe(PipeBase):
         target: Value,
         loss_fn: Callable[[Value, Value], torch.Tensor],
         *,
+        kwargs: Mapping[str, Value] | None = None,
         loss_reduction: LossReduction | None = None,
         loss_divisor: LossDivisor | None = None,
         return_outputs: Literal[False] = False,
@@ -373,6 +374,7 @@ class Pipe(PipeBase):
         target: Value,
         loss_fn: Callable[[Value, Value], torch.Tensor],
         *,
+        kwargs: Mapping[str, Value] | None = None,
         loss_reduction: LossReduction | None = None,
         loss_divisor: LossDivisor | None = None,
         return_outputs: Literal[True],
@@ -384,6 +386,7 @@ class Pipe(PipeBase):
         target: Value | None = None,
         loss_fn: Callable[[Value, Value], torch.Tensor] | None = None,
         *,
+        kwargs: Mapping[str, Value] | None = None,
         loss_reduction: LossReduction | None = None,
         loss_divisor: LossDivisor | None = None,
         return_outputs: bool = False,
@@ -398,6 +401,8 @@ class Pipe(PipeBase):
 
             val_loss = pipe.evaluate(x, y, nn.functional.cross_entropy)
 
+        ``kwargs`` are the first layer's keyword arguments, as ``step`` takes them.
+
         It leaves the pipe as it found it: every submodule's train/eval mode
         (mixed modes too), ``.grad``, running statistics, and the default
         random generators (a layer that draws even in eval mode draws fresh
@@ -409,7 +414,7 @@ class Pipe(PipeBase):
             raise TypeError("Pipe.evaluate got a loss_fn but no target: pass both, or neither")
         warn_if_workers_unseen(stacklevel=2)
         with self._runtime.lock:
-            batches = self._scatter_input(input)
+            batches = self._scatter_input(self._input_of(input, kwargs))
             targets = self._scatter_target(target) if loss_fn is not None else []
             rows = _rows_of(batches, targets) if targets else [b.rows() for b in batches]
             n = len(self.partitions)

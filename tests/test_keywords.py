@@ -78,6 +78,22 @@ def test_step_takes_the_first_layers_keywords(schedule: str, checkpoint: str) ->
     pipe.close()
 
 
+def test_evaluate_takes_the_first_layers_keywords() -> None:
+    pipe = Pipe(model(), [2, 2], devices=["cpu"] * 2, chunks=3)
+    reference = model().eval()
+    x, mask, target = rows(5)
+    with torch.no_grad():
+        expected = plain(reference, x, mask=mask, scale=3.0)
+    kwargs = {"mask": mask, "scale": 3.0}
+    torch.testing.assert_close(pipe.evaluate(x, kwargs=kwargs), expected)
+    loss = pipe.evaluate(x, target, F.mse_loss, kwargs=kwargs)
+    torch.testing.assert_close(loss, F.mse_loss(expected, target))
+    assert {call[1:3] for call in pipe[0].calls} == {(2, 3.0), (1, 3.0)}
+    with pytest.raises(ValueError, match=r"input\['mask'\]: 2 rows in 2"):
+        pipe.evaluate(x, kwargs={"mask": mask[:2]})
+    pipe.close()
+
+
 def test_keywords_alone_and_a_keyword_shared_whole() -> None:
     pipe, reference = Pipe(model(), [3, 1], devices=["cpu"] * 2, chunks=2), model()
     x, mask, target = rows(4)

@@ -459,6 +459,7 @@ class DistributedPipe(PipeBase):
         target: Value | None = None,
         loss_fn: Callable[[Value, Value], Tensor] | None = None,
         *,
+        kwargs: Mapping[str, Value] | None = None,
         loss_reduction: LossReduction | None = None,
         loss_divisor: LossDivisor | None = None,
         return_outputs: bool = False,
@@ -466,8 +467,9 @@ class DistributedPipe(PipeBase):
         """The plain model's outputs or loss in ``eval()`` under no_grad; see ``Pipe.evaluate``.
 
         Every process of the group calls it, with the same ``loss_fn`` (or
-        none), reduction and ``return_outputs``. ``input`` is needed only
-        where stage 0 runs and ``target`` only where the last stage runs.
+        none), reduction and ``return_outputs``. ``input`` (and ``kwargs``,
+        the first layer's keyword arguments) is needed only where stage 0
+        runs and ``target`` only where the last stage runs.
         The loss comes back on every process, and so does the output
         (without a ``loss_fn``, or with ``return_outputs=True``): each
         micro-batch's output travels from the last stage's process to the
@@ -483,7 +485,7 @@ class DistributedPipe(PipeBase):
             reduction = self._check_evaluate_arguments(
                 target, loss_fn, loss_reduction, loss_divisor
             )
-            batches = self._scatter(input, "input", needed=first)
+            batches = self._scatter(self._input_of(input, kwargs), "input", needed=first)
             targets = self._scatter(target, "target", needed=last and loss_fn is not None)
         except Exception as error:
             refusal = error
