@@ -79,6 +79,21 @@ class PeerError(RuntimeError):
     """Another process of the pipeline failed, died, stalled, closed or sent a malformed message."""
 
 
+class _PeerAbortError(PeerError):
+    """A peer's abort as this process filed it: its summary, and from which rank it came."""
+
+    def __init__(self, summary: str, peer: int) -> None:
+        super().__init__(summary)
+        self.peer = peer
+
+
+def _peer_abort(error: BaseException) -> _PeerAbortError | None:
+    """The peer's abort that ``error`` (or what caused it) passes on, if any."""
+    while error is not None and not isinstance(error, _PeerAbortError):
+        error = error.__cause__  # type: ignore[assignment]
+    return error
+
+
 class P2PTransport:
     """The transport of one process: local stages by mail, remote ones by sends on ``wire``.
 
@@ -218,12 +233,20 @@ class P2PTransport:
     def abort(self, error: BaseException | None = None) -> None:
         reason = error if error is not None else AbortedError("interrupted")
         self._mailboxes.abort(self.step, reason)
-        if isinstance(error, AbortedError):
-            return  # a peer's failure reached this process: that peer tells the others
-        summary = " ".join(
-            [f"rank {self.me} failed: {type(reason).__name__}: {reason}", *_notes(reason)]
-        )
+        # A peer's failure is passed on to the other peers: the processes
+        # beyond this one are not that peer's neighbours and would wait.
+        passed_on = _peer_abort(reason)
+        if passed_on is None and isinstance(error, AbortedError):
+            return  # a lost peer: its neighbours see their connections break
+        if passed_on is not None:
+            summary = str(passed_on)
+        else:
+            summary = " ".join(
+                [f"rank {self.me} failed: {type(reason).__name__}: {reason}", *_notes(reason)]
+            )
         for peer in self.peers:
+            if passed_on is not None and peer == passed_on.peer:
+                continue
             try:
                 self._post(peer, ABORT, self.step, Message([summary]), lambda: "an abort")
             except Exception:
@@ -292,7 +315,7 @@ class P2PTransport:
                     )
                     return
                 if kind == ABORT:
-                    self._mailboxes.abort(key, PeerError(str(message.leaves[0])))
+                    self._mailboxes.abort(key, _PeerAbortError(str(message.leaves[0]), peer))
                     continue
                 with self._received_lock:
                     self._received.setdefault(key[0], Counter())[peer, _kind(key[1])] += 1

@@ -523,19 +523,26 @@ class DistributedPipe(PipeBase):
         neighbours: each micro-batch's output is a message from one to the
         next, under the step's transport (never pickled).
         """
+        try:
+            return gather([self._output_passed_down(run, i) for i in range(m)])
+        except BaseException as error:
+            # A process that cannot send (an output the wire format refuses)
+            # tells the others, which would otherwise wait for it.
+            self._transport.abort(error)
+            raise
+
+    def _output_passed_down(self, run: StepRun, i: int) -> Batch:
+        """Micro-batch ``i``'s output: taken from rank ``r + 1``, given to rank ``r - 1``."""
         r = self.rank
-        batches = []
-        for i in range(m):
-            if r == self.size - 1:
-                batch = run.outputs[i]
-            else:
-                message = self._transport.receive(("output", i), r + 1, r)
-                batch = Batch.of(message.leaves, message.spec)
-            if r > 0:
-                outgoing = Message(batch.leaves, batch.spec, [False] * len(batch.leaves))
-                self._transport.send(("output", i), outgoing, r, r - 1, i)
-            batches.append(batch)
-        return gather(batches)
+        if r == self.size - 1:
+            batch = run.outputs[i]
+        else:
+            message = self._transport.receive(("output", i), r + 1, r)
+            batch = Batch.of(message.leaves, message.spec)
+        if r > 0:
+            outgoing = Message(batch.leaves, batch.spec, [False] * len(batch.leaves))
+            self._transport.send(("output", i), outgoing, r, r - 1, i)
+        return batch
 
     # Module protocol
 

@@ -1180,6 +1180,37 @@ def a_value_that_cannot_cross_is_refused_by_its_sender_naming_it() -> None:
     pipe.close()
 
 
+@scenario
+def an_output_that_cannot_cross_fails_evaluate_on_every_process() -> None:
+    model = nn.Sequential(*(block() for _ in range(2 * world() - 1)), ToPair()).double()
+    pipe = DistributedPipe(model, [2] * world(), chunks=2)
+    x, _ = batch()
+    if rank() == world() - 1:
+        expect_error(
+            TypeError, lambda: pipe.evaluate(None), "namedtuple __main__.Pair", "plain tuple"
+        )
+    else:
+        last = f"rank {world() - 1} failed: TypeError"
+        expect_error(RuntimeError, lambda: pipe.evaluate(x if rank() == 0 else None), last)
+    pipe.close()
+
+
+def a_loss_refused_by_its_process(output: Tensor, target: Tensor) -> Tensor:
+    raise ValueError("this loss refuses to run")
+
+
+@scenario
+def a_failure_on_the_last_process_reaches_every_process() -> None:
+    pipe = DistributedPipe(blocks(2 * world()), [2] * world(), chunks=2)
+    x, y = batch()
+    if rank() == world() - 1:
+        expect_error(ValueError, lambda: pipe.step(x, y, a_loss_refused_by_its_process), "refuses")
+    else:  # the processes beyond its neighbour hear of it too
+        last = f"rank {world() - 1} failed: ValueError: this loss refuses to run"
+        expect_error(RuntimeError, lambda: pipe.step(x, y, a_loss_refused_by_its_process), last)
+    pipe.close()
+
+
 def tied_model_for(stages: int) -> nn.Sequential:
     torch.manual_seed(11)
     embed = Embed()

@@ -44,6 +44,7 @@ SHARED = [
     "last_step_reports_this_process_stages",
     "every_action_of_step_and_evaluate_shows_under_the_plain_profiler",
     "a_value_that_cannot_cross_is_refused_by_its_sender_naming_it",
+    "an_output_that_cannot_cross_fails_evaluate_on_every_process",
     "a_crafted_message_runs_no_code_and_fails_closed_naming_its_sender",
     # closing_scenarios.py: pipelines left open until the processes exit, then a process
     # whose script raises, which ends the group: last.
@@ -86,6 +87,8 @@ def test_three_stage_processes_with_skips_over_the_middle_one(group_runner: Grou
         "tied_weights_across_processes_stay_equal_and_train_like_the_plain_model",
         "tuples_dicts_and_plain_values_cross_processes",
         "evaluate_returns_loss_and_outputs_on_every_process",
+        "an_output_that_cannot_cross_fails_evaluate_on_every_process",
+        "a_failure_on_the_last_process_reaches_every_process",
     ]
     check(group_runner(names, script=STAGES, world_size=3, wall_timeout_s=150), names)
 
