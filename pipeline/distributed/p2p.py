@@ -79,21 +79,6 @@ class PeerError(RuntimeError):
     """Another process of the pipeline failed, died, stalled, closed or sent a malformed message."""
 
 
-class _PeerAbortError(PeerError):
-    """A peer's abort as this process filed it: its summary, and from which rank it came."""
-
-    def __init__(self, summary: str, peer: int) -> None:
-        super().__init__(summary)
-        self.peer = peer
-
-
-def _peer_abort(error: BaseException) -> _PeerAbortError | None:
-    """The peer's abort that ``error`` (or what caused it) passes on, if any."""
-    while error is not None and not isinstance(error, _PeerAbortError):
-        error = error.__cause__  # type: ignore[assignment]
-    return error
-
-
 class P2PTransport:
     """The transport of one process: local stages by mail, remote ones by sends on ``wire``.
 
@@ -233,22 +218,20 @@ class P2PTransport:
     def abort(self, error: BaseException | None = None) -> None:
         reason = error if error is not None else AbortedError("interrupted")
         self._mailboxes.abort(self.step, reason)
-        # A peer's failure is passed on to the other peers: the processes
-        # beyond this one are not that peer's neighbours and would wait.
-        passed_on = _peer_abort(reason)
-        if passed_on is None and isinstance(error, AbortedError):
-            return  # a lost peer: its neighbours see their connections break
-        if passed_on is not None:
-            summary = str(passed_on)
-        else:
-            summary = " ".join(
-                [f"rank {self.me} failed: {type(reason).__name__}: {reason}", *_notes(reason)]
-            )
+        if isinstance(error, AbortedError):
+            return  # a peer's failure reached this process: its listener passed it on
+        summary = " ".join(
+            [f"rank {self.me} failed: {type(reason).__name__}: {reason}", *_notes(reason)]
+        )
+        self._tell_peers(self.step, summary, but=None)
+
+    def _tell_peers(self, step: int, summary: str, but: int | None) -> None:
+        """Send ``step``'s abort to every peer except ``but``."""
         for peer in self.peers:
-            if passed_on is not None and peer == passed_on.peer:
+            if peer == but:
                 continue
             try:
-                self._post(peer, ABORT, self.step, Message([summary]), lambda: "an abort")
+                self._post(peer, ABORT, step, Message([summary]), lambda: "an abort")
             except Exception:
                 continue
 
@@ -315,7 +298,11 @@ class P2PTransport:
                     )
                     return
                 if kind == ABORT:
-                    self._mailboxes.abort(key, _PeerAbortError(str(message.leaves[0]), peer))
+                    # Passed on at once, whatever this process is doing: the
+                    # processes beyond it are not the failed one's neighbours.
+                    summary = str(message.leaves[0])
+                    if self._mailboxes.abort(key, PeerError(summary)):
+                        self._tell_peers(key, summary, but=peer)
                     continue
                 with self._received_lock:
                     self._received.setdefault(key[0], Counter())[peer, _kind(key[1])] += 1

@@ -102,11 +102,16 @@ class Mailboxes:
                     raise AbortedError(f"gave up waiting for {waiting_for}: {failure}") from failure
                 self._changed.wait()
 
-    def abort(self, step: int, error: BaseException) -> None:
-        """Fail ``step``'s takes, waiting or to come, with ``error`` (the first reason stays)."""
+    def abort(self, step: int, error: BaseException) -> bool:
+        """Fail ``step``'s takes, waiting or to come, with ``error`` (the first reason stays).
+
+        Whether ``step`` was not aborted before.
+        """
         with self._changed:
+            first = step not in self._aborted
             self._aborted.setdefault(step, error)
             self._changed.notify_all()
+            return first
 
     def break_down(self, error: BaseException) -> None:
         """A peer is gone: every take, now and later, fails with ``error``."""

@@ -498,3 +498,26 @@ def test_ctrl_c_in_a_forward_raises_after_the_tasks_under_way(
     pipe(STEP_X)  # runs after anything left on the workers; eval updates no statistics
     for now, then in zip(norm.buffers(), at_raise, strict=True):
         assert torch.equal(now, then)
+
+
+def test_interrupt_while_waiting_leaves_no_stale_result_for_the_next_call(
+    sigints: Sigints,
+) -> None:
+    class InterruptOnce(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fired = False
+
+        def forward(self, x: Tensor) -> Tensor:
+            if not self.fired:
+                self.fired = True
+                sigints.press()  # the caller is interrupted while this task still runs
+            return x * 2
+
+    pipe = Pipe(
+        nn.Sequential(nn.Identity(), InterruptOnce()), [1, 1], devices=["cpu"] * 2, chunks=2
+    )
+    with pytest.raises(KeyboardInterrupt):
+        pipe(torch.ones(2, 1))
+    out = pipe(torch.full((2, 1), 3.0))
+    assert torch.equal(out, torch.full((2, 1), 6.0))  # type: ignore[arg-type]

@@ -202,28 +202,3 @@ def test_pipe_is_freed_while_its_output_graph_is_alive() -> None:
     gc.collect()
     assert ref() is None and pipe_threads() == []
     out.sum().backward()  # type: ignore[union-attr]  # the graph does not need the Pipe
-
-
-def test_interrupt_while_waiting_leaves_no_stale_result_for_the_next_call() -> None:
-    import _thread
-    import time
-
-    class InterruptOnce(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.fired = False
-
-        def forward(self, x: Tensor) -> Tensor:
-            if not self.fired:
-                self.fired = True
-                _thread.interrupt_main()
-                time.sleep(0.2)  # the caller is interrupted while this task still runs
-            return x * 2
-
-    pipe = Pipe(
-        nn.Sequential(nn.Identity(), InterruptOnce()), [1, 1], devices=["cpu"] * 2, chunks=2
-    )
-    with pytest.raises(KeyboardInterrupt):
-        pipe(torch.ones(2, 1))
-    out = pipe(torch.full((2, 1), 3.0))
-    assert torch.equal(out, torch.full((2, 1), 6.0))  # type: ignore[arg-type]
