@@ -76,10 +76,40 @@ def run_group(
     killed after `wall_timeout_s`, so a hang fails the test instead of
     blocking the suite.
     """
+    for _ in range(3):
+        procs = _start(directory, scenarios, script, world_size, backend, numpy, pg_timeout_s)
+        if _wait(procs, wall_timeout_s):
+            break
+    else:
+        pytest.fail("rank 0 found its free port taken three times in a row (EADDRINUSE)")
+    outcomes = []
+    for proc, out, log in procs:
+        if not out.exists():
+            pytest.fail(
+                f"a rank wrote no results (exit code {proc.returncode}):\n{log.read_text()}"
+            )
+        outcomes.append(json.loads(out.read_text()))
+    return outcomes
+
+
+Launched = list[tuple[subprocess.Popen[bytes], Path, Path]]
+
+
+def _start(
+    directory: Path,
+    scenarios: list[str],
+    script: Path,
+    world_size: int,
+    backend: str,
+    numpy: bool,
+    pg_timeout_s: float,
+) -> Launched:
+    """Start every rank of a group on a free port; (process, outcomes file, log) per rank."""
     port = free_port()
     procs = []
     for rank in range(world_size):
         out, log = directory / f"rank{rank}.json", directory / f"rank{rank}.log"
+        out.unlink(missing_ok=True)
         cmd = [sys.executable, str(script), str(out), str(pg_timeout_s), *scenarios]
         with log.open("w") as log_file:
             proc = subprocess.Popen(
@@ -89,23 +119,29 @@ def run_group(
                 stderr=log_file,
             )
         procs.append((proc, out, log))
+    return procs
+
+
+def _wait(procs: Launched, wall_timeout_s: float) -> bool:
+    """Wait for every rank; False if rank 0 could not listen on the port (another test took
+    it between ``free_port`` and the bind: the caller starts again on another port)."""
     deadline = time.monotonic() + wall_timeout_s
-    for proc, _, _ in procs:
-        try:
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for other, _, _ in procs:
-                other.kill()
-                other.wait()
+    while any(proc.poll() is None for proc, _, _ in procs):
+        first, _, log = procs[0]
+        if first.poll() is not None and "EADDRINUSE" in log.read_text(errors="replace"):
+            _kill(procs)
+            return False
+        if time.monotonic() > deadline:
+            _kill(procs)
             pytest.fail(f"process group did not finish within {wall_timeout_s} s")
-    outcomes = []
-    for proc, out, log in procs:
-        if not out.exists():
-            pytest.fail(
-                f"a rank wrote no results (exit code {proc.returncode}):\n{log.read_text()}"
-            )
-        outcomes.append(json.loads(out.read_text()))
-    return outcomes
+        time.sleep(0.1)
+    return True
+
+
+def _kill(procs: Launched) -> None:
+    for proc, _, _ in procs:
+        proc.kill()
+        proc.wait()
 
 
 # The runner: what each rank runs.
