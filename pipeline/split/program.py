@@ -21,6 +21,7 @@ time (``Training``). A slot is emptied after its last use.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -85,14 +86,15 @@ class Training:
         return modes.pop() if len(modes) == 1 else self.module.training
 
 
-class Step:
+class Step(ABC):
     """One node of the graph: reads slots, writes slot ``out``, then empties ``frees``."""
 
     out: int
     frees: tuple[int, ...] = ()
 
+    @abstractmethod
     def run(self, env: list[Any], here: torch.device) -> Any:
-        raise NotImplementedError
+        """This node's value, from the slots of ``env`` it reads (``here``: the piece's device)."""
 
 
 class Fetch(Step):
