@@ -88,6 +88,10 @@ def run_group(
             pytest.fail(
                 f"a rank wrote no results (exit code {proc.returncode}):\n{log.read_text()}"
             )
+        if proc.returncode < 0:
+            pytest.fail(
+                f"a rank died of signal {-proc.returncode} after its scenarios:\n{log.read_text()}"
+            )
         outcomes.append(json.loads(out.read_text()))
     return outcomes
 

@@ -29,18 +29,34 @@ naming it and what was wrong.
 Closing waits on no peer: ``close`` sends each peer a ``stop`` and waits
 (a few seconds at most) only for these sends, which the peer's listener
 receives whatever its own thread is doing. A listener ends when its peer's
-``stop`` comes or the connection breaks; nobody joins it, so two processes
-closing pipelines in different orders (or at exit) never wait for each
-other. A peer's ``stop`` comes after all its messages: the step under way
+``stop`` comes or the connection breaks; ``close`` does not join it, so two
+processes closing pipelines in different orders never wait for each other.
+A peer's ``stop`` comes after all its messages: the step under way
 finishes, the next one is refused.
+
+A listener that receives a ``stop`` answers it with this process's own
+``stop`` (once per peer): the peer has closed, so it needs nothing more
+from here, and its listener can end too. A wait for a message the peer did
+not send fails at once, and so does a send to it.
+
+At exit, and only then, the listeners are waited for: a listener that wakes
+while the interpreter is finalizing is ended by Python inside torch's wait,
+which aborts the process ("terminate called without an active exception").
+So the process sends the ``stop`` of every pipeline it still has open, then
+waits until each peer has answered (or its connection broke), which its
+listener does whatever that process is doing: in a step, in a collective,
+or exiting too. Only a peer that cannot run at all (stopped, or stuck
+holding the interpreter) delays this exit, by ``_EXIT_WAIT_S`` at most.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import threading
 import time
+import weakref
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterable
 from datetime import timedelta
@@ -71,6 +87,10 @@ _TAG = 0
 # How long closing waits for its own stop messages to leave, at most: a
 # live peer's listener takes them at once; a dead one fails them at once.
 _CLOSE_WAIT_S = 5.0
+
+# How long a process that exits waits for its peers to answer its stops, at
+# most: a live peer's listener answers at once.
+_EXIT_WAIT_S = 10.0
 
 _Receipt = tuple[dist.Work, torch.Tensor]
 
@@ -122,6 +142,8 @@ class P2PTransport:
         self._pending: list[tuple[dist.Work, torch.Tensor]] = []
         self._pending_lock = threading.Lock()
         self._closing = False
+        self._stops_sent: set[int] = set()
+        self._stops_lock = threading.Lock()
         # Why a peer is no longer listened to (it closed, broke or misbehaved).
         self._gone: dict[int, str] = {}
         self._gone_lock = threading.Lock()
@@ -133,6 +155,7 @@ class P2PTransport:
         ]
         for listener in self._listeners:
             listener.start()
+        _at_exit.add(self)
 
     # Steps
 
@@ -191,6 +214,10 @@ class P2PTransport:
         def where() -> str:
             return f"{describe(key)} that stage {source} sends to stage {target} (rank {peer})"
 
+        with self._gone_lock:
+            gone = self._gone.get(peer)
+        if gone is not None:
+            raise PeerError(f"cannot send {where()}: {gone}")
         self._post(peer, DATA, (self.step, key), message, where)
 
     def receive(self, key: Hashable, source: int, target: int) -> Message:
@@ -198,7 +225,7 @@ class P2PTransport:
         where = "this process" if peer == self.me else f"rank {peer}"
         waiting_for = f"{describe(key)} from stage {source} ({where})"
         try:
-            message = self._mailboxes.take(self.step, key, waiting_for)
+            message = self._mailboxes.take(self.step, key, waiting_for, sender=peer)
         except MailTimeoutError as error:
             raise PeerError(
                 f"{error}: that process is stalled or dead (raise the pipeline's timeout if its "
@@ -251,14 +278,22 @@ class P2PTransport:
         The wait itself matters: a send dropped before it is done may never
         arrive, and the peer's listener would go on waiting for it.
         """
+        if self._closing:
+            return
         self._closing = True
         for peer in self.peers:
-            try:
-                self._post(peer, STOP, 0, Message([]), lambda: "a stop")
-            except Exception:
-                continue
+            self._send_stop(peer)
         with contextlib.suppress(RuntimeError):
             self._wait_for_sends(min(self.timeout, _CLOSE_WAIT_S))
+
+    def _send_stop(self, peer: int) -> None:
+        """Tell ``peer`` that this process sends it nothing more (once)."""
+        with self._stops_lock:
+            if peer in self._stops_sent:
+                return
+            self._stops_sent.add(peer)
+        with contextlib.suppress(Exception):
+            self._post(peer, STOP, 0, Message([]), lambda: "a stop")
 
     # Wire
 
@@ -289,13 +324,16 @@ class P2PTransport:
                 if kind == STOP:
                     # Not a failure: every message the peer sent came before
                     # its stop and is filed, and a peer that is done with a
-                    # step may close while this process finishes it. Only the
+                    # step may close while this process finishes it. Only a
+                    # wait for more from it and a send to it fail, and the
                     # next step is refused (check_peers).
-                    self._gone_because(
-                        peer,
-                        f"rank {peer} closed its pipeline (its script ended or "
-                        "raised, or it called close())",
+                    reason = (
+                        f"rank {peer} closed its pipeline (its script ended or raised, or it "
+                        "called close())"
                     )
+                    self._gone_because(peer, reason)
+                    self._mailboxes.stopped(peer, PeerError(reason))
+                    self._send_stop(peer)  # its listener, waiting for this one's, can end
                     return
                 if kind == ABORT:
                     # Passed on at once, whatever this process is doing: the
@@ -362,6 +400,33 @@ class P2PTransport:
         ]
         message = Message(values, described.spec, described.differentiable)
         return kind, described.key, message, envelope
+
+
+class _ListenersAtExit:
+    """The transports of this process, whose listeners must end before the interpreter does."""
+
+    def __init__(self) -> None:
+        self._transports: weakref.WeakSet[P2PTransport] = weakref.WeakSet()
+        self._registered = False
+
+    def add(self, transport: P2PTransport) -> None:
+        if not self._registered:
+            atexit.register(self.end)
+            self._registered = True
+        self._transports.add(transport)
+
+    def end(self) -> None:
+        """Close every transport, then wait (bounded) until every listener has ended."""
+        transports = list(self._transports)
+        for transport in transports:
+            transport.close()
+        deadline = time.monotonic() + _EXIT_WAIT_S
+        for transport in transports:
+            for listener in transport._listeners:
+                listener.join(max(deadline - time.monotonic(), 0.0))
+
+
+_at_exit = _ListenersAtExit()
 
 
 class _Arriving:

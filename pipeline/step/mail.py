@@ -54,7 +54,9 @@ class Mailboxes:
     A failed step is aborted: its takes, waiting or to come, raise
     ``AbortedError`` with the reason, while later steps' messages (a peer one
     step ahead) are kept. ``break_down`` fails every take of every step (a
-    lost peer). With a ``timeout``, a take that waits longer raises
+    lost peer). A take may name its ``sender``: once that sender has
+    ``stopped`` (it sends nothing more), a take of a message it did not send
+    fails at once. With a ``timeout``, a take that waits longer raises
     ``MailTimeoutError``; without one it waits until its message or an abort.
     """
 
@@ -63,6 +65,7 @@ class Mailboxes:
         self._values: dict[tuple[int, Hashable], Message] = {}
         self._aborted: dict[int, BaseException] = {}
         self._broken: BaseException | None = None
+        self._stopped: dict[Hashable, BaseException] = {}
         self._changed = threading.Condition()
 
     def put(self, step: int, key: Hashable, message: Message) -> None:
@@ -71,12 +74,14 @@ class Mailboxes:
             self._values[step, key] = message
             self._changed.notify_all()
 
-    def take(self, step: int, key: Hashable, waiting_for: str) -> Message:
+    def take(
+        self, step: int, key: Hashable, waiting_for: str, sender: Hashable | None = None
+    ) -> Message:
         """Take the message put under (``step``, ``key``), waiting for it."""
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         with self._changed:
             while (step, key) not in self._values:
-                failure = self._aborted.get(step) or self._broken
+                failure = self._aborted.get(step) or self._broken or self._stopped.get(sender)
                 if failure is not None:
                     raise AbortedError(f"gave up waiting for {waiting_for}: {failure}") from failure
                 if deadline is None:
@@ -112,6 +117,12 @@ class Mailboxes:
             self._aborted.setdefault(step, error)
             self._changed.notify_all()
             return first
+
+    def stopped(self, sender: Hashable, error: BaseException) -> None:
+        """``sender`` sends nothing more: takes of its messages not yet put fail with ``error``."""
+        with self._changed:
+            self._stopped.setdefault(sender, error)
+            self._changed.notify_all()
 
     def break_down(self, error: BaseException) -> None:
         """A peer is gone: every take, now and later, fails with ``error``."""

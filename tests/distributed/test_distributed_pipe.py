@@ -75,8 +75,11 @@ def test_two_stage_processes(two_processes: Outcomes, name: str) -> None:
     check(two_processes, [name])
 
 
-def test_a_pause_longer_than_the_group_timeout(group_runner: GroupRunner) -> None:
-    names = ["a_pause_longer_than_the_group_timeout_and_new_shapes_are_harmless"]
+def test_a_pause_longer_than_the_group_timeout_then_exits_apart(group_runner: GroupRunner) -> None:
+    names = [
+        "a_pause_longer_than_the_group_timeout_and_new_shapes_are_harmless",
+        "a_process_that_exits_before_its_peer_closes_waits_for_it_and_exits_cleanly",
+    ]
     check(group_runner(names, script=STAGES, pg_timeout_s=3, wall_timeout_s=60), names)
 
 

@@ -9,13 +9,15 @@ import pytest
 from pipeline.step.mail import AbortedError, Mailboxes, MailTimeoutError, Message
 
 
-def taking(boxes: Mailboxes, step: int, key: str) -> tuple[threading.Thread, list[object]]:
+def taking(
+    boxes: Mailboxes, step: int, key: str, sender: int | None = None
+) -> tuple[threading.Thread, list[object]]:
     """A thread taking (step, key); what it took, or the error it got, lands in the list."""
     got: list[object] = []
 
     def take() -> None:
         try:
-            got.append(boxes.take(step, key, f"the message {key!r}"))
+            got.append(boxes.take(step, key, f"the message {key!r}", sender))
         except Exception as error:
             got.append(error)
 
@@ -85,3 +87,19 @@ def test_a_lost_peer_ends_every_wait_of_every_step() -> None:
     assert isinstance(got[0], AbortedError) and "lost the connection to rank 1" in str(got[0])
     with pytest.raises(AbortedError, match="lost the connection"):
         boxes.check(7)
+
+
+def test_a_sender_that_stopped_ends_the_waits_for_what_it_did_not_send_only() -> None:
+    boxes = Mailboxes()
+    sent = Message(["sent before its stop"])
+    boxes.put(1, "act", sent)
+    waiting, got = taking(boxes, 1, "grad", sender=1)
+    elsewhere, got_elsewhere = taking(boxes, 1, "skip", sender=2)
+    boxes.stopped(1, ConnectionError("rank 1 closed its pipeline"))
+    waiting.join(30)
+    assert isinstance(got[0], AbortedError) and "rank 1 closed its pipeline" in str(got[0])
+    assert boxes.take(1, "act", "what rank 1 sent", sender=1) is sent
+    assert elsewhere.is_alive(), "a wait on another sender ended"
+    boxes.put(1, "skip", Message(["from rank 2"]))
+    elsewhere.join(30)
+    assert not elsewhere.is_alive() and isinstance(got_elsewhere[0], Message)
