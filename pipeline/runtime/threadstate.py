@@ -9,12 +9,21 @@ the caller's context variables, where torch keeps the settings made to
 worker thread starts with the defaults, so the caller's state is captured
 once per forward and applied around every task, and each task runs in a copy
 of the caller's context (``run``).
+
+So is, in part, the number of intra-op threads: ``torch.set_num_threads``
+records it for all threads but sets OpenMP's and MKL's own counts for the
+calling thread only. A worker whose first matrix product goes to MKL before
+anything has set them there builds an OpenMP team of the machine's size,
+whose threads spin beside every other thread's: with a few workers on a
+2-core machine, kernels took five to ten times as long. ``run`` sets the
+caller's count on the worker, once per thread and whenever it changes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -39,6 +48,10 @@ def _autocast_device_types() -> tuple[str, ...]:
 _AUTOCAST_DEVICE_TYPES = _autocast_device_types()
 
 
+# What ``ThreadState.run`` has set on this thread.
+_this_thread = threading.local()
+
+
 @dataclass(frozen=True)
 class Autocast:
     device_type: str
@@ -60,6 +73,7 @@ class ThreadState:
     checkpointing: bool = False
     recomputing: bool = False
     context: contextvars.Context = field(default_factory=contextvars.Context, compare=False)
+    intra_op_threads: int = field(default_factory=torch.get_num_threads)
 
     @classmethod
     def capture(cls) -> ThreadState:
@@ -83,8 +97,12 @@ class ThreadState:
     def run(self, function: Callable[_P, _R], *args: _P.args, **kwargs: _P.kwargs) -> _R:
         """Call ``function`` in a copy of the caller's context variables (torch's config).
 
-        A copy per call: threads cannot enter one context at once.
+        A copy per call: threads cannot enter one context at once. The
+        thread uses the caller's number of intra-op threads.
         """
+        if getattr(_this_thread, "intra_op_threads", None) != self.intra_op_threads:
+            torch.set_num_threads(self.intra_op_threads)
+            _this_thread.intra_op_threads = self.intra_op_threads
         return self.context.copy().run(function, *args, **kwargs)
 
     def applied(self, device: torch.device) -> AbstractContextManager[object]:

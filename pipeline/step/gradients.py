@@ -21,6 +21,12 @@ and each tensor gets its step's sum in one accumulation, through its own
 The accumulation goes through autograd (``_Deliver``) rather than writing
 ``.grad``, so that it is exactly a backward's: hooks, sparse and layout
 rules, and a sum that ``.grad`` takes over without a copy when it was empty.
+
+All this is for hooks and for what waits for the step's end. A backward
+none of whose leaves has hooks or waits for the end (the common case) has
+nothing to hold back: it is a plain backward, accumulating into ``.grad``
+micro-batch by micro-batch, as gradient accumulation over the plain model's
+micro-batches would (and without the sums' cost per leaf).
 """
 
 from __future__ import annotations
@@ -66,14 +72,14 @@ class GradientSums:
             self._sums[id(tensor)] = (tensor, grad, owned)
             return
         _, total, total_owned = entry
-        with torch.no_grad():
-            if total_owned:
-                total += grad
-            elif owned:
-                grad += total
-                total = grad
-            else:
-                total = total + grad
+        # Gradients record no graph (no create_graph): no need for no_grad here.
+        if total_owned:
+            total += grad
+        elif owned:
+            grad += total
+            total = grad
+        else:
+            total = total + grad
         self._sums[id(tensor)] = (tensor, total, True)
 
     def move(self, tensors: Iterable[Tensor], into: GradientSums) -> None:
@@ -123,7 +129,7 @@ class StepGradients:
         self, partitions: Sequence[nn.Module], stages: Iterable[int], at_end: Iterable[Tensor]
     ) -> None:
         self._lock = threading.Lock()
-        kept = {id(t) for t in at_end}
+        self._kept = kept = {id(t) for t in at_end}
         # Per stage, the parameters it registers; per parameter, how many
         # of those stages have not ended yet.
         self._registered: dict[int, set[int]] = {}
@@ -137,9 +143,16 @@ class StepGradients:
         self._end = GradientSums()
         self.hooks = HeldHooks()
 
-    def hold(self, tensors: Sequence[Tensor]) -> None:
-        """Hold the hooks of ``tensors`` back: their gradient is about to be computed in part."""
-        self.hooks.hold(tensors)
+    def hold(self, tensors: Sequence[Tensor]) -> bool:
+        """Hold the hooks of ``tensors`` back: their gradient is about to be computed in part.
+
+        Whether their gradients must be summed here: one of them has hooks,
+        or waits for the step's end. If not, a backward may accumulate them
+        into ``.grad`` at once, micro-batch by micro-batch, as the plain
+        model's gradient accumulation would.
+        """
+        holding = self.hooks.hold(tensors)
+        return holding or any(id(t) in self._kept for t in tensors)
 
     def add(self, j: int, tensors: Sequence[Tensor], grads: Sequence[Tensor | None]) -> None:
         """Stage ``j`` computed ``grads`` for the leaves ``tensors`` (on its own thread)."""
@@ -225,14 +238,18 @@ def leaves_of(roots: Iterable[Node]) -> tuple[list[Tensor], bool]:
         if node in seen:
             continue
         seen.add(node)
-        variable = getattr(node, "variable", None)
-        if isinstance(variable, Tensor):
-            found.append(variable)
-        reentrant = reentrant or type(node).__name__ == _REENTRANT_CHECKPOINT
+        # By the node's type name: looking for ``variable`` on every node
+        # costs an AttributeError on each that has none.
+        name = type(node).__name__
+        if name == _ACCUMULATE_GRAD:
+            found.append(node.variable)  # type: ignore[attr-defined]
+            continue
+        reentrant = reentrant or name == _REENTRANT_CHECKPOINT
         pending += [child for child, _ in node.next_functions if child is not None]
     return found, reentrant
 
 
+_ACCUMULATE_GRAD = "AccumulateGrad"
 _REENTRANT_CHECKPOINT = "CheckpointFunctionBackward"
 
 
@@ -240,25 +257,26 @@ def backward_to_leaves(
     roots: Sequence[Tensor],
     grads: Sequence[Tensor | None],
     inputs: Sequence[Tensor],
-    hold: Callable[[list[Tensor]], None],
+    hold: Callable[[list[Tensor]], bool],
 ) -> tuple[list[Tensor | None], list[Tensor], list[Tensor | None]]:
     """One backward from ``roots``, accumulating nothing (but see below).
 
-    Returns the gradients of ``inputs`` (None where unused), every other leaf
-    it reaches, and their gradients; ``hold`` is first given those leaves
-    (their hooks wait for the whole gradient). Through a reentrant
-    checkpoint, which refuses ``autograd.grad``, it is a plain backward that
-    accumulates into every leaf at once (no other leaf is returned).
+    Returns the gradients of ``inputs`` (None where unused, ``inputs`` being
+    leaves of the stage's own), every other leaf it reaches, and their
+    gradients; ``hold`` is first given those leaves (their hooks wait for
+    the whole gradient) and says whether their gradients must be summed. If
+    not, or through a reentrant checkpoint, which refuses ``autograd.grad``,
+    it is a plain backward that accumulates into every leaf at once (no
+    other leaf is returned).
     """
     if not roots:
         return [None] * len(inputs), [], []
     known = {id(x) for x in inputs}
     reached, reentrant = leaves_of(map(_node, roots))
-    if reentrant:
+    leaves = [t for t in reached if id(t) not in known]
+    if reentrant or not hold(leaves):
         torch.autograd.backward(roots, grads)
         return [x.grad for x in inputs], [], []
-    leaves = [t for t in reached if id(t) not in known]
-    hold(leaves)
     wanted = [*inputs, *leaves]
     found: list[Tensor | None] = (
         list(torch.autograd.grad(roots, wanted, grads, allow_unused=True)) if wanted else []

@@ -35,19 +35,35 @@ class HeldHooks:
         self._lock = threading.Lock()
         # id(tensor) -> (tensor, per kind: the hook dict and the hooks it had)
         self._held: dict[int, tuple[Tensor, list[tuple[_Hooks, dict[Any, Any]]]]] = {}
+        # The tensors found without hooks (each backward of a step reaches
+        # the same parameters again), kept alive while their ids are.
+        self._without: dict[int, Tensor] = {}
 
-    def hold(self, tensors: Iterable[Tensor]) -> None:
-        """Hold back the hooks of ``tensors`` (those not held yet), until ``release``."""
+    def hold(self, tensors: Iterable[Tensor]) -> bool:
+        """Hold back the hooks of ``tensors`` (those not held yet), until ``release``.
+
+        Whether any of them has hooks held back (now or before).
+        """
+        holding = False
         with self._lock:
             for tensor in tensors:
-                if id(tensor) not in self._held:
+                key = id(tensor)
+                if key in self._without:
+                    continue
+                if key not in self._held:
                     held = [(hooks, _silence(hooks)) for hooks in _hook_dicts(tensor)]
-                    if held:
-                        self._held[id(tensor)] = (tensor, held)
+                    if not held:
+                        self._without[key] = tensor
+                        continue
+                    self._held[key] = (tensor, held)
+                holding = True
+        return holding
 
     def release(self, tensors: Iterable[Tensor] | None = None) -> None:
         """Give ``tensors`` (every tensor held, if None) their hooks back."""
         with self._lock:
+            if tensors is None:
+                self._without.clear()
             keys = list(self._held) if tensors is None else [id(t) for t in tensors]
             for key in keys:
                 entry = self._held.pop(key, None)

@@ -70,7 +70,7 @@ class WeightWork:
         self._groups = groups
         self._recorded = recorded
 
-    def run(self, hold: Callable[[list[Tensor]], None]) -> tuple[list[Tensor], list[Tensor | None]]:
+    def run(self, hold: Callable[[list[Tensor]], bool]) -> tuple[list[Tensor], list[Tensor | None]]:
         """The weights and their gradients (None where unused); frees what W used of the graph.
 
         ``hold`` is given each group's weights before their gradients are computed.

@@ -89,7 +89,7 @@ class SlowTeardown:
     """Kept until the interpreter tears its modules down, which it then slows down."""
 
     def __del__(self) -> None:
-        time.sleep(4)
+        time.sleep(3)
 
 
 @scenario
@@ -97,11 +97,11 @@ def a_process_that_exits_before_its_peer_closes_waits_for_it_and_exits_cleanly()
     """A listener woken while its interpreter finalizes would abort the process (SIGABRT).
 
     Rank 0 exits at once and spends seconds finalizing; rank 1 closes its
-    pipeline two seconds into that. The group runner fails a rank that dies
+    pipeline a second into that. The group runner fails a rank that dies
     of a signal.
     """
     KEPT.append(stepped_pipeline())
     if rank() == 0:
         KEPT.append(SlowTeardown())
     else:
-        atexit.register(time.sleep, 2)  # runs before the pipelines close at exit
+        atexit.register(time.sleep, 1)  # runs before the pipelines close at exit

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from torch import Tensor, nn
@@ -117,3 +119,35 @@ def test_torch_config_set_by_the_caller_reaches_every_task() -> None:
         pipe.step(torch.randn(4, 4), torch.randn(4, 4), torch.nn.functional.mse_loss)
     pipe.step(torch.randn(4, 4), torch.randn(4, 4), torch.nn.functional.mse_loss)
     assert seen == [False] * 8 + [True] * 4
+
+
+def threads_of_this_process() -> set[int]:
+    return {int(tid) for tid in os.listdir("/proc/self/task")}
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="lists threads in /proc")
+@pytest.mark.parametrize("call", ["pipe(x)", "step"])
+def test_workers_use_the_callers_intra_op_threads_and_start_no_thread_team(call: str) -> None:
+    """A worker's first matrix product starts no OpenMP team of the machine's size.
+
+    ``torch.set_num_threads(1)`` reaches OpenMP and MKL on the calling thread
+    only; a worker left with their defaults starts a team whose threads spin
+    beside the other workers' (kernels then took 5 to 10 times as long).
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = nn.Sequential(*(nn.Linear(64, 64) for _ in range(4)))
+        x, y = torch.randn(16, 64), torch.randn(16, 64)
+        existing = threads_of_this_process()
+        pipe = Pipe(model, [1] * 4, devices=["cpu"] * 4, chunks=4, threads="partition")
+        if call == "step":
+            pipe.step(x, y, nn.functional.mse_loss)
+        else:
+            nn.functional.mse_loss(pipe(x), y).backward()
+        workers = {worker.thread.native_id for worker in pipe._workers}
+        assert len(workers) == 4
+        assert threads_of_this_process() - existing - workers == set(), "workers started threads"
+        pipe.close()
+    finally:
+        torch.set_num_threads(before)

@@ -26,9 +26,19 @@ from pipeline import DeferredBatchNorm, NoChunk, Pipe
 
 @pytest.mark.parametrize("checkpoint", MODES)
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
-def test_every_layout_partition_count_and_chunk_count_equals_plain_and_pipe_call(
+def test_every_layout_partition_count_and_chunk_count_equals_the_plain_model(
     schedule: str, checkpoint: str
 ) -> None:
+    check_every_layout(checkpoint, schedule)
+
+
+@pytest.mark.parametrize("checkpoint", MODES)
+def test_every_layout_partition_count_and_chunk_count_of_pipe_call_too(checkpoint: str) -> None:
+    check_every_layout(checkpoint, schedule=None)
+
+
+def check_every_layout(checkpoint: str, schedule: str | None) -> None:
+    """``pipe.step`` with ``schedule`` (``pipe(x)`` and backward if None) against the plain one."""
     rows = 7  # never divisible by the chunk counts above 1
     for n in (1, 2, 3, 4):
         if schedule == "interleaved" and n % 2:
@@ -45,25 +55,24 @@ def test_every_layout_partition_count_and_chunk_count_equals_plain_and_pipe_call
             for chunks in chunk_counts(n):
                 if schedule == "interleaved" and min(chunks, rows) % (n // 2):
                     continue
-                what = f"{schedule}, {checkpoint}, n={n}, {layout}, chunks={chunks}"
-                for via_step in (True, False):
-                    pipe = Pipe(
-                        copy.deepcopy(model),
-                        balance,
-                        devices=["cpu"] * n,
-                        chunks=chunks,
-                        checkpoint=checkpoint,  # type: ignore[arg-type]
-                    )
-                    x.grad = None
-                    if via_step:
-                        loss = pipe.step(x, y, F.mse_loss, schedule=SCHEDULES[schedule]())
-                    else:
-                        loss = F.mse_loss(pipe(x), y)
-                        loss.backward()
-                    torch.testing.assert_close(loss.detach(), plain_loss.detach(), msg=what)
-                    assert_same(grads(pipe), plain_grads, what)
-                    torch.testing.assert_close(x.grad, plain_x_grad, msg=what)
-                    pipe.close()
+                what = f"{schedule or 'pipe(x)'}, {checkpoint}, n={n}, {layout}, chunks={chunks}"
+                pipe = Pipe(
+                    copy.deepcopy(model),
+                    balance,
+                    devices=["cpu"] * n,
+                    chunks=chunks,
+                    checkpoint=checkpoint,  # type: ignore[arg-type]
+                )
+                x.grad = None
+                if schedule is not None:
+                    loss = pipe.step(x, y, F.mse_loss, schedule=SCHEDULES[schedule]())
+                else:
+                    loss = F.mse_loss(pipe(x), y)
+                    loss.backward()
+                torch.testing.assert_close(loss.detach(), plain_loss.detach(), msg=what)
+                assert_same(grads(pipe), plain_grads, what)
+                torch.testing.assert_close(x.grad, plain_x_grad, msg=what)
+                pipe.close()
 
 
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
