@@ -245,7 +245,9 @@ def leaves_of(roots: Iterable[Node]) -> tuple[list[Tensor], bool]:
             found.append(node.variable)  # type: ignore[attr-defined]
             continue
         reentrant = reentrant or name == _REENTRANT_CHECKPOINT
-        pending += [child for child, _ in node.next_functions if child is not None]
+        for child, _ in node.next_functions:
+            if child is not None and child not in seen:
+                pending.append(child)
     return found, reentrant
 
 

@@ -10,7 +10,8 @@ dicts where torch keeps them (``Tensor._backward_hooks``,
 hook removed meanwhile stays removed, and the order is kept. Those
 attributes are torch's own, not a public API, so ``check_supported`` tries
 the mechanism once on a tensor of its own and refuses to step if this torch
-keeps hooks elsewhere.
+keeps hooks elsewhere. A tensor is looked at once a step: one found without
+hooks is not looked at again (each micro-batch reaches the same parameters).
 """
 
 from __future__ import annotations

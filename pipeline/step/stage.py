@@ -12,8 +12,9 @@ works on an autograd graph of its own, on the stage's worker:
   autocast), run backward from the outputs with the gradients the next stage
   mailed back (from the loss on the last stage, scaled by the step's
   GradScaler if any), and mail the gradients of the inputs back. The
-  weights' gradients are summed, not accumulated: each weight gets its
-  step's sum once, when the stage has ended (``gradients.py``); on stage 0
+  weights' gradients accumulate into ``.grad`` at once, or, where a weight
+  has hooks, are summed: it then gets its step's sum once, when the stage
+  has ended (``gradients.py``); on stage 0
   the inputs' gradients continue into the caller's graph at the step's end
   (the input may require grad). ``I`` and ``W`` do the same in two halves
   (``split_backward.py``).
