@@ -152,7 +152,7 @@ class StepGradients:
         model's gradient accumulation would.
         """
         holding = self.hooks.hold(tensors)
-        return holding or any(id(t) in self._kept for t in tensors)
+        return holding or (bool(self._kept) and any(id(t) in self._kept for t in tensors))
 
     def add(self, j: int, tensors: Sequence[Tensor], grads: Sequence[Tensor | None]) -> None:
         """Stage ``j`` computed ``grads`` for the leaves ``tensors`` (on its own thread)."""

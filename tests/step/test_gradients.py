@@ -346,3 +346,33 @@ def test_hooks_are_given_back_after_a_failed_step_and_removed_ones_stay_removed(
     failing.armed = False
     F.mse_loss(model(x), y).backward()
     assert calls == {"kept": 1, "removed": 0}
+
+
+@pytest.mark.parametrize("checkpoint", MODES)
+@pytest.mark.parametrize("schedule", FLAT)
+def test_hooks_on_some_parameters_only_and_accumulation_over_steps_equal_the_plain_model(
+    schedule: str, checkpoint: str
+) -> None:
+    """Stages whose leaves have no hooks accumulate into ``.grad`` at once; a stage with a
+    hooked parameter sums its backwards (the bias beside it too). Together, over two steps
+    without ``zero_grad``, they equal the plain model, and the hooks fire once per step."""
+    x, y = data(16)
+    torch.manual_seed(4)
+    base = nn.Sequential(block(), block(), block(), block()).double()
+    seen: dict[str, list[Tensor]] = {}
+    results = {}
+    for name in ("plain", schedule):
+        model = copy.deepcopy(base)
+        hooked = model[1][0].weight
+        calls = seen.setdefault(name, [])
+        hooked.register_hook(normalized)
+        hooked.register_post_accumulate_grad_hook(
+            lambda p, calls=calls: calls.append(p.grad.clone())
+        )
+        for _ in range(2):
+            run(model, x, y, None if name == "plain" else schedule, checkpoint)
+        results[name] = grads(model)
+    assert len(seen[schedule]) == len(seen["plain"]) == 2, "once per step"
+    for found, wanted in zip(seen[schedule], seen["plain"], strict=True):
+        torch.testing.assert_close(found, wanted, rtol=1e-12, atol=1e-14)
+    assert_same(results[schedule], results["plain"], f"{schedule}, {checkpoint}, two steps")
