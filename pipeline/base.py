@@ -51,7 +51,7 @@ from pipeline.step.losses import (
     resolve_reduction,
 )
 from pipeline.step.mail import Transport
-from pipeline.step.reports import ActionRecord, PartitionReport, measure
+from pipeline.step.reports import Measured
 from pipeline.step.runner import StepRun, checkpointed_tasks
 from pipeline.step.schedules import Schedule
 from pipeline.step.simulate import Simulation
@@ -323,12 +323,9 @@ class PipeBase(nn.Module):
         return evaluating(self, self._runtime.devices, evaluation_seed(self._evaluations))
 
     @staticmethod
-    def _measured(
-        run: StepRun, programs: list[Program]
-    ) -> tuple[float, tuple[ActionRecord, ...], tuple[PartitionReport, ...]]:
-        """What a report measured of ``run``'s stages here: a worker per program (or process)."""
-        worker_of = {a.stage: w for w, program in enumerate(programs) for a in program}
-        return measure(run.timed, worker_of, run.peak_in_flight, run.peak_activation_bytes)
+    def _measured(run: StepRun, programs: list[Program]) -> Measured:
+        """What a report measures of ``run``'s stages here: a worker per program (or process)."""
+        return Measured(run.timed, programs, run.peak_in_flight, run.peak_activation_bytes)
 
     def _one_pass(self) -> AbstractContextManager[None]:
         """Around one pass: DeferredBatchNorm statistics committed once, at its end."""

@@ -36,7 +36,7 @@ from pipeline.runtime.worker import (
     thread_layout,
 )
 from pipeline.skip.layout import inspect_skip_layout
-from pipeline.step.actions import Program
+from pipeline.step.actions import Action, Program
 from pipeline.step.losses import LossDivisor
 from pipeline.step.reports import StepReport
 from pipeline.step.runner import StepRun, forward_programs, program_threads
@@ -337,19 +337,26 @@ class Pipe(PipeBase):
         )
         begin_explicit_step(simulation.mean_idle_fraction)
         with self._one_pass(), run.holding_hooks():
-            self._run_programs(run, programs, threads)
+            self._run_programs(run, programs, threads, simulation.start)
             run.finish()
-        self.last_step = StepReport(schedule, simulation, *self._measured(run, programs))
+        self.last_step = StepReport(schedule, simulation, self._measured(run, programs))
         loss = run.loss()
         if return_outputs:
             return loss, gather(run.outputs)
         return loss
 
     def _run_programs(
-        self, run: StepRun, programs: list[Program], threads: dict[int, list[int]]
+        self,
+        run: StepRun,
+        programs: list[Program],
+        threads: dict[int, list[int]],
+        start: Mapping[Action, float] | None = None,
     ) -> None:
-        """Run a step's (or an evaluation's) programs: ``threads[w]`` on worker ``w``."""
-        run.run(programs, self._workers, threads)
+        """Run a step's (or an evaluation's) programs: ``threads[w]`` on worker ``w``.
+
+        ``start``: the validated play's start of each action (a step's).
+        """
+        run.run(programs, self._workers, threads, start)
 
     @overload
     def evaluate(self, input: Value, *, kwargs: Mapping[str, Value] | None = None) -> Value: ...

@@ -301,7 +301,7 @@ class DistributedPipe(PipeBase):
         self.last_step = DistributedStepReport(
             chosen,
             simulation,
-            *self._measured(run, programs),
+            self._measured(run, programs),
             rank=self.rank,
             received=self._transport.received(),
         )

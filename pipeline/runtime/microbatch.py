@@ -130,6 +130,9 @@ register_pytree_node(
 )
 
 
+_TENSOR_SPEC = tree_flatten(torch.empty(0))[1]
+
+
 class Batch:
     """One micro-batch as it travels between partitions: the leaves of its value.
 
@@ -141,7 +144,10 @@ class Batch:
     __slots__ = ("leaves", "spec")
 
     def __init__(self, value: Value) -> None:
-        self.leaves, self.spec = tree_flatten(value)
+        if type(value) is Tensor:  # the common value, a pytree leaf: no flattening to do
+            self.leaves, self.spec = [value], _TENSOR_SPEC
+        else:
+            self.leaves, self.spec = tree_flatten(value)
 
     @classmethod
     def of(cls, leaves: list[Any], spec: TreeSpec) -> Batch:

@@ -43,7 +43,14 @@ from torch.autograd.graph import Node
 from pipeline.runtime.threadstate import ThreadState
 from pipeline.step.held_hooks import HeldHooks
 
-__all__ = ["GradientSums", "StepGradients", "accumulate", "backward_to_leaves", "leaves_of"]
+__all__ = [
+    "GradientSums",
+    "StepGradients",
+    "accumulate",
+    "backward_to_leaves",
+    "gradient_node",
+    "leaves_of",
+]
 
 
 class GradientSums:
@@ -223,35 +230,42 @@ class _Deliver(torch.autograd.Function):
         return (None, *grads)
 
 
-def leaves_of(roots: Iterable[Node]) -> tuple[list[Tensor], bool]:
+def leaves_of(roots: Iterable[Tensor]) -> tuple[list[Tensor], bool]:
     """The leaves a backward from ``roots`` reaches (their ``AccumulateGrad`` nodes' tensors).
 
     Also whether it crosses a reentrant checkpoint (``torch.utils.checkpoint``
     with ``use_reentrant=True``), whose backward runs a backward of its own.
+    Each backward of a step walks its graph once: the walk keeps to a node's
+    type (no attribute lookups that fail) and names the types it met once, at
+    the end.
     """
     seen: set[Node] = set()
+    kinds: set[type] = set()
     found: list[Tensor] = []
-    reentrant = False
-    pending = list(roots)
+    pending = [gradient_node(t) for t in roots]
     while pending:
         node = pending.pop()
         if node in seen:
             continue
         seen.add(node)
-        # By the node's type name: looking for ``variable`` on every node
-        # costs an AttributeError on each that has none.
-        name = type(node).__name__
-        if name == _ACCUMULATE_GRAD:
+        kind = type(node)
+        if kind is _ACCUMULATE_GRAD:
             found.append(node.variable)  # type: ignore[attr-defined]
             continue
-        reentrant = reentrant or name == _REENTRANT_CHECKPOINT
+        kinds.add(kind)
         for child, _ in node.next_functions:
-            if child is not None and child not in seen:
+            if child is not None:
                 pending.append(child)
-    return found, reentrant
+    return found, any(kind.__name__ == _REENTRANT_CHECKPOINT for kind in kinds)
 
 
-_ACCUMULATE_GRAD = "AccumulateGrad"
+def gradient_node(tensor: Tensor) -> Node:
+    """Where a backward from ``tensor`` starts: its ``grad_fn``, or a leaf's ``AccumulateGrad``."""
+    node = tensor.grad_fn
+    return node if node is not None else torch.autograd.graph.get_gradient_edge(tensor).node
+
+
+_ACCUMULATE_GRAD = type(gradient_node(torch.zeros((), requires_grad=True)))
 _REENTRANT_CHECKPOINT = "CheckpointFunctionBackward"
 
 
@@ -274,7 +288,7 @@ def backward_to_leaves(
     if not roots:
         return [None] * len(inputs), [], []
     known = {id(x) for x in inputs}
-    reached, reentrant = leaves_of(map(_node, roots))
+    reached, reentrant = leaves_of(roots)
     leaves = [t for t in reached if id(t) not in known]
     if reentrant or not hold(leaves):
         torch.autograd.backward(roots, grads)
@@ -284,7 +298,3 @@ def backward_to_leaves(
         list(torch.autograd.grad(roots, wanted, grads, allow_unused=True)) if wanted else []
     )
     return found[: len(inputs)], leaves, found[len(inputs) :]
-
-
-def _node(tensor: Tensor) -> Node:
-    return torch.autograd.graph.get_gradient_edge(tensor).node

@@ -143,9 +143,15 @@ def loss_scales(
 
 
 def scaled(loss: Tensor, scale: Scale) -> Tensor:
-    """``loss`` times its micro-batch's weight (a tensor one in the loss's dtype and device)."""
+    """``loss`` times its micro-batch's weight (a tensor one in the loss's dtype and device).
+
+    A weight of exactly 1.0 (``'sum'``) leaves the loss as it is: the product
+    would equal it, and its gradient the gradient, bit for bit.
+    """
     if isinstance(scale, Tensor):
         scale = scale.to(loss.device, loss.dtype, non_blocking=True)
+    elif scale == 1.0:
+        return loss
     return loss * scale
 
 

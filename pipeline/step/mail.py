@@ -93,6 +93,11 @@ class Mailboxes:
                 self._changed.wait(left)
             return self._values.pop((step, key))
 
+    def take_if_there(self, step: int, key: Hashable) -> Message | None:
+        """The message under (``step``, ``key``) if it is there (taken), else None, at once."""
+        with self._changed:
+            return self._values.pop((step, key), None)
+
     def has(self, step: int, key: Hashable) -> bool:
         """Whether a message waits under (``step``, ``key``)."""
         with self._changed:
@@ -241,8 +246,11 @@ class LocalTransport:
         self.mailboxes.put(_ONE_STEP, key, message)
 
     def receive(self, key: Hashable, source: int, target: int) -> Message:
-        waiting_for = f"{describe(key)} from stage {source}"
-        return arrived(self.mailboxes.take(_ONE_STEP, key, waiting_for))
+        message = self.mailboxes.take_if_there(_ONE_STEP, key)
+        if message is None:  # only a wait needs its description
+            waiting_for = f"{describe(key)} from stage {source}"
+            message = self.mailboxes.take(_ONE_STEP, key, waiting_for)
+        return arrived(message)
 
     def has(self, key: Hashable) -> bool:
         """Whether the message of ``key`` is there (``receive`` would not wait)."""

@@ -12,7 +12,9 @@ Times are seconds from the step's first action (``time.perf_counter``, the
 host's clock: on CUDA an action ends when its kernels are queued). A
 ``DistributedPipe`` reports only this process's stages, on this process's
 clock. Activation memory is measured only when asked
-(``step(..., measure_memory=True)``): see ``activations.py``.
+(``step(..., measure_memory=True)``): see ``activations.py``. A step keeps its
+actions' times as taken; the report sums them when it is first read, so a
+step whose report nobody reads pays nothing for it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 
 from pipeline.step.actions import Action
 from pipeline.step.schedules import Schedule
@@ -28,6 +31,7 @@ from pipeline.step.simulate import Simulation
 __all__ = [
     "ActionRecord",
     "DistributedStepReport",
+    "Measured",
     "PartitionReport",
     "StepReport",
     "measure",
@@ -90,9 +94,22 @@ class _Readable:
 
     schedule: Schedule
     simulation: Simulation
-    duration: float
-    actions: tuple[ActionRecord, ...]
-    partitions: tuple[PartitionReport, ...]
+    measured: Measured
+
+    @property
+    def duration(self) -> float:
+        """Seconds from the step's first action's start to its last action's end."""
+        return self.measured.result[0]
+
+    @property
+    def actions(self) -> tuple[ActionRecord, ...]:
+        """Every action as it ran, in order of start."""
+        return self.measured.result[1]
+
+    @property
+    def partitions(self) -> tuple[PartitionReport, ...]:
+        """A report per partition (of this process, for a ``DistributedPipe``)."""
+        return self.measured.result[2]
 
     def _shares(self) -> tuple[float, float, float]:
         """Busy, waiting and idle as shares of the workers' time (each worker once)."""
@@ -168,9 +185,7 @@ class StepReport(_Readable):
 
     schedule: Schedule
     simulation: Simulation
-    duration: float
-    actions: tuple[ActionRecord, ...]
-    partitions: tuple[PartitionReport, ...]
+    measured: Measured
 
     @property
     def peak_in_flight(self) -> list[int]:
@@ -189,9 +204,7 @@ class DistributedStepReport(_Readable):
 
     schedule: Schedule
     simulation: Simulation
-    duration: float
-    actions: tuple[ActionRecord, ...]
-    partitions: tuple[PartitionReport, ...]
+    measured: Measured
     rank: int
     received: dict[tuple[int, str], int] = field(default_factory=dict)
 
@@ -215,6 +228,32 @@ class Timed:
     end: float
     waited: float
     recomputed: float
+
+
+class Measured:
+    """A step's actions as timed, and ``measure``'s result of them, taken when first read.
+
+    ``programs[w]`` ran on worker ``w`` (a thread, or a process's rank);
+    ``peak_in_flight`` and ``activations`` are as for ``measure``.
+    """
+
+    def __init__(
+        self,
+        timed: list[Timed],
+        programs: Sequence[Sequence[Action]],
+        peak_in_flight: dict[int, int],
+        activations: dict[int, int | None],
+    ) -> None:
+        self._timed = timed
+        self._programs = programs
+        self._peak_in_flight = peak_in_flight
+        self._activations = activations
+
+    @cached_property
+    def result(self) -> tuple[float, tuple[ActionRecord, ...], tuple[PartitionReport, ...]]:
+        """The step's duration, its actions and its partitions' reports (``measure``)."""
+        worker_of = {a.stage: w for w, program in enumerate(self._programs) for a in program}
+        return measure(self._timed, worker_of, self._peak_in_flight, self._activations)
 
 
 def measure(

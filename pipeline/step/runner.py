@@ -24,7 +24,7 @@ its end first, so none writes into ``.grad`` after the step has raised.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Hashable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from functools import partial
 
@@ -49,7 +49,13 @@ from pipeline.step.mail import AbortedError, LocalTransport, Transport, describe
 from pipeline.step.reports import Timed
 from pipeline.step.stage import StageRun, StepContext
 
-__all__ = ["StepRun", "checkpointed_tasks", "forward_programs", "program_threads"]
+__all__ = [
+    "StepRun",
+    "checkpointed_tasks",
+    "forward_programs",
+    "in_played_order",
+    "program_threads",
+]
 
 
 class StepRun:
@@ -117,17 +123,28 @@ class StepRun:
         self.stage_runs = {j: StageRun(self.context, j) for j in local}
 
     def run(
-        self, programs: list[Program], workers: list[Worker], threads: dict[int, list[int]]
+        self,
+        programs: list[Program],
+        workers: list[Worker],
+        threads: dict[int, list[int]],
+        start: Mapping[Action, float] | None = None,
     ) -> None:
         """Run ``programs[k]`` for each ``k`` in ``threads[w]`` on ``workers[w]``.
 
-        Re-raises the first failure. An interrupt aborts the transport and is
-        re-raised once every worker has answered (``Replies.collect``).
+        ``start``: when each action started in ``validate``'s play of the
+        programs, if they were validated. Re-raises the first failure. An
+        interrupt aborts the transport and is re-raised once every worker has
+        answered (``Replies.collect``).
         """
         replies = Replies()
         for w, indices in threads.items():
             mine = [programs[k] for k in indices]
-            work = partial(self._work, mine[0]) if len(mine) == 1 else partial(self._in_turn, mine)
+            if len(mine) == 1:
+                work = partial(self._work, mine[0])
+            elif len(threads) == 1 and start is not None:
+                work = partial(self._work, in_played_order(mine, start))
+            else:
+                work = partial(self._in_turn, mine)
             workers[w].submit(partial(self.context.state.run, self._on_thread, work), replies)
         results = replies.collect(len(threads), interrupted=self.transport.abort)
         failures = [result.exception for result in results if isinstance(result, Failure)]
@@ -284,6 +301,26 @@ def program_threads(programs: list[Program], thread_of: list[int]) -> dict[int, 
         if program:
             threads.setdefault(find(thread_of[program[0].stage]), []).append(k)
     return threads
+
+
+def in_played_order(programs: list[Program], start: Mapping[Action, float]) -> Program:
+    """The actions of ``programs``, all run by one thread, in the order ``validate`` played them.
+
+    In the play, an action starts once the actions it needs (the forward or
+    backward that mails it its activation or gradient) have ended, so after
+    they started: in this order, each one's mail is there when it runs, and
+    the thread never waits nor looks (``_in_turn`` does, where other threads
+    run some of the stages). A skip's mail is sent by an action that the
+    activation (or gradient) reaching its receiver needs, so it comes first
+    too. Each program's own order is kept: its actions' starts increase.
+
+    >>> from pipeline.step.actions import parse_program
+    >>> from pipeline.step.simulate import validate
+    >>> programs = [parse_program("0F0 0F1 0B0 0B1"), parse_program("1F0 1B0 1F1 1B1")]
+    >>> " ".join(map(str, in_played_order(programs, validate(programs, 2, 2).start)))
+    '0F0 0F1 1F0 1B0 0B0 1F1 1B1 0B1'
+    """
+    return sorted(itertools.chain.from_iterable(programs), key=start.__getitem__)
 
 
 def _mail_needed(action: Action, last: int) -> tuple[str, int, int] | None:

@@ -45,6 +45,8 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge, Node
 
+from pipeline.step.gradients import gradient_node
+
 __all__ = ["WeightWork", "backward_input"]
 
 Grads = tuple[Tensor | None, ...]
@@ -117,9 +119,9 @@ def backward_input(
     leaf the outputs reach (the weights).
     """
     wanted = [x for x in inputs if x.requires_grad]
-    graph = _successors(_node(o) for o in outputs)
-    weight_of = _weights(graph, {_node(x) for x in wanted})
-    input_path = _reaching({_node(x) for x in wanted}, graph)
+    graph = _successors(gradient_node(o) for o in outputs)
+    weight_of = _weights(graph, {gradient_node(x) for x in wanted})
+    input_path = _reaching({gradient_node(x) for x in wanted}, graph)
     groups = _groups(outputs, grads, graph, input_path, weight_of)
     recorded: dict[Node, Grads] = {}
     anchors = [anchor for group in groups for anchor in group.anchors]
@@ -135,11 +137,6 @@ def backward_input(
             handle.remove()
     by_input = dict(zip(map(id, wanted), found, strict=True))
     return [by_input.get(id(x)) for x in inputs], WeightWork(groups, recorded)
-
-
-def _node(tensor: Tensor) -> Node:
-    """The node a gradient for ``tensor`` goes to: its grad_fn, or a leaf's AccumulateGrad."""
-    return torch.autograd.graph.get_gradient_edge(tensor).node
 
 
 def _weights(graph: dict[Node, list[Node]], inputs: set[Node]) -> dict[Node, Tensor]:

@@ -303,7 +303,8 @@ class StageRun:
             found, leaves, leaf_grads = backward_to_leaves(
                 roots, grads, targets, self.context.gradients.hold
             )
-            self.context.gradients.add(self.j, leaves, leaf_grads)
+            if leaves:
+                self.context.gradients.add(self.j, leaves, leaf_grads)
         for (key, _), grad in zip(skips, found[len(inputs) :], strict=True):
             source = self.context.skip_layout.route(key).source
             self._send(self._skip_mail("skip-grad", key, i), Message([grad]), source, i)

@@ -77,9 +77,21 @@ def check_every_layout(checkpoint: str, schedule: str | None) -> None:
 
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
 def test_stages_sharing_one_thread_equal_the_plain_model(schedule: str) -> None:
-    # threads="device": the programs of every stage run on one thread, each
-    # action once its mail is there. Every skip layout, the checkpoint modes
-    # in turn.
+    # threads="device": the programs of every stage run on one thread, in the
+    # order their validation played them. Every skip layout, the checkpoint
+    # modes in turn.
+    check_stages_sharing_threads(schedule, "device", thread_of=None)
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_two_threads_each_running_two_stages_equal_the_plain_model(schedule: str) -> None:
+    # As on two GPUs of two partitions each with threads="device": each
+    # thread runs its stages' programs, an action once its mail is there
+    # (some comes from the other thread).
+    check_stages_sharing_threads(schedule, "partition", thread_of=[0, 0, 1, 1])
+
+
+def check_stages_sharing_threads(schedule: str, threads: str, thread_of: list[int] | None) -> None:
     n = 4
     for k, layout in enumerate(LAYOUTS):
         torch.manual_seed(n + k)
@@ -95,8 +107,10 @@ def test_stages_sharing_one_thread_equal_the_plain_model(schedule: str) -> None:
             devices=["cpu"] * n,
             chunks=4,
             checkpoint=checkpoint,  # type: ignore[arg-type]
-            threads="device",
+            threads=threads,  # type: ignore[arg-type]
         )
+        if thread_of is not None:
+            pipe._thread_of = thread_of
         pipe.step(x, y, F.mse_loss, schedule=SCHEDULES[schedule]())
         assert_same(grads(pipe), grads(plain), f"{schedule}, {layout}, {checkpoint}")
         pipe.close()
