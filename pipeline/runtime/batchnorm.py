@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import cast
 
 import torch
@@ -35,15 +35,26 @@ __all__ = ["DeferredBatchNorm", "deferring_batch_norm", "statistics_of_one_pass"
 _local = threading.local()
 
 
-@contextmanager
-def deferring_batch_norm(on: bool) -> Iterator[None]:
-    """Within the block (a Pipe task), DeferredBatchNorm layers defer their updates."""
-    previous = getattr(_local, "deferring", False)
-    _local.deferring = on
-    try:
-        yield
-    finally:
-        _local.deferring = previous
+def deferring_batch_norm(on: bool) -> AbstractContextManager[None]:
+    """Within the block (a Pipe task), DeferredBatchNorm layers defer their updates if ``on``."""
+    return _Deferring(on)
+
+
+class _Deferring:
+    """Sets this thread's deferral for a block (entered once per task: a class, not a generator)."""
+
+    __slots__ = ("on", "previous")
+
+    def __init__(self, on: bool) -> None:
+        self.on = on
+        self.previous = False
+
+    def __enter__(self) -> None:
+        self.previous = getattr(_local, "deferring", False)
+        _local.deferring = self.on
+
+    def __exit__(self, *exc_info: object) -> None:
+        _local.deferring = self.previous
 
 
 class DeferredBatchNorm(_BatchNorm):

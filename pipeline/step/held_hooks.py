@@ -45,6 +45,9 @@ class HeldHooks:
 
         Whether any of them has hooks held back (now or before).
         """
+        without = self._without
+        if all(id(tensor) in without for tensor in tensors):
+            return False  # each looked at before, without hooks (kept so until ``release``)
         holding = False
         with self._lock:
             for tensor in tensors:

@@ -137,8 +137,9 @@ class Mailboxes:
 
     def check(self, step: int) -> None:
         """Raise ``AbortedError`` with the reason if ``step`` was aborted or a peer is gone."""
-        with self._changed:
-            failure = self._aborted.get(step) or self._broken
+        # Read without the lock, once per action: an abort this read misses
+        # is seen by the next check or wait.
+        failure = self._aborted.get(step) or self._broken
         if failure is not None:
             raise AbortedError(f"stopped: {failure}") from failure
 
@@ -149,7 +150,7 @@ class Mailboxes:
             self._aborted = {s: e for s, e in self._aborted.items() if s >= step}
 
 
-@dataclass
+@dataclass(slots=True)
 class Message:
     """Values handed to another stage: a value's leaves (or gradients), detached.
 

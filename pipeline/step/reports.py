@@ -219,7 +219,7 @@ class DistributedStepReport(_Readable):
         )
 
 
-@dataclass
+@dataclass(slots=True)
 class Timed:
     """An action's times as its stage took them (``time.perf_counter`` seconds)."""
 

@@ -113,7 +113,7 @@ class StepContext:
         return len(self.scales)
 
 
-@dataclass
+@dataclass(slots=True)
 class _Stashed:
     """What a stage keeps of micro-batch ``i`` from its forward to its backward."""
 
