@@ -20,13 +20,19 @@ __all__ = ["bubble_fraction", "clock_cycles"]
 
 
 def clock_cycles(m: int, n: int) -> Iterator[list[tuple[int, int]]]:
-    """Yield the tasks of each clock cycle, micro-batch index ascending.
+    """Yield the tasks of each clock cycle, partition index ascending.
+
+    Where one thread runs a cycle's tasks, in this order, a later partition's
+    autograd nodes are made after an earlier one's: autograd's backward, which
+    runs the most recently made node among those ready, then reaches
+    micro-batch ``i - 1`` on partition ``j + 1`` before micro-batch ``i`` on
+    partition ``j`` (GPipe's backward wave; see ``driver.py``).
 
     >>> list(clock_cycles(2, 2))
-    [[(0, 0)], [(0, 1), (1, 0)], [(1, 1)]]
+    [[(0, 0)], [(1, 0), (0, 1)], [(1, 1)]]
     """
     for k in range(m + n - 1):
-        yield [(i, k - i) for i in range(max(k - n + 1, 0), min(k + 1, m))]
+        yield [(k - j, j) for j in range(max(k - m + 1, 0), min(k + 1, n))]
 
 
 def bubble_fraction(m: int, n: int) -> float:

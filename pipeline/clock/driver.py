@@ -14,6 +14,19 @@ Each clock cycle has two phases, both issued from the caller's thread:
   is re-raised once the cycle's tasks have ended too, so that none of them
   writes a buffer (BatchNorm statistics) after the call has raised.
 
+When one thread runs every partition (one device, ``threads='device'``),
+the caller hands it each whole cycle, fence included. That is one hand-off
+per cycle instead of one per task, and it decides the order of the backward
+pass: on one device, autograd runs, of the nodes that are ready, the one
+made last on its thread (nodes are numbered per thread). Made on one
+thread, fence by fence and task by task in the cycle's order (partition
+ascending), the nodes lead it through GPipe's backward wave, micro-batch
+``i - 1`` on partition ``j + 1`` before micro-batch ``i`` on partition ``j``,
+which frees later partitions' activations before earlier partitions' weights
+get their gradients (torchgpipe's order, and its peak memory). Made on the
+caller's thread, the fence's nodes would be numbered apart from the tasks',
+and the backward would go depth-first, micro-batch by micro-batch.
+
 A task runs its partition under the caller's thread state and context
 variables, on the partition's compute stream, with its random draws
 replayable (``pipeline/runtime/rng.py``), and checkpointed
@@ -81,9 +94,13 @@ class ClockDriver:
         ``rows`` is the mini-batch size, for error notes.
         """
         forward = _ForwardPass(self, batches, checkpoint_stop, completion_hooks, rows)
+        one_thread = len(set(self.thread_of)) == 1
         for cycle in clock_cycles(len(batches), len(self.runtime)):
-            forward.fence(cycle)
-            forward.compute(cycle)
+            if one_thread:
+                forward.run_on_its_thread(cycle)
+            else:
+                forward.fence(cycle)
+                forward.compute(cycle)
 
     def copy_streams_for(self, m: int) -> list[list[Stream]]:
         """One copy stream per (partition, micro-batch), made once and reused."""
@@ -164,6 +181,28 @@ class _ForwardPass:
                 self.batches[i] = batch
         if failure is not None:
             raise failure.exception
+
+    def run_on_its_thread(self, cycle: list[tuple[int, int]]) -> None:
+        """Fence and compute ``cycle`` on the one thread that runs every partition."""
+        replies = Replies()
+        worker = self.driver.workers[self.driver.thread_of[0]]
+        worker.submit(partial(self.state.run, self._fence_and_compute, cycle), replies)
+        (result,) = replies.collect(1)
+        if isinstance(result, Failure):
+            raise result.exception
+
+    def _fence_and_compute(self, cycle: list[tuple[int, int]]) -> None:
+        """Both phases of ``cycle`` on this thread; each task runs, the first failure raises."""
+        with torch.set_grad_enabled(self.state.grad_enabled):
+            self.fence(cycle)
+        failure: BaseException | None = None
+        for i, j in cycle:
+            try:
+                self.batches[i] = self._task(i, j)[1]
+            except BaseException as exception:
+                failure = failure or exception
+        if failure is not None:
+            raise failure
 
     def _task(self, i: int, j: int) -> tuple[int, Batch]:
         """Run partition ``j`` on micro-batch ``i`` (on partition ``j``'s worker)."""

@@ -8,9 +8,9 @@ from pipeline.clock.cycles import bubble_fraction, clock_cycles
 def test_three_by_three_is_a_diagonal_wave() -> None:
     assert list(clock_cycles(3, 3)) == [
         [(0, 0)],
-        [(0, 1), (1, 0)],
-        [(0, 2), (1, 1), (2, 0)],
-        [(1, 2), (2, 1)],
+        [(1, 0), (0, 1)],
+        [(2, 0), (1, 1), (0, 2)],
+        [(2, 1), (1, 2)],
         [(2, 2)],
     ]
 

@@ -88,3 +88,31 @@ def test_pipeline_backward_runs_micro_batches_in_reverse_on_each_partition() -> 
     out.sum().backward()
     for j in range(3):
         assert [mb for p, mb in log if p == j] == [3, 2, 1, 0]
+
+
+def gpipe_backward_wave(m: int, n: int) -> list[tuple[int, int]]:
+    """(partition, micro-batch) as GPipe's backward reaches them: wave by wave, the later
+    partition first within a wave."""
+    tasks = [(j, i) for i in range(m) for j in range(n)]
+    return sorted(tasks, key=lambda task: ((m - 1 - task[1]) + (n - 1 - task[0]), -task[0]))
+
+
+def test_one_thread_for_every_partition_runs_the_backward_as_gpipes_wave() -> None:
+    # threads="device" on one device: the fences and the tasks make their
+    # nodes on the worker, so autograd (the most recent ready node first)
+    # reaches micro-batch i - 1 on partition j + 1 before micro-batch i on
+    # partition j. Depth-first (micro-batch by micro-batch) held more memory.
+    log: list[tuple[int, int]] = []
+    model = nn.Sequential(
+        nn.Linear(2, 2), Tag(0, log), nn.Linear(2, 2), Tag(1, log), nn.Linear(2, 2), Tag(2, log)
+    )
+    pipe = Pipe(
+        model, [2, 2, 2], devices=["cpu"] * 3, chunks=4, checkpoint="never", threads="device"
+    )
+    for _ in range(2):  # the worker's own node numbers grow from one call to the next
+        log.clear()
+        for tag in (model[1], model[3], model[5]):
+            tag.calls = 0
+        pipe(torch.randn(8, 2)).sum().backward()
+        assert log == gpipe_backward_wave(4, 3)
+    pipe.close()
