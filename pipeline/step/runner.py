@@ -2,11 +2,14 @@
 
 The caller's thread hands each worker its whole programs (``schedules.py``,
 checked by ``simulate.validate``) and waits. A worker running one program
-runs its actions in order through the stages it owns (``stage.py``); one
-running the programs of several stages that share its thread
-(``threads='device'``) runs, of those, whichever next action has its mail
-there. Stages exchange values by mail (``mail.py``), so the order between
-programs comes from the data, as the programs promise. After a stage's last
+runs its actions in order through the stages it owns (``stage.py``). One
+thread running every stage's program (``threads='device'`` on one device)
+runs their actions in the order ``validate`` played them, where each one's
+mail is there when it starts (``in_played_order``); a thread running some of
+the programs beside other threads runs, of its programs' next actions,
+whichever has its mail there (``_in_turn``). Stages exchange values by mail
+(``mail.py``), so the order between programs comes from the data, as the
+programs promise. After a stage's last
 backward (or weight-gradient) action, its parameters get their gradients
 (``gradients.py``) and the partition backward hooks are called with its
 index, on the worker: DataParallel starts that partition's all-reduces while
