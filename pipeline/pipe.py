@@ -337,7 +337,7 @@ class Pipe(PipeBase):
         )
         begin_explicit_step(simulation.mean_idle_fraction)
         with self._one_pass(), run.holding_hooks():
-            self._run_programs(run, programs, threads, simulation.start)
+            self._run_programs(run, programs, threads, simulation.one_thread_order)
             run.finish()
         self.last_step = StepReport(schedule, simulation, self._measured(run, programs))
         loss = run.loss()
@@ -350,13 +350,13 @@ class Pipe(PipeBase):
         run: StepRun,
         programs: list[Program],
         threads: dict[int, list[int]],
-        start: Mapping[Action, float] | None = None,
+        one_thread_order: Sequence[Action] | None = None,
     ) -> None:
         """Run a step's (or an evaluation's) programs: ``threads[w]`` on worker ``w``.
 
-        ``start``: the validated play's start of each action (a step's).
+        ``one_thread_order``: the validated order for one thread (a step's).
         """
-        run.run(programs, self._workers, threads, start)
+        run.run(programs, self._workers, threads, one_thread_order)
 
     @overload
     def evaluate(self, input: Value, *, kwargs: Mapping[str, Value] | None = None) -> Value: ...

@@ -4,8 +4,8 @@ The caller's thread hands each worker its whole programs (``schedules.py``,
 checked by ``simulate.validate``) and waits. A worker running one program
 runs its actions in order through the stages it owns (``stage.py``). One
 thread running every stage's program (``threads='device'`` on one device)
-runs their actions in the order ``validate`` played them, where each one's
-mail is there when it starts (``in_played_order``); a thread running some of
+runs their actions in an order where each one's mail is there when it
+starts (``simulate.one_thread_order``); a thread running some of
 the programs beside other threads runs, of its programs' next actions,
 whichever has its mail there (``_in_turn``). Stages exchange values by mail
 (``mail.py``), so the order between programs comes from the data, as the
@@ -27,7 +27,7 @@ its end first, so none writes into ``.grad`` after the step has raised.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
 
@@ -56,7 +56,6 @@ __all__ = [
     "StepRun",
     "checkpointed_tasks",
     "forward_programs",
-    "in_played_order",
     "program_threads",
 ]
 
@@ -130,22 +129,23 @@ class StepRun:
         programs: list[Program],
         workers: list[Worker],
         threads: dict[int, list[int]],
-        start: Mapping[Action, float] | None = None,
+        one_thread_order: Sequence[Action] | None = None,
     ) -> None:
         """Run ``programs[k]`` for each ``k`` in ``threads[w]`` on ``workers[w]``.
 
-        ``start``: when each action started in ``validate``'s play of the
-        programs, if they were validated. Re-raises the first failure. An
-        interrupt aborts the transport and is re-raised once every worker has
-        answered (``Replies.collect``).
+        ``one_thread_order``: every action of the programs in an order one
+        thread can run them (``simulate.one_thread_order``), if they were
+        validated. Re-raises the first failure. An interrupt aborts the
+        transport and is re-raised once every worker has answered
+        (``Replies.collect``).
         """
         replies = Replies()
         for w, indices in threads.items():
             mine = [programs[k] for k in indices]
             if len(mine) == 1:
                 work = partial(self._work, mine[0])
-            elif len(threads) == 1 and start is not None:
-                work = partial(self._work, in_played_order(mine, start))
+            elif len(threads) == 1 and one_thread_order is not None:
+                work = partial(self._work, one_thread_order)
             else:
                 work = partial(self._in_turn, mine)
             workers[w].submit(partial(self.context.state.run, self._on_thread, work), replies)
@@ -199,7 +199,7 @@ class StepRun:
         with torch.set_grad_enabled(grad_enabled), torch.autograd.set_multithreading_enabled(False):
             work()
 
-    def _work(self, program: Program) -> None:
+    def _work(self, program: Sequence[Action]) -> None:
         for action in program:
             self._act(action)
 
@@ -304,26 +304,6 @@ def program_threads(programs: list[Program], thread_of: list[int]) -> dict[int, 
         if program:
             threads.setdefault(find(thread_of[program[0].stage]), []).append(k)
     return threads
-
-
-def in_played_order(programs: list[Program], start: Mapping[Action, float]) -> Program:
-    """The actions of ``programs``, all run by one thread, in the order ``validate`` played them.
-
-    In the play, an action starts once the actions it needs (the forward or
-    backward that mails it its activation or gradient) have ended, so after
-    they started: in this order, each one's mail is there when it runs, and
-    the thread never waits nor looks (``_in_turn`` does, where other threads
-    run some of the stages). A skip's mail is sent by an action that the
-    activation (or gradient) reaching its receiver needs, so it comes first
-    too. Each program's own order is kept: its actions' starts increase.
-
-    >>> from pipeline.step.actions import parse_program
-    >>> from pipeline.step.simulate import validate
-    >>> programs = [parse_program("0F0 0F1 0B0 0B1"), parse_program("1F0 1B0 1F1 1B1")]
-    >>> " ".join(map(str, in_played_order(programs, validate(programs, 2, 2).start)))
-    '0F0 0F1 1F0 1B0 0B0 1F1 1B1 0B1'
-    """
-    return sorted(itertools.chain.from_iterable(programs), key=start.__getitem__)
 
 
 def _mail_needed(action: Action, last: int) -> tuple[str, int, int] | None:

@@ -16,7 +16,8 @@ that could not run to the end:
 Playing them with costs (forward 1, backward 2, input and weight gradients 1
 each) gives the schedule's own idle fraction, and counting forwards minus
 finished backwards along each program gives the peak number of micro-batches
-each stage holds, which the runtime's stash reaches exactly.
+each stage holds, which the runtime's stash reaches exactly. It also gives
+an order in which one thread can run every program (``one_thread_order``).
 """
 
 from __future__ import annotations
@@ -41,13 +42,16 @@ class Simulation:
 
     ``idle_fraction[w]`` is worker ``w``'s share of the makespan spent
     waiting; ``peak_in_flight[s]`` the most micro-batches stage ``s`` holds
-    at once (forwarded, not yet fully back-propagated).
+    at once (forwarded, not yet fully back-propagated); ``start`` when each
+    action starts; ``one_thread_order`` every action, in an order one thread
+    running all the programs can follow (``one_thread_order``).
     """
 
     makespan: float
     idle_fraction: list[float]
     peak_in_flight: list[int]
     start: dict[Action, float]
+    one_thread_order: tuple[Action, ...]
 
     @property
     def mean_idle_fraction(self) -> float:
@@ -70,7 +74,49 @@ def validate(programs: list[Program], m: int, stages: int) -> Simulation:
     peaks = [
         _peak_in_flight([a for a in programs[worker_of[s]] if a.stage == s]) for s in range(stages)
     ]
-    return Simulation(makespan, idle, peaks, start)
+    return Simulation(makespan, idle, peaks, start, one_thread_order(programs, stages, start))
+
+
+def one_thread_order(
+    programs: list[Program], stages: int, start: dict[Action, float]
+) -> tuple[Action, ...]:
+    """Every action of ``programs``, in an order one thread can run them all.
+
+    Each program keeps its own order, and an action comes after what it
+    needs (``_dependencies``: the forward or backward that mails it its
+    activation or gradient; a skip's mail comes from an action that those
+    need in turn), so its mail is there when it starts. Of the programs'
+    next actions that could run, the order takes one of the kind just run
+    (a forward after a forward, a backward after a backward: alternating
+    the two costs the thread cache misses), the earliest in the play
+    (``start``) among them. One is always there: the next action that
+    started first in the play needs only actions that started before it.
+
+    >>> from pipeline.step.actions import parse_program
+    >>> programs = [parse_program("0F0 0F1 0B0 0B1"), parse_program("1F0 1B0 1F1 1B1")]
+    >>> " ".join(map(str, validate(programs, 2, 2).one_thread_order))
+    '0F0 0F1 1F0 1B0 0B0 1F1 1B1 0B1'
+    """
+    done: set[Action | tuple[int, str, int]] = set()
+    position = [0] * len(programs)
+    order: list[Action] = []
+    kind: Kind | None = None
+    for _ in range(sum(len(program) for program in programs)):
+        ready = [
+            (w, program[position[w]])
+            for w, program in enumerate(programs)
+            if position[w] < len(program)
+            and all(d in done for d in _dependencies(program[position[w]], stages))
+        ]
+        alike = [(w, a) for w, a in ready if a.kind == kind]
+        w, action = min(alike or ready, key=lambda ready_action: start[ready_action[1]])
+        position[w] += 1
+        order.append(action)
+        done.add(action)
+        if action.kind in ("B", "I"):
+            done.add((action.stage, "grad", action.microbatch))
+        kind = action.kind
+    return tuple(order)
 
 
 def _check_actions(programs: list[Program], m: int, stages: int) -> dict[int, int]:

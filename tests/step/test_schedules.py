@@ -3,6 +3,8 @@ what a step holds."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -115,3 +117,46 @@ def test_built_in_programs_are_valid_and_hold_what_their_schedule_promises(
         for s, peak in enumerate(simulation.peak_in_flight):
             assert one_f_one_b[s] <= peak <= one_f_one_b[s] + n - 1 - s
         assert simulation.mean_idle_fraction < gpipe_idle
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+@pytest.mark.parametrize(("m", "n"), [(1, 1), (4, 2), (8, 4), (5, 3)])
+def test_the_one_thread_order_keeps_each_program_and_puts_each_action_after_its_mail(
+    schedule: str, m: int, n: int
+) -> None:
+    if schedule == "interleaved" and n % 2:
+        return  # two stages per worker: an even count
+    programs = SCHEDULES[schedule]().programs(m, n)
+    order = validate(programs, m, n).one_thread_order
+    assert sorted(map(str, order)) == sorted(str(a) for p in programs for a in p)
+    at = {action: k for k, action in enumerate(order)}
+    for program in programs:
+        assert [at[a] for a in program] == sorted(at[a] for a in program)
+    for action, k in at.items():
+        s, i = action.stage, action.microbatch
+        if action.kind == "F" and s > 0:
+            assert at[Action(s - 1, "F", i)] < k  # its activation
+        if action.kind in ("B", "I"):
+            after = [Action(s, "F", i)] if s == n - 1 else []
+            after += [a for a in (Action(s + 1, "B", i), Action(s + 1, "I", i)) if a in at]
+            assert after and all(at[a] < k for a in after)  # its loss, or its gradient
+        if action.kind == "W":
+            assert at[Action(s, "I", i)] < k
+
+
+def test_the_one_thread_order_runs_forwards_together_and_backwards_together() -> None:
+    # 1F1B over 4 stages on one thread: after the warm-up, each round runs the
+    # four stages' forwards, then their backwards (a forward and a backward in
+    # turn cost the thread cache misses); the play's order switches far more.
+    programs = OneFOneB().programs(8, 4)
+    simulation = validate(programs, 8, 4)
+    kinds = "".join(a.kind for a in simulation.one_thread_order)
+    rounds = "F" * 10 + "BBBBFFFF" * 4 + "BBBBFFF" + "BBBBFF" + "BBBBF" + "BBBB"
+    assert kinds == rounds
+    played = sorted((a for p in programs for a in p), key=simulation.start.__getitem__)
+    played_kinds = "".join(a.kind for a in played)
+
+    def switches(text: str) -> int:
+        return sum(a != b for a, b in itertools.pairwise(text))
+
+    assert switches(kinds) < switches(played_kinds)
