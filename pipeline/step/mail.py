@@ -67,12 +67,24 @@ class Mailboxes:
         self._broken: BaseException | None = None
         self._stopped: dict[Hashable, BaseException] = {}
         self._changed = threading.Condition()
+        # Takes waiting now: a put with none to wake (one thread running
+        # every stage) notifies nobody.
+        self._waiting = 0
 
     def put(self, step: int, key: Hashable, message: Message) -> None:
         """File ``message`` under (``step``, ``key``) and wake its take."""
         with self._changed:
             self._values[step, key] = message
-            self._changed.notify_all()
+            if self._waiting:
+                self._changed.notify_all()
+
+    def _wait(self, timeout: float | None = None) -> None:
+        """Wait for a change, counted as waiting (the lock held by the caller)."""
+        self._waiting += 1
+        try:
+            self._changed.wait(timeout)
+        finally:
+            self._waiting -= 1
 
     def take(
         self, step: int, key: Hashable, waiting_for: str, sender: Hashable | None = None
@@ -85,12 +97,12 @@ class Mailboxes:
                 if failure is not None:
                     raise AbortedError(f"gave up waiting for {waiting_for}: {failure}") from failure
                 if deadline is None:
-                    self._changed.wait()
+                    self._wait()
                     continue
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise MailTimeoutError(f"waited {self.timeout:g} s for {waiting_for}, in vain")
-                self._changed.wait(left)
+                self._wait(left)
             return self._values.pop((step, key))
 
     def take_if_there(self, step: int, key: Hashable) -> Message | None:
@@ -110,7 +122,7 @@ class Mailboxes:
                 failure = self._aborted.get(step) or self._broken
                 if failure is not None:
                     raise AbortedError(f"gave up waiting for {waiting_for}: {failure}") from failure
-                self._changed.wait()
+                self._wait()
 
     def abort(self, step: int, error: BaseException) -> bool:
         """Fail ``step``'s takes, waiting or to come, with ``error`` (the first reason stays).

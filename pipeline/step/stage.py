@@ -171,7 +171,7 @@ class StageRun:
     def _act(self, action: Action) -> None:
         i = action.microbatch
         if action.kind == "F":
-            with span("forward", i, self.j), self._forward_context(), self._metered():
+            with span("forward", i, self.j), self._forward_context():
                 self.forward(i)
             return
         if action.kind == "W":
@@ -392,7 +392,8 @@ class StageRun:
         return self.meter.hooks() if self.meter is not None else contextlib.nullcontext()
 
     def _forward_context(self) -> AbstractContextManager[object]:
-        return _NOTHING if self._plain else self._forward_entered()
+        """The caller's state, the stage's stream and the meter, where any is needed."""
+        return _NOTHING if self._plain and self.meter is None else self._forward_entered()
 
     def _backward_context(self) -> AbstractContextManager[object]:
         return _NOTHING if self._plain else self._backward_entered()
@@ -402,6 +403,7 @@ class StageRun:
         with (
             self.context.state.applied(self.device),
             use_stream(self.context.compute_streams[self.j]),
+            self._metered(),
         ):
             yield
 
