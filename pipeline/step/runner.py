@@ -5,17 +5,17 @@ checked by ``simulate.validate``) and waits. A worker running one program
 runs its actions in order through the stages it owns (``stage.py``). One
 thread running every stage's program (``threads='device'`` on one device)
 runs their actions in an order where each one's mail is there when it
-starts (``simulate.one_thread_order``); a thread running some of
-the programs beside other threads runs, of its programs' next actions,
+starts (``simulate.one_thread_order``); a thread running some of the
+programs beside other threads runs, of its programs' next actions,
 whichever has its mail there (``_in_turn``). Stages exchange values by mail
 (``mail.py``), so the order between programs comes from the data, as the
-programs promise. After a stage's last
-backward (or weight-gradient) action, its parameters get their gradients
-(``gradients.py``) and the partition backward hooks are called with its
-index, on the worker: DataParallel starts that partition's all-reduces while
-others still compute. What waits for the step's end (the caller's graph,
-tensors no partition registers) is accumulated by ``finish``, once every
-worker is done.
+programs promise. After a stage's last backward (or weight-gradient)
+action, its parameters get their gradients (``gradients.py``) and the
+partition backward hooks are called with its index, on the worker:
+DataParallel starts that partition's all-reduces while others still
+compute. What waits for the step's end (the caller's graph, tensors no
+partition registers) is accumulated by ``finish``, once every worker is
+done.
 
 The first action to fail aborts the transport, so every worker stops at its
 next wait or action; the caller re-raises that failure, with a note naming
@@ -52,12 +52,7 @@ from pipeline.step.mail import AbortedError, LocalTransport, Transport, describe
 from pipeline.step.reports import Timed
 from pipeline.step.stage import StageRun, StepContext
 
-__all__ = [
-    "StepRun",
-    "checkpointed_tasks",
-    "forward_programs",
-    "program_threads",
-]
+__all__ = ["StepRun", "checkpointed_tasks", "forward_programs", "program_threads"]
 
 
 class StepRun:
