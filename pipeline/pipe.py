@@ -36,11 +36,12 @@ from pipeline.runtime.worker import (
     thread_layout,
 )
 from pipeline.skip.layout import inspect_skip_layout
-from pipeline.step.actions import Action, Program
+from pipeline.step.actions import Program
 from pipeline.step.losses import LossDivisor
 from pipeline.step.reports import StepReport
 from pipeline.step.runner import StepRun, forward_programs, program_threads
 from pipeline.step.schedules import Schedule, resolve_schedule
+from pipeline.step.simulate import Simulation
 from pipeline.trace.profiling import warn_if_workers_unseen
 from pipeline.trace.recording import begin_explicit_step
 
@@ -337,7 +338,7 @@ class Pipe(PipeBase):
         )
         begin_explicit_step(simulation.mean_idle_fraction)
         with self._one_pass(), run.holding_hooks():
-            self._run_programs(run, programs, threads, simulation.one_thread_order)
+            self._run_programs(run, programs, threads, simulation)
             run.finish()
         self.last_step = StepReport(schedule, simulation, self._measured(run, programs))
         loss = run.loss()
@@ -350,13 +351,13 @@ class Pipe(PipeBase):
         run: StepRun,
         programs: list[Program],
         threads: dict[int, list[int]],
-        one_thread_order: Sequence[Action] | None = None,
+        simulation: Simulation | None = None,
     ) -> None:
         """Run a step's (or an evaluation's) programs: ``threads[w]`` on worker ``w``.
 
-        ``one_thread_order``: the validated order for one thread (a step's).
+        ``simulation``: the programs' validation (a step's).
         """
-        run.run(programs, self._workers, threads, one_thread_order)
+        run.run(programs, self._workers, threads, simulation)
 
     @overload
     def evaluate(self, input: Value, *, kwargs: Mapping[str, Value] | None = None) -> Value: ...

@@ -2,12 +2,15 @@
 
 The caller's thread hands each worker its whole programs (``schedules.py``,
 checked by ``simulate.validate``) and waits. A worker running one program
-runs its actions in order through the stages it owns (``stage.py``). One
-thread running every stage's program (``threads='device'`` on one device)
-runs their actions in an order where each one's mail is there when it
-starts (``simulate.one_thread_order``); a thread running some of the
-programs beside other threads runs, of its programs' next actions,
-whichever has its mail there (``_in_turn``). Stages exchange values by mail
+runs its actions in order through the stages it owns (``stage.py``). A
+thread running several programs (stages sharing it, ``threads='device'``)
+runs their actions in an order that validating them gave
+(``Simulation.thread_order``): where it runs every stage, one where each
+action's mail is there when it starts; beside other threads, the order in
+which the actions started in the play. An evaluation's programs, not
+validated, run whichever next action has its mail there (``_in_turn``).
+Either way the thread never waits for an action that cannot come. Stages
+exchange values by mail
 (``mail.py``), so the order between programs comes from the data, as the
 programs promise. After a stage's last backward (or weight-gradient)
 action, its parameters get their gradients (``gradients.py``) and the
@@ -50,6 +53,7 @@ from pipeline.step.gradients import GradientSums, StepGradients
 from pipeline.step.losses import LossFn, Scale
 from pipeline.step.mail import AbortedError, LocalTransport, Transport, describe
 from pipeline.step.reports import Timed
+from pipeline.step.simulate import Simulation
 from pipeline.step.stage import StageRun, StepContext
 
 __all__ = ["StepRun", "checkpointed_tasks", "forward_programs", "program_threads"]
@@ -124,23 +128,24 @@ class StepRun:
         programs: list[Program],
         workers: list[Worker],
         threads: dict[int, list[int]],
-        one_thread_order: Sequence[Action] | None = None,
+        simulation: Simulation | None = None,
     ) -> None:
         """Run ``programs[k]`` for each ``k`` in ``threads[w]`` on ``workers[w]``.
 
-        ``one_thread_order``: every action of the programs in an order one
-        thread can run them (``simulate.one_thread_order``), if they were
-        validated. Re-raises the first failure. An interrupt aborts the
-        transport and is re-raised once every worker has answered
-        (``Replies.collect``).
+        ``simulation``: ``validate``'s, for a step's programs, which orders
+        the actions of a thread running several (``Simulation.thread_order``);
+        an evaluation's run ``_in_turn``. Re-raises the first failure. An
+        interrupt aborts the transport and is re-raised once every worker has
+        answered (``Replies.collect``).
         """
         replies = Replies()
         for w, indices in threads.items():
             mine = [programs[k] for k in indices]
             if len(mine) == 1:
                 work = partial(self._work, mine[0])
-            elif len(threads) == 1 and one_thread_order is not None:
-                work = partial(self._work, one_thread_order)
+            elif simulation is not None:
+                order = simulation.thread_order(mine, alone=len(threads) == 1)
+                work = partial(self._work, order)
             else:
                 work = partial(self._in_turn, mine)
             workers[w].submit(partial(self.context.state.run, self._on_thread, work), replies)
@@ -201,15 +206,12 @@ class StepRun:
     def _in_turn(self, programs: list[Program]) -> None:
         """Run several programs on this thread: any one's next action whose mail is there.
 
-        Each program's actions run in its order. This cannot deadlock on
-        programs that ``validate`` accepted: it played them to their end,
-        each in order, an action starting once the actions it needs had run.
-        Were every program's next action here (and on every other thread)
-        waiting, take among them the one that started first in that play, a.
-        What a needs started before a, so before the next action of its own
-        program (which starts no earlier than a): it has run, so its mail is
-        there and a could run. A skip's mail is sent before the activation
-        (or gradient) that leads to its receiver, so it is there too.
+        An evaluation's forward programs (a step's follow their validated
+        order). Each program's actions run in its order, and this cannot
+        deadlock: a forward needs only the previous stage's forward of its
+        micro-batch, and every thread runs its stages in increasing order
+        (``forward_programs``). A skip's mail is sent before the activation
+        that leads to its receiver, so it is there too.
         """
         transport = self.transport
         assert isinstance(transport, LocalTransport), "programs share threads in one process"

@@ -22,7 +22,9 @@ an order in which one thread can run every program (``one_thread_order``).
 
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pipeline.step.actions import Action, Kind, Program
@@ -56,6 +58,21 @@ class Simulation:
     @property
     def mean_idle_fraction(self) -> float:
         return sum(self.idle_fraction) / len(self.idle_fraction)
+
+    def thread_order(self, programs: list[Program], alone: bool) -> Sequence[Action]:
+        """The actions of ``programs``, all run by one thread, in an order it can follow.
+
+        ``alone``: the thread runs every program (``one_thread_order``).
+        Otherwise other threads run the rest, each in this same way: the
+        actions in the order they started in the play. Each action then
+        waits only for actions that started before it in the play, so the
+        pending action that started first can always run (no deadlock), and
+        the thread's order, hence what it draws from a generator it owns, is
+        the same at every step.
+        """
+        if alone:
+            return self.one_thread_order
+        return sorted(itertools.chain.from_iterable(programs), key=self.start.__getitem__)
 
 
 def validate(programs: list[Program], m: int, stages: int) -> Simulation:

@@ -86,9 +86,29 @@ def test_stages_sharing_one_thread_equal_the_plain_model(schedule: str) -> None:
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
 def test_two_threads_each_running_two_stages_equal_the_plain_model(schedule: str) -> None:
     # As on two GPUs of two partitions each with threads="device": each
-    # thread runs its stages' programs, an action once its mail is there
-    # (some comes from the other thread).
+    # thread runs its stages' programs in the order their actions started in
+    # the validated play, some of its mail coming from the other thread.
     check_stages_sharing_threads(schedule, "partition", thread_of=[0, 0, 1, 1])
+
+
+def test_two_threads_each_running_two_stages_run_the_same_order_at_every_step() -> None:
+    # The order of a thread's actions is the play's, not the order in which
+    # mail happened to arrive: what a thread draws from a generator it owns
+    # (a GPU's) is the same at every step under the same seed.
+    torch.manual_seed(0)
+    model, balance = layered(4, LAYOUTS[0])
+    pipe = Pipe(model, balance, devices=["cpu"] * 4, chunks=4, checkpoint="never")
+    pipe._thread_of = [0, 0, 1, 1]
+    x = torch.randn(8, WIDTH, dtype=torch.double)
+    for _ in range(3):
+        pipe.step(x, x, F.mse_loss, schedule="1f1b")
+        report = pipe.last_step
+        assert report is not None
+        start = report.simulation.start
+        for stages in ({0, 1}, {2, 3}):
+            ran = [r.action for r in report.actions if r.action.stage in stages]
+            assert ran == sorted(ran, key=start.__getitem__)
+    pipe.close()
 
 
 def check_stages_sharing_threads(schedule: str, threads: str, thread_of: list[int] | None) -> None:
