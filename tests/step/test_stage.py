@@ -78,8 +78,8 @@ def check_every_layout(checkpoint: str, schedule: str | None) -> None:
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
 def test_stages_sharing_one_thread_equal_the_plain_model(schedule: str) -> None:
     # threads="device": the programs of every stage run on one thread, in the
-    # order their validation played them. Every skip layout, the checkpoint
-    # modes in turn.
+    # order validating them gave (each action after its mail, forwards and
+    # backwards grouped). Every skip layout, the checkpoint modes in turn.
     check_stages_sharing_threads(schedule, "device", thread_of=None)
 
 
