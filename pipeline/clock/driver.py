@@ -192,8 +192,12 @@ class _ForwardPass:
             raise result.exception
 
     def _fence_and_compute(self, cycle: list[tuple[int, int]]) -> None:
-        """Both phases of ``cycle`` on this thread; each task runs, the first failure raises."""
-        with torch.set_grad_enabled(self.state.grad_enabled):
+        """Both phases of ``cycle`` on this thread; each task runs, the first failure raises.
+
+        The fence runs in the caller's state (grad and inference mode,
+        autocast), as it does on the caller's thread.
+        """
+        with self.state.applied(self.runtime.devices[0]):
             self.fence(cycle)
         failure: BaseException | None = None
         for i, j in cycle:

@@ -185,6 +185,20 @@ def test_entry_point_equals_the_plain_model(
 
 
 @pytest.mark.parametrize("entry_point", ENTRY_POINTS, ids=lambda f: f.__name__)
+@pytest.mark.parametrize("model_name", list(MODELS))
+@pytest.mark.parametrize("checkpoint", MODES)
+def test_entry_point_on_one_thread_for_every_partition_equals_the_plain_model(
+    entry_point: Callable[[nn.Module, Tensor], Results], model_name: str, checkpoint: str
+) -> None:
+    # The clock cycles, fences included, run on that thread.
+    model = MODELS[model_name]()
+    x = torch.randn(ROWS, WIDTH, dtype=torch.float64)
+    expected = entry_point(copy.deepcopy(model), x)
+    actual = entry_point(cpu_pipe(model, [2, 2, 2], 4, checkpoint, threads="device"), x)
+    assert_same_results(actual, expected)
+
+
+@pytest.mark.parametrize("entry_point", ENTRY_POINTS, ids=lambda f: f.__name__)
 @pytest.mark.parametrize(("balance", "chunks"), SPLITS[1:3])
 @pytest.mark.parametrize("checkpoint", ["always", "except_last"])
 def test_entry_point_with_dropout_equals_the_pipe_without_checkpointing(

@@ -12,10 +12,11 @@ from pipeline import Pipe
 from tests.helpers import mlp
 
 
+@pytest.mark.parametrize("threads", ["partition", "device"])
 @pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
 @pytest.mark.parametrize("input_requires_grad", [True, False])
 def test_hook_fires_once_per_partition_with_final_gradients(
-    checkpoint: str, input_requires_grad: bool
+    checkpoint: str, input_requires_grad: bool, threads: str
 ) -> None:
     model = mlp()
     x = torch.randn(12, 8, dtype=torch.float64)
@@ -23,7 +24,14 @@ def test_hook_fires_once_per_partition_with_final_gradients(
     reference(x).sum().backward()
     expected = [p.grad.clone() for p in reference.parameters()]  # type: ignore[union-attr]
 
-    pipe = Pipe(model, [2, 2, 2], devices=["cpu"] * 3, chunks=4, checkpoint=checkpoint)  # type: ignore[arg-type]
+    pipe = Pipe(
+        model,
+        [2, 2, 2],
+        devices=["cpu"] * 3,
+        chunks=4,
+        checkpoint=checkpoint,  # type: ignore[arg-type]
+        threads=threads,  # type: ignore[arg-type]
+    )
     final: dict[int, bool] = {}
 
     def hook(j: int) -> None:

@@ -141,6 +141,18 @@ def test_statistics_and_gradients_equal_the_plain_model_run_per_micro_batch(
         assert int(tracked) == STEPS * chunks
 
 
+@pytest.mark.parametrize("norm", list(NORMS))
+@pytest.mark.parametrize("checkpoint", MODES)
+def test_statistics_and_gradients_on_one_thread_for_every_partition_equal_the_plain_model(
+    norm: str, checkpoint: str
+) -> None:
+    balance, chunks = [2, 2, 2], 4
+    model, data = in_every_partition(NORMS[norm]), batches(NORMS[norm])
+    expected = train(copy.deepcopy(model), data, pieces=chunks)
+    actual = train(cpu_pipe(model, balance, chunks, checkpoint, threads="device"), data)
+    assert_records_equal(actual, expected, ("output", "grads", "buffers"))
+
+
 @pytest.mark.parametrize(("balance", "chunks"), SPLITS[1:])
 @pytest.mark.parametrize("checkpoint", ["always", "except_last"])
 def test_spectral_norm_in_a_checkpointed_partition_equals_the_pipe_without_checkpointing(

@@ -84,10 +84,11 @@ class Noise(nn.Module):
         return x + 0.1 * torch.randn_like(x)
 
 
+@pytest.mark.parametrize("threads", ["partition", "device"])
 @pytest.mark.parametrize("kind", [SystemExit, KeyboardInterrupt, GeneratorExit])
 @pytest.mark.parametrize("checkpoint", ["always", "never"])
 def test_base_exception_in_a_random_layer_leaves_the_pipe_usable(
-    kind: type[BaseException], checkpoint: str
+    kind: type[BaseException], checkpoint: str, threads: str
 ) -> None:
     exception = kind()
     pipe = Pipe(
@@ -96,6 +97,7 @@ def test_base_exception_in_a_random_layer_leaves_the_pipe_usable(
         devices=["cpu"] * 2,
         chunks=2,
         checkpoint=checkpoint,  # type: ignore[arg-type]
+        threads=threads,  # type: ignore[arg-type]
     )
     Noise.exception = exception
     try:

@@ -34,16 +34,28 @@ class Probe(nn.Module):
         return y
 
 
-def probed_pipe(checkpoint: str = "never", chunks: int = 2) -> tuple[Pipe, list[Probe]]:
+def probed_pipe(
+    checkpoint: str = "never", chunks: int = 2, threads: str = "auto"
+) -> tuple[Pipe, list[Probe]]:
     probes = [Probe(), Probe()]
     pipe = Pipe(
-        nn.Sequential(*probes), [1, 1], devices=["cpu"] * 2, chunks=chunks, checkpoint=checkpoint
-    )  # type: ignore[arg-type]
+        nn.Sequential(*probes),
+        [1, 1],
+        devices=["cpu"] * 2,
+        chunks=chunks,
+        checkpoint=checkpoint,  # type: ignore[arg-type]
+        threads=threads,  # type: ignore[arg-type]
+    )
     return pipe, probes
 
 
-def test_autocast_reaches_every_partition_in_forward_and_recompute() -> None:
-    pipe, probes = probed_pipe(checkpoint="always")
+# "device": one thread runs both partitions, the clock cycles' fences included.
+THREADS = ["partition", "device"]
+
+
+@pytest.mark.parametrize("threads", THREADS)
+def test_autocast_reaches_every_partition_in_forward_and_recompute(threads: str) -> None:
+    pipe, probes = probed_pipe(checkpoint="always", threads=threads)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = pipe(torch.randn(4, 4))
     assert isinstance(out, Tensor) and out.dtype == torch.bfloat16
@@ -66,16 +78,18 @@ def test_no_autocast_leaks_into_the_next_call() -> None:
     assert [s["autocast"] for s in probes[1].seen] == [True, True, False, False]
 
 
-def test_no_grad_reaches_workers_and_disables_checkpointing() -> None:
-    pipe, probes = probed_pipe(checkpoint="always")
+@pytest.mark.parametrize("threads", THREADS)
+def test_no_grad_reaches_workers_and_disables_checkpointing(threads: str) -> None:
+    pipe, probes = probed_pipe(checkpoint="always", threads=threads)
     with torch.no_grad():
         out = pipe(torch.randn(4, 4))
     assert isinstance(out, Tensor) and not out.requires_grad
     assert all(not s["grad"] and not s["checkpointing"] for p in probes for s in p.seen)
 
 
-def test_inference_mode_reaches_workers() -> None:
-    pipe, probes = probed_pipe()
+@pytest.mark.parametrize("threads", THREADS)
+def test_inference_mode_reaches_workers(threads: str) -> None:
+    pipe, probes = probed_pipe(threads=threads)
     with torch.inference_mode():
         out = pipe(torch.randn(4, 4))
     assert isinstance(out, Tensor) and out.is_inference()

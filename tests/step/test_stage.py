@@ -32,12 +32,17 @@ def test_every_layout_partition_count_and_chunk_count_equals_the_plain_model(
     check_every_layout(checkpoint, schedule)
 
 
+@pytest.mark.parametrize("threads", ["partition", "device"])
 @pytest.mark.parametrize("checkpoint", MODES)
-def test_every_layout_partition_count_and_chunk_count_of_pipe_call_too(checkpoint: str) -> None:
-    check_every_layout(checkpoint, schedule=None)
+def test_every_layout_partition_count_and_chunk_count_of_pipe_call_too(
+    checkpoint: str, threads: str
+) -> None:
+    # "device": one thread runs every partition, the clock cycles' fences
+    # (fork/join edges, skip portals) included.
+    check_every_layout(checkpoint, schedule=None, threads=threads)
 
 
-def check_every_layout(checkpoint: str, schedule: str | None) -> None:
+def check_every_layout(checkpoint: str, schedule: str | None, threads: str = "auto") -> None:
     """``pipe.step`` with ``schedule`` (``pipe(x)`` and backward if None) against the plain one."""
     rows = 7  # never divisible by the chunk counts above 1
     for n in (1, 2, 3, 4):
@@ -62,6 +67,7 @@ def check_every_layout(checkpoint: str, schedule: str | None) -> None:
                     devices=["cpu"] * n,
                     chunks=chunks,
                     checkpoint=checkpoint,  # type: ignore[arg-type]
+                    threads=threads,  # type: ignore[arg-type]
                 )
                 x.grad = None
                 if schedule is not None:
@@ -283,3 +289,23 @@ def test_gradients_accumulate_like_backward_and_outputs_come_back_on_request() -
     assert_same(grads(pipe), grads(plain), "two steps accumulate")
     torch.testing.assert_close(output, plain(x).detach())
     assert not output.requires_grad and loss.shape == ()
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_skips_on_one_thread_without_grad_equal_the_plain_model(mode: str) -> None:
+    # The fences (skip portals among them) run on the worker in the caller's
+    # grad and inference mode.
+    context = torch.no_grad if mode == "no_grad" else torch.inference_mode
+    for layout in LAYOUTS:
+        torch.manual_seed(5)
+        model, balance = layered(4, layout)
+        x = torch.randn(7, WIDTH, dtype=torch.double)
+        with context():
+            expected = model(x)
+        pipe = Pipe(model, balance, devices=["cpu"] * 4, chunks=3, threads="device")
+        with context():
+            found = pipe(x)
+        assert isinstance(found, Tensor) and not found.requires_grad
+        assert found.is_inference() == (mode == "inference_mode")
+        torch.testing.assert_close(found, expected, msg=layout)
+        pipe.close()
