@@ -34,10 +34,12 @@ draws are made replayable in one of two ways, chosen per partition
                             |lock, seed(i,j,1)|          |lock, seed(i,j,2)|
 
   The generator is locked, seeded, used and restored around that one op
-  only, so everything else overlaps. Recomputation replays the task under
-  ``replaying()`` and gets the same seeds, so the same masks; a checkpointed
-  task notes the state each draw ends in, and its replay raises if one ends
-  elsewhere (a thread drew without the lock inside the window). A generator
+  only, so everything else overlaps. Dynamo's compile lock is held too: a
+  compilation on another thread sets the generators back when it ends.
+  Recomputation replays the task under ``replaying()`` and gets the same
+  seeds, so the same masks; a checkpointed task notes the state each draw
+  ends in, and its replay raises if one ends elsewhere (a thread drew
+  without the lock inside the window). A generator
   the user passes to an op (``torch.rand(..., generator=g)``) keeps its own
   stream: its state before each draw is recorded and restored for the
   replay. The mode lets compiled code run compiled (torch >= 2.9:
@@ -47,6 +49,7 @@ draws are made replayable in one of two ways, chosen per partition
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -80,12 +83,44 @@ def _mix(*values: int) -> int:
     return state & _SEED_MASK
 
 
-def _lock(generator: torch.Generator) -> threading.Lock:
+def _lock(generator: torch.Generator) -> _Held:
     lock = _locks.get(id(generator))
     if lock is None:
         with _locks_guard:
             lock = _locks.setdefault(id(generator), threading.Lock())
-    return lock
+    return _Held(lock)
+
+
+class _Held:
+    """Dynamo's compile lock (once dynamo is loaded), then one generator's lock.
+
+    Dynamo notes the default generators' states when it starts compiling a
+    frame and sets them back when it is done (``preserve_global_state``), on
+    the thread that compiles and without a lock of ours. Landing inside
+    another thread's seeded draw, that rewind changes the numbers drawn:
+    silently without checkpointing, and with it the recomputation raises.
+    Dynamo compiles under its ``compile_lock``, a reentrant lock, so holding
+    it around every use of a generator keeps compilations out. Taken first
+    everywhere, it cannot deadlock: a compilation that draws already holds it.
+    """
+
+    __slots__ = ("_compiling", "_lock")
+
+    def __init__(self, lock: threading.Lock) -> None:
+        self._lock = lock
+        self._compiling: AbstractContextManager[Any] | None = None
+
+    def __enter__(self) -> None:
+        convert_frame = sys.modules.get("torch._dynamo.convert_frame")
+        self._compiling = getattr(convert_frame, "compile_lock", None)
+        if self._compiling is not None:
+            self._compiling.__enter__()
+        self._lock.acquire()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._lock.release()
+        if self._compiling is not None:
+            self._compiling.__exit__(None, None, None)
 
 
 def default_generator(device: torch.device) -> torch.Generator | None:

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch._dynamo import convert_frame
 
 from pipeline import Pipe, is_checkpointing, is_recomputing
 from pipeline.runtime import rng
@@ -278,6 +279,63 @@ def test_recomputation_raises_when_a_seeded_draw_was_disturbed() -> None:
     assert isinstance(out, Tensor)
     with pytest.raises(RuntimeError, match=r"micro-batch 0 on partition 1 .* draw 1 of"):
         out.sum().backward()
+
+
+compile_started: list[bool] = []
+
+
+@torch.library.custom_op(
+    "pipegrad_tests::noise_beside_a_compile",
+    mutates_args=(),
+    tags=torch.Tag.nondeterministic_seeded,
+)
+def noise_beside_a_compile(x: Tensor, compiling: bool) -> Tensor:
+    """Two draws of noise; ``compiling``: another thread tries to compile between them.
+
+    Dynamo compiles under its ``compile_lock`` and, when done, sets the
+    default generators back to the states it found (here: before the first
+    draw), so a compile that ends inside the draw would repeat its numbers.
+    """
+    start = torch.default_generator.get_state()
+    first = torch.rand_like(x)
+    if compiling:
+
+        def compile_beside() -> None:
+            started = convert_frame.compile_lock.acquire(blocking=False)
+            compile_started.append(started)
+            if started:
+                torch.default_generator.set_state(start)
+                convert_frame.compile_lock.release()
+
+        other = threading.Thread(target=compile_beside)
+        other.start()
+        other.join()
+    return first + torch.rand_like(x)
+
+
+@noise_beside_a_compile.register_fake
+def _(x: Tensor, compiling: bool) -> Tensor:
+    return torch.empty_like(x)
+
+
+class NoiseBesideACompile(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return x * noise_beside_a_compile(x.detach(), not is_recomputing())
+
+
+def test_a_compile_on_another_thread_cannot_rewind_the_generator_inside_a_seeded_draw() -> None:
+    # Found by CI: a layer compiled on one worker thread while the other drew.
+    compile_started.clear()
+    results = {}
+    for mode in ("never", "always"):
+        model = nn.Sequential(nn.Linear(4, 4), NoiseBesideACompile())
+        pipe = Pipe(model, [1, 1], devices=["cpu"] * 2, chunks=2, checkpoint=mode)  # type: ignore[arg-type]
+        torch.manual_seed(3)
+        pipe(torch.randn(4, 4)).sum().backward()
+        results[mode] = grads(pipe)
+    assert compile_started == [False] * 4  # a draw in each task of both passes
+    for name, grad in results["never"].items():
+        assert torch.equal(results["always"][name], grad), name
 
 
 def test_a_random_op_writing_into_out_draws_on_the_device_of_out() -> None:
