@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 from gpt import Corpus, load_text
-from torch import Tensor
+from torch import Tensor, nn
 
 import pipeline
 from balance import balance_by_time
@@ -38,11 +38,36 @@ def lm_loss(output: Any, target: Tensor) -> Tensor:
     return F.cross_entropy(output.logits.flatten(0, 1), target.flatten())
 
 
-def largest_difference(losses: list[float], plain_losses: list[float], tolerance: float) -> float:
-    """The largest relative difference between the two runs' losses, step by step (printed)."""
+def plain_step(
+    plain: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, y: Tensor, mask: Tensor
+) -> float:
+    """The plain model's step on the batch the pipe took; its loss."""
+    optimizer.zero_grad(set_to_none=True)
+    loss = lm_loss(plain(x, attention_mask=mask), y)
+    loss.backward()
+    optimizer.step()
+    return float(loss.detach())
+
+
+def log_step(args: argparse.Namespace, step: int, start: float, loss: float, plain: float) -> None:
+    """Every ``--log-every`` steps and at the last: both losses and the tokens per second."""
+    if step % args.log_every == 0 or step == args.steps:
+        rate = step * args.batch * args.context / (time.perf_counter() - start)
+        print(
+            f"step {step:4d}/{args.steps}  loss {loss:.4f}  plain model {plain:.4f}  "
+            f"{rate:,.0f} tokens/s (both)",
+            flush=True,
+        )
+
+
+def verdict(losses: list[float], plain_losses: list[float], tolerance: float) -> int:
+    """0 if every step's losses agree within ``tolerance`` (relative) and the loss fell, else 1."""
     worst = max(abs(a - b) / abs(b) for a, b in zip(losses, plain_losses, strict=True))
     print(f"largest relative difference between the losses: {worst:.2e} (tolerance {tolerance})")
-    return worst
+    window = max(len(losses) // 10, 1)
+    before, after = sum(losses[:window]) / window, sum(losses[-window:]) / window
+    print(f"loss fell from {before:.3f} to {after:.3f}")
+    return 0 if worst <= tolerance and after < before else 1
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -111,25 +136,10 @@ def main(argv: list[str]) -> int:
         loss = pipe.step(x, y, lm_loss, kwargs={"attention_mask": mask}, schedule=args.schedule)
         optimizer.step()
         losses.append(float(loss))
-        plain_optimizer.zero_grad(set_to_none=True)
-        plain_loss = lm_loss(plain(x, attention_mask=mask), y)
-        plain_loss.backward()
-        plain_optimizer.step()
-        plain_losses.append(float(plain_loss.detach()))
-        if step % args.log_every == 0 or step == args.steps:
-            rate = step * args.batch * args.context / (time.perf_counter() - start)
-            print(
-                f"step {step:4d}/{args.steps}  loss {loss:.4f}  plain model {plain_loss:.4f}  "
-                f"{rate:,.0f} tokens/s (both)",
-                flush=True,
-            )
+        plain_losses.append(plain_step(plain, plain_optimizer, x, y, mask))
+        log_step(args, step, start, losses[-1], plain_losses[-1])
     pipe.close()
-
-    worst = largest_difference(losses, plain_losses, args.tolerance)
-    window = max(len(losses) // 10, 1)
-    first, last = sum(losses[:window]) / window, sum(losses[-window:]) / window
-    print(f"loss fell from {first:.3f} to {last:.3f}")
-    return 0 if worst <= args.tolerance and last < first else 1
+    return verdict(losses, plain_losses, args.tolerance)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import transformers
 from gpt import Corpus, load_text
-from hf_gpt2 import largest_difference, lm_loss
+from hf_gpt2 import lm_loss, log_step, plain_step, verdict
 from torch import Tensor, nn
 
 import pipeline
@@ -125,33 +125,17 @@ def main(argv: list[str]) -> int:
         losses.append(float(loss))
         if plain is None or plain_optimizer is None:
             continue
-        plain_optimizer.zero_grad(set_to_none=True)
-        plain_loss = lm_loss(plain(x, attention_mask=mask), y)
-        plain_loss.backward()
-        plain_optimizer.step()
-        plain_losses.append(float(plain_loss.detach()))
-        if step % args.log_every == 0 or step == args.steps:
-            rate = step * args.batch * args.context / (time.perf_counter() - start)
-            print(
-                f"step {step:4d}/{args.steps}  loss {loss:.4f}  plain model {plain_loss:.4f}  "
-                f"{rate:,.0f} tokens/s (both)",
-                flush=True,
-            )
+        plain_losses.append(plain_step(plain, plain_optimizer, x, y, mask))
+        log_step(args, step, start, losses[-1], plain_losses[-1])
 
-    verdict = [0]
-    if env.rank == 0:
-        worst = largest_difference(losses, plain_losses, args.tolerance)
-        window = max(len(losses) // 10, 1)
-        before, after = sum(losses[:window]) / window, sum(losses[-window:]) / window
-        print(f"loss fell from {before:.3f} to {after:.3f}")
-        verdict = [0 if worst <= args.tolerance and after < before else 1]
-    dist.broadcast_object_list(verdict, src=0)
+    exit_code = [verdict(losses, plain_losses, args.tolerance) if env.rank == 0 else 0]
+    dist.broadcast_object_list(exit_code, src=0)
     pipe.close()
     # Drop what holds the process group first (see train_dp.py).
     del optimizer, pipe
     gc.collect()
     dist.destroy_process_group()
-    return int(verdict[0])
+    return int(exit_code[0])
 
 
 if __name__ == "__main__":

@@ -37,7 +37,16 @@ from functools import partial
 from types import ModuleType
 
 import torch
-from pipe_common import print_json, round_times, start_single_threaded
+from pipe_common import (
+    Run,
+    call_step,
+    check_gradients,
+    explicit_step,
+    plain_step,
+    print_json,
+    round_times,
+    start_single_threaded,
+)
 from torch import Tensor, nn
 
 import pipeline
@@ -53,43 +62,10 @@ WIDTH = 32
 TASKS = CHUNKS * PARTITIONS
 THREADS = ("device", "partition")
 
-Run = Callable[[], object]
-
 
 def tiny_model() -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(*(nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)))
-
-
-def sum_loss(output: Tensor, _: Tensor) -> Tensor:
-    return output.sum()
-
-
-def plain_step(model: nn.Module, x: Tensor) -> Run:
-    def run() -> None:
-        model.zero_grad(set_to_none=True)
-        for piece in x.chunk(CHUNKS):
-            model(piece).sum().backward()
-
-    return run
-
-
-def call_step(module: nn.Module, x: Tensor) -> Run:
-    """``module(x).sum().backward()``: ``pipe(x)``, torchgpipe's ``GPipe(x)``."""
-
-    def run() -> None:
-        module.zero_grad(set_to_none=True)
-        module(x).sum().backward()
-
-    return run
-
-
-def explicit_step(pipe: pipeline.Pipe, x: Tensor, schedule: str) -> Run:
-    def run() -> None:
-        pipe.zero_grad(set_to_none=True)
-        pipe.step(x, x, sum_loss, schedule=schedule, loss_reduction="sum")
-
-    return run
 
 
 def candidates(
@@ -97,7 +73,7 @@ def candidates(
 ) -> dict[str, tuple[Run, nn.Module]]:
     """Each candidate's training step, and the module it trains (a copy of ``model``)."""
     balance = [LAYERS // PARTITIONS] * PARTITIONS
-    runs: dict[str, tuple[Run, nn.Module]] = {"plain": (plain_step(model, x), model)}
+    runs: dict[str, tuple[Run, nn.Module]] = {"plain": (plain_step(model, x, CHUNKS), model)}
     if torchgpipe is not None:
         gpipe = torchgpipe.GPipe(copy.deepcopy(model), balance, devices=["cpu"] * PARTITIONS,
                                  chunks=CHUNKS, checkpoint="never")  # fmt: skip
@@ -110,18 +86,6 @@ def candidates(
             step = explicit_step(pipe, x, schedule)
             runs[f"Pipe.step {schedule} threads={threads}"] = (step, pipe)
     return runs
-
-
-def check_gradients(runs: dict[str, tuple[Run, nn.Module]]) -> None:
-    """Every candidate's step leaves the plain model's gradients."""
-    run, plain = runs["plain"]
-    run()
-    expected = [p.grad for p in plain.parameters()]
-    for name, (run, module) in runs.items():
-        run()
-        for found, grad in zip(module.parameters(), expected, strict=True):
-            assert found.grad is not None and grad is not None, name
-            torch.testing.assert_close(found.grad, grad, msg=name)
 
 
 def overheads(times: dict[str, list[float]]) -> dict[str, dict[str, float]]:

@@ -1,4 +1,4 @@
-"""What the Pipe benchmarks share: timing in rounds, the machine, torchgpipe, the JSON line.
+"""What the Pipe benchmarks share: timing in rounds, training steps, the machine, the JSON line.
 
 The benchmarks run on machines that other jobs share, so every candidate of a
 comparison runs once per round, in turn, and keeps its best time: candidates
@@ -17,10 +17,18 @@ from types import ModuleType
 from typing import Any
 
 import torch
+from torch import Tensor, nn
+
+import pipeline
 
 __all__ = [
+    "Run",
     "best_times",
+    "call_step",
+    "check_gradients",
+    "explicit_step",
     "machine",
+    "plain_step",
     "print_json",
     "round_times",
     "thread_scaling",
@@ -152,3 +160,53 @@ def print_json(result: dict[str, Any]) -> None:
     Example: ``print_json({"benchmark": "overhead", "forward_us": 40.0})``.
     """
     print(json.dumps(result))
+
+
+Run = Callable[[], object]
+
+
+def sum_loss(output: Tensor, _: Tensor) -> Tensor:
+    return output.sum()
+
+
+def plain_step(model: nn.Module, x: Tensor, chunks: int) -> Run:
+    """The plain model's step on ``x``'s micro-batches, one after another."""
+
+    def run() -> None:
+        model.zero_grad(set_to_none=True)
+        for piece in x.chunk(chunks):
+            model(piece).sum().backward()
+
+    return run
+
+
+def call_step(module: nn.Module, x: Tensor) -> Run:
+    """``module(x).sum().backward()``: ``pipe(x)``, torchgpipe's ``GPipe(x)``."""
+
+    def run() -> None:
+        module.zero_grad(set_to_none=True)
+        module(x).sum().backward()
+
+    return run
+
+
+def explicit_step(pipe: pipeline.Pipe, x: Tensor, schedule: str) -> Run:
+    """``pipe.step`` of the outputs' sum (the loss ``call_step`` takes)."""
+
+    def run() -> None:
+        pipe.zero_grad(set_to_none=True)
+        pipe.step(x, x, sum_loss, schedule=schedule, loss_reduction="sum")
+
+    return run
+
+
+def check_gradients(runs: dict[str, tuple[Run, nn.Module]]) -> None:
+    """Every candidate's step leaves the plain model's gradients (``runs["plain"]``)."""
+    run, plain = runs["plain"]
+    run()
+    expected = [p.grad for p in plain.parameters()]
+    for name, (run, module) in runs.items():
+        run()
+        for found, grad in zip(module.parameters(), expected, strict=True):
+            assert found.grad is not None and grad is not None, name
+            torch.testing.assert_close(found.grad, grad, msg=name)

@@ -30,7 +30,7 @@ from types import ModuleType
 from typing import Any
 
 import torch
-from pipe_common import best_times, print_json, start_single_threaded, thread_scaling
+from pipe_common import Run, best_times, print_json, start_single_threaded, thread_scaling
 from torch import nn
 
 import pipeline
@@ -39,8 +39,6 @@ from pipeline.arguments import CheckpointMode
 WIDTH = 1024
 BLOCKS = 8
 TRACED_CHUNKS = 8
-
-Run = Callable[[], object]
 
 
 def blocks(dropout: float = 0.0) -> nn.Sequential:

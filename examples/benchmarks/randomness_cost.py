@@ -23,19 +23,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from unittest import mock
 
 import torch
-from pipe_common import best_times, print_json, start_single_threaded
+from pipe_common import Run, best_times, print_json, start_single_threaded
 from torch import nn
 
 import pipeline
 from pipeline.runtime.rng import TaskRandomness
 
 WIDTH, HEADS, SEQUENCE, LAYERS = 256, 4, 64, 8
-
-Run = Callable[[], object]
 
 
 def transformer(dropout: float) -> nn.Sequential:

@@ -27,18 +27,24 @@ import copy
 import inspect
 import statistics
 import time
-from collections.abc import Callable
 
 import torch
-from pipe_common import print_json, round_times, start_single_threaded
+from pipe_common import (
+    Run,
+    call_step,
+    check_gradients,
+    explicit_step,
+    plain_step,
+    print_json,
+    round_times,
+    start_single_threaded,
+)
 from torch import Tensor, nn
 
 import pipeline
 
 PARTITIONS = 4
 WIDTH = 64
-
-Run = Callable[[], object]
 
 
 def small_ops_model(blocks: int) -> nn.Sequential:
@@ -47,35 +53,6 @@ def small_ops_model(blocks: int) -> nn.Sequential:
     for _ in range(PARTITIONS * blocks):
         layers += [nn.LayerNorm(WIDTH), nn.Linear(WIDTH, WIDTH)]
     return nn.Sequential(*layers)
-
-
-def sum_loss(output: Tensor, _: Tensor) -> Tensor:
-    return output.sum()
-
-
-def plain_step(model: nn.Module, x: Tensor, chunks: int) -> Run:
-    def run() -> None:
-        model.zero_grad(set_to_none=True)
-        for piece in x.chunk(chunks):
-            model(piece).sum().backward()
-
-    return run
-
-
-def call_step(pipe: pipeline.Pipe, x: Tensor) -> Run:
-    def run() -> None:
-        pipe.zero_grad(set_to_none=True)
-        pipe(x).sum().backward()  # type: ignore[union-attr]
-
-    return run
-
-
-def explicit_step(pipe: pipeline.Pipe, x: Tensor, schedule: str) -> Run:
-    def run() -> None:
-        pipe.zero_grad(set_to_none=True)
-        pipe.step(x, x, sum_loss, schedule=schedule, loss_reduction="sum")
-
-    return run
 
 
 def thread_layouts() -> list[str | None]:
@@ -98,18 +75,6 @@ def candidates(model: nn.Sequential, x: Tensor, chunks: int) -> dict[str, tuple[
         for schedule in ("gpipe", "1f1b"):
             runs[f"Pipe.step {schedule}{suffix}"] = (explicit_step(pipe, x, schedule), pipe)
     return runs
-
-
-def check_gradients(runs: dict[str, tuple[Run, nn.Module]]) -> None:
-    """Every candidate's step leaves the plain model's gradients."""
-    run, plain = runs["plain"]
-    run()
-    expected = [p.grad for p in plain.parameters()]
-    for name, (run, module) in runs.items():
-        run()
-        for found, grad in zip(module.parameters(), expected, strict=True):
-            assert found.grad is not None and grad is not None, name
-            torch.testing.assert_close(found.grad, grad, msg=name)
 
 
 def main(argv: list[str] | None = None) -> None:

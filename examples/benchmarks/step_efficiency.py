@@ -28,22 +28,20 @@ import argparse
 import copy
 import importlib.util
 import sys
-import threading
-import weakref
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from pipe_common import best_times, print_json, start_single_threaded
+from pipe_common import Run, best_times, print_json, start_single_threaded
 from torch import Tensor, nn
 
 import pipeline
 from pipeline.schedules import Interleaved1F1B
+from pipeline.step.activations import ActivationMeter
 
-Run = Callable[[], object]
 LossFn = Callable[[Any, Tensor], Tensor]
 SCHEDULES: dict[str, Callable[[], Any]] = {
     "gpipe": lambda: "gpipe",
@@ -51,72 +49,6 @@ SCHEDULES: dict[str, Callable[[], Any]] = {
     "interleaved": lambda: Interleaved1F1B(virtual=2),
     "zb-h1": lambda: "zb-h1",
 }
-
-
-class ActivationMeter:
-    """Peak bytes of tensors saved for backward, by storage, on every thread it is installed on.
-
-    Saved-tensor hooks are thread-local, so the meter is entered around each
-    layer's forward (forward pre-hook and hook), on whichever worker runs it.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._live: dict[int, list[int]] = {}  # storage address -> [bytes, references]
-        self._parameters: set[int] = set()
-        self.current = 0
-        self.peak = 0
-
-    def attach(self, model: nn.Module) -> None:
-        self._parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        for layer in model.children():
-            layer.register_forward_pre_hook(self._enter)
-            layer.register_forward_hook(self._exit, always_call=True)
-
-    def reset(self) -> None:
-        with self._lock:
-            self.peak = self.current
-
-    def _enter(self, module: nn.Module, args: Any) -> None:
-        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        hooks.__enter__()
-        module.__dict__.setdefault("_meter_hooks", []).append(hooks)
-
-    def _exit(self, module: nn.Module, args: Any, output: Any) -> None:
-        module.__dict__["_meter_hooks"].pop().__exit__(None, None, None)
-
-    def _pack(self, tensor: Tensor) -> Any:
-        key = tensor.untyped_storage().data_ptr()
-        if key in self._parameters:
-            return tensor
-        with self._lock:
-            entry = self._live.setdefault(key, [tensor.untyped_storage().nbytes(), 0])
-            if entry[1] == 0:
-                self.current += entry[0]
-                self.peak = max(self.peak, self.current)
-            entry[1] += 1
-        holder = _Saved(tensor)
-        weakref.finalize(holder, self._release, key)
-        return holder
-
-    @staticmethod
-    def _unpack(saved: Any) -> Tensor:
-        return saved.tensor if isinstance(saved, _Saved) else saved
-
-    def _release(self, key: int) -> None:
-        with self._lock:
-            entry = self._live[key]
-            entry[1] -= 1
-            if entry[1] == 0:
-                self.current -= entry[0]
-                del self._live[key]
-
-
-class _Saved:
-    __slots__ = ("__weakref__", "tensor")
-
-    def __init__(self, tensor: Tensor) -> None:
-        self.tensor = tensor
 
 
 def mlp() -> nn.Sequential:
@@ -201,11 +133,36 @@ def measure(
 def activation_peak(
     pipe: pipeline.Pipe, x: Tensor, y: Tensor, loss_fn: LossFn, schedule: Any
 ) -> int:
-    meter = ActivationMeter()
-    meter.attach(pipe)
+    """Peak bytes saved for backward over both partitions together, in the second of two steps.
+
+    One meter for the whole pipe (a step's ``measure_memory`` counts each
+    stage on its own). Saved-tensor hooks are thread-local, so each layer's
+    forward enters the meter's hooks on whichever worker runs it.
+    """
+    meter = ActivationMeter(pipe.parameters())
+    entered: dict[nn.Module, list[AbstractContextManager[None]]] = {}
+
+    def enter(layer: nn.Module, args: Any) -> None:
+        hooks = meter.hooks()
+        hooks.__enter__()
+        entered.setdefault(layer, []).append(hooks)
+
+    def leave(layer: nn.Module, args: Any, output: Any) -> None:
+        entered[layer].pop().__exit__(None, None, None)
+
+    handles = [
+        handle
+        for layer in pipe.children()
+        for handle in (
+            layer.register_forward_pre_hook(enter),
+            layer.register_forward_hook(leave, always_call=True),
+        )
+    ]
     pipe.step(x, y, loss_fn, schedule=schedule)
-    meter.reset()
+    meter.peak = meter.current
     pipe.step(x, y, loss_fn, schedule=schedule)
+    for handle in handles:
+        handle.remove()
     return meter.peak
 
 
