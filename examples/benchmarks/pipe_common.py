@@ -1,8 +1,9 @@
 """What the Pipe benchmarks share: timing in rounds, training steps, the machine, the JSON line.
 
 The benchmarks run on machines that other jobs share, so every candidate of a
-comparison runs once per round, in turn, and keeps its best time: candidates
-see the same load, and the best of a few rounds is the least disturbed.
+comparison runs once per round, in turn, and the figures are medians over the
+rounds: candidates see the same load, and a median follows neither one
+disturbed round nor one lucky round (a best time would hide contention).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -23,36 +25,18 @@ import pipeline
 
 __all__ = [
     "Run",
-    "best_times",
     "call_step",
     "check_gradients",
     "explicit_step",
     "machine",
+    "median_ratio",
+    "median_times",
     "plain_step",
     "print_json",
     "round_times",
     "thread_scaling",
     "torchgpipe_or_none",
 ]
-
-
-def best_times(
-    candidates: dict[str, Callable[[], object]], rounds: int, warmup: int = 1
-) -> dict[str, float]:
-    """The best wall time in seconds of each candidate over ``rounds`` rounds.
-
-    Example: ``best_times({"a": f, "b": g}, rounds=3)["a"]``.
-    """
-    for _ in range(warmup):
-        for run in candidates.values():
-            run()
-    best = dict.fromkeys(candidates, float("inf"))
-    for _ in range(rounds):
-        for name, run in candidates.items():
-            start = time.perf_counter()
-            run()
-            best[name] = min(best[name], time.perf_counter() - start)
-    return best
 
 
 def round_times(
@@ -79,6 +63,21 @@ def round_times(
     return times
 
 
+def median_times(times: dict[str, list[float]]) -> dict[str, float]:
+    """Each candidate's median over the rounds of ``round_times``."""
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def median_ratio(times: dict[str, list[float]], numerator: str, denominator: str) -> float:
+    """The median over rounds of ``numerator``'s time / ``denominator``'s in the same round.
+
+    Pairing the rounds cancels what changes slowly (the machine's load).
+    Example: ``median_ratio(round_times(runs, 5), "plain", "pipe")``, a speedup.
+    """
+    ratios = [a / b for a, b in zip(times[numerator], times[denominator], strict=True)]
+    return statistics.median(ratios)
+
+
 def thread_scaling(work: Callable[[], object], rounds: int) -> float:
     """How much faster two threads do ``work`` twice than one thread does.
 
@@ -98,8 +97,8 @@ def thread_scaling(work: Callable[[], object], rounds: int) -> float:
         for thread in threads:
             thread.join()
 
-    times = best_times({"one": one_thread, "two": two_threads}, rounds)
-    return times["one"] / times["two"]
+    times = round_times({"one": one_thread, "two": two_threads}, rounds)
+    return median_ratio(times, "one", "two")
 
 
 def machine() -> dict[str, Any]:

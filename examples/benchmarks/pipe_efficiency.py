@@ -18,7 +18,11 @@ a step, what the RNG rule costs (Dropout in every block), and what two
 threads get from this machine now (2.0 on two idle cores). The last line is
 JSON.
 
-Run: python examples/benchmarks/pipe_efficiency.py [--rows 256] [--chunks 1 2 4 8 16] [--rounds 3]
+Every candidate runs once per round, in turn, after a warm-up round: times
+are medians over the rounds, and each ratio is the median of the rounds'
+ratios.
+
+Run: python examples/benchmarks/pipe_efficiency.py [--rows 256] [--chunks 1 2 4 8 16] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -30,7 +34,14 @@ from types import ModuleType
 from typing import Any
 
 import torch
-from pipe_common import Run, best_times, print_json, start_single_threaded, thread_scaling
+from pipe_common import (
+    Run,
+    median_ratio,
+    print_json,
+    round_times,
+    start_single_threaded,
+    thread_scaling,
+)
 from torch import nn
 
 import pipeline
@@ -106,8 +117,10 @@ def gpipe(torchgpipe: ModuleType, model: nn.Sequential, chunks: int) -> nn.Modul
     return gpipe_module
 
 
-def measure(chunks: int, rows: int, rounds: int, torchgpipe: ModuleType | None) -> dict[str, float]:
-    """Best times of every candidate for one ``chunks``."""
+def measure(
+    chunks: int, rows: int, rounds: int, torchgpipe: ModuleType | None
+) -> dict[str, list[float]]:
+    """Every candidate's time in each round, for one ``chunks``."""
     model = blocks()
     x = torch.randn(rows * chunks, WIDTH)
     never, except_last = pipe(model, chunks, "never"), pipe(model, chunks, "except_last")
@@ -124,21 +137,21 @@ def measure(chunks: int, rows: int, rounds: int, torchgpipe: ModuleType | None) 
         theirs = gpipe(torchgpipe, model, chunks)
         candidates["forward torchgpipe"] = forward_only(theirs, x)
         candidates["train torchgpipe"] = forward_backward(theirs, x)
-    return best_times(candidates, rounds, warmup=0)
+    return round_times(candidates, rounds)
 
 
-def speedups(times: dict[str, float], chunks: int) -> dict[str, float]:
+def speedups(times: dict[str, list[float]], chunks: int) -> dict[str, float]:
     """Throughput of each pipeline over the plain model's, on the whole batch and micro-batches.
 
     Keys such as ``train_pipe_never_vs_micro``; a time ratio, since the work is the same.
     """
     result = {"chunks": chunks, "bound": 2 * chunks / (chunks + 1)}
-    for name, seconds in times.items():
+    for name in times:
         mode, _, who = name.partition(" ")
         if who.startswith(("pipe", "torchgpipe")):
             key = name.replace(" ", "_")
-            result[f"{key}_vs_whole"] = times[f"{mode} whole"] / seconds
-            result[f"{key}_vs_micro"] = times[f"{mode} micro"] / seconds
+            result[f"{key}_vs_whole"] = median_ratio(times, f"{mode} whole", name)
+            result[f"{key}_vs_micro"] = median_ratio(times, f"{mode} micro", name)
     result["forward_share_of_bound"] = result["forward_pipe_vs_micro"] / result["bound"]
     return result
 
@@ -157,7 +170,7 @@ def tracing_cost(rows: int, rounds: int) -> dict[str, float]:
         return traced_run
 
     forward, train = forward_only(never, x), forward_backward(never, x)
-    times = best_times(
+    times = round_times(
         {
             "forward": forward,
             "forward traced": traced(forward),
@@ -167,8 +180,8 @@ def tracing_cost(rows: int, rounds: int) -> dict[str, float]:
         2 * rounds,  # the difference is small: more rounds than elsewhere
     )
     return {
-        "forward": times["forward traced"] / times["forward"] - 1,
-        "forward + backward": times["train traced"] / times["train"] - 1,
+        "forward": median_ratio(times, "forward traced", "forward") - 1,
+        "forward + backward": median_ratio(times, "train traced", "train") - 1,
     }
 
 
@@ -182,14 +195,14 @@ def dropout_cost(rows: int, rounds: int) -> dict[str, float]:
     for label, dropout in (("without dropout", 0.0), ("with dropout", 0.1)):
         model = blocks(dropout)
         x = torch.randn(rows * TRACED_CHUNKS, WIDTH)
-        times = best_times(
+        times = round_times(
             {
                 "micro": micro_batches(model, x, TRACED_CHUNKS, backward=True),
                 "pipe": forward_backward(pipe(model, TRACED_CHUNKS, "never"), x),
             },
             rounds,
         )
-        result[label] = times["micro"] / times["pipe"]
+        result[label] = median_ratio(times, "micro", "pipe")
     return result
 
 
@@ -220,7 +233,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=256, help="rows per micro-batch")
     parser.add_argument("--chunks", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument(
-        "--rounds", type=int, default=3, help="rounds (the first warms up); the best counts"
+        "--rounds", type=int, default=5, help="timed rounds after a warm-up; medians count"
     )
     args = parser.parse_args()
     info, torchgpipe = start_single_threaded()

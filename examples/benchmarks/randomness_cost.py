@@ -16,7 +16,11 @@ micro-batches, in training (forward + backward):
 
 The last line is JSON.
 
-Run: python examples/benchmarks/randomness_cost.py [--chunks 8] [--rows 16] [--rounds 3]
+Every candidate runs once per round, in turn, after a warm-up round: times
+are medians over the rounds, and each ratio is the median of the rounds'
+ratios.
+
+Run: python examples/benchmarks/randomness_cost.py [--chunks 8] [--rows 16] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -27,7 +31,14 @@ from collections.abc import Iterator
 from unittest import mock
 
 import torch
-from pipe_common import Run, best_times, print_json, start_single_threaded
+from pipe_common import (
+    Run,
+    median_ratio,
+    median_times,
+    print_json,
+    round_times,
+    start_single_threaded,
+)
 from torch import nn
 
 import pipeline
@@ -91,7 +102,7 @@ def measure(dropout: float, chunks: int, rows: int, rounds: int) -> dict[str, fl
             checkpoint=checkpoint,  # type: ignore[arg-type]
         )
         seeded = pipe_step(pipe, x)
-        times = best_times(
+        times = round_times(
             {
                 "micro": micro_batches(model, x, chunks),
                 "seeded": seeded,
@@ -100,10 +111,10 @@ def measure(dropout: float, chunks: int, rows: int, rounds: int) -> dict[str, fl
             rounds,
         )
         pipe.close()
-        result[f"{checkpoint}_speedup_seeded"] = times["micro"] / times["seeded"]
-        result[f"{checkpoint}_speedup_unseeded"] = times["micro"] / times["unseeded"]
-        result[f"{checkpoint}_seeding_cost"] = times["seeded"] / times["unseeded"] - 1
-        result[f"{checkpoint}_step_ms"] = times["seeded"] * 1e3
+        result[f"{checkpoint}_speedup_seeded"] = median_ratio(times, "micro", "seeded")
+        result[f"{checkpoint}_speedup_unseeded"] = median_ratio(times, "micro", "unseeded")
+        result[f"{checkpoint}_seeding_cost"] = median_ratio(times, "seeded", "unseeded") - 1
+        result[f"{checkpoint}_step_ms"] = median_times(times)["seeded"] * 1e3
     return result
 
 
@@ -112,7 +123,7 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, default=8)
     parser.add_argument("--rows", type=int, default=16, help="sequences per micro-batch")
     parser.add_argument(
-        "--rounds", type=int, default=3, help="rounds (after a warm-up); the best counts"
+        "--rounds", type=int, default=5, help="timed rounds after a warm-up; medians count"
     )
     args = parser.parse_args()
     info, _ = start_single_threaded()

@@ -19,7 +19,11 @@ the peak bytes of activations that autograd holds (saved tensors, counted by
 storage, parameters excluded) over both partitions, 1F1B's against GPipe's.
 GPipe's bound for the speedup is 2m/(m+1). The last line is JSON.
 
-Run: python examples/benchmarks/step_efficiency.py [--chunks 8] [--rounds 3]
+Every candidate runs once per round, in turn, after a warm-up round: times
+are medians over the rounds, and each ratio is the median of the rounds'
+ratios.
+
+Run: python examples/benchmarks/step_efficiency.py [--chunks 8] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -35,7 +39,14 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from pipe_common import Run, best_times, print_json, start_single_threaded
+from pipe_common import (
+    Run,
+    median_ratio,
+    median_times,
+    print_json,
+    round_times,
+    start_single_threaded,
+)
 from torch import Tensor, nn
 
 import pipeline
@@ -114,11 +125,14 @@ def measure(
             "pipe(x)": pipe_call(pipes["call"], x, y, loss_fn),
         }
         runs |= {s: pipe_step(pipes[s], x, y, loss_fn, SCHEDULES[s]()) for s in SCHEDULES}
-        times = best_times(runs, rounds)
-        baseline = times["micro-batches"]
+        times = round_times(runs, rounds)
         result[checkpoint] = {
-            label: {"ms": t * 1e3, "vs_micro": baseline / t, "vs_whole": times["whole batch"] / t}
-            for label, t in times.items()
+            label: {
+                "ms": t * 1e3,
+                "vs_micro": median_ratio(times, "micro-batches", label),
+                "vs_whole": median_ratio(times, "whole batch", label),
+            }
+            for label, t in median_times(times).items()
         }
         if checkpoint == "never":
             result["activation_peak_bytes"] = {
@@ -197,7 +211,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=256, help="MLP rows per micro-batch")
     parser.add_argument("--sequences", type=int, default=16, help="GPT sequences per micro-batch")
     parser.add_argument(
-        "--rounds", type=int, default=3, help="rounds after a warm-up; the best counts"
+        "--rounds", type=int, default=5, help="timed rounds after a warm-up; medians count"
     )
     args = parser.parse_args()
     info, _ = start_single_threaded()
