@@ -39,12 +39,11 @@ draws are made replayable in one of two ways, chosen per partition
   Recomputation replays the task under ``replaying()`` and gets the same
   seeds, so the same masks; a checkpointed task notes the state each draw
   ends in, and its replay raises if one ends elsewhere (a thread drew
-  without the lock inside the window). A generator
-  the user passes to an op (``torch.rand(..., generator=g)``) keeps its own
-  stream: its state before each draw is recorded and restored for the
-  replay. The mode lets compiled code run compiled (torch >= 2.9:
-  ``ignore_compile_internals``): inductor's graphs draw their seeds through
-  it with one op per call.
+  without the lock inside the window). A generator the user passes to an op
+  (``torch.rand(..., generator=g)``) keeps its own stream: its state before
+  each draw is recorded and restored for the replay. The mode lets compiled
+  code run compiled (torch >= 2.9: ``ignore_compile_internals``): inductor's
+  graphs draw their seeds through it with one op per call.
 """
 
 from __future__ import annotations
