@@ -217,6 +217,9 @@ class P2PTransport:
         with self._gone_lock:
             gone = self._gone.get(peer)
         if gone is not None:
+            # A peer that failed the step aborts it before it closes (one
+            # listener files both, in order): its failure is the reason.
+            self._mailboxes.check(self.step)
             raise PeerError(f"cannot send {where()}: {gone}")
         self._post(peer, DATA, (self.step, key), message, where)
 

@@ -1211,6 +1211,46 @@ def a_failure_on_the_last_process_reaches_every_process() -> None:
     pipe.close()
 
 
+class EndsOnceTheLastRankClosed(nn.Module):
+    """On the last rank's neighbour, the second forward ends once the last rank has closed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pipe: DistributedPipe | None = None
+        self.calls = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.calls += 1
+        if self.pipe is not None and self.calls == 2:
+            mailboxes = self.pipe._transport._mailboxes
+            with mailboxes._changed:
+                closed = mailboxes._changed.wait_for(
+                    lambda: world() - 1 in mailboxes._stopped, timeout=60
+                )
+            assert closed, "the last rank did not close its pipeline within 60 s"
+        return x
+
+
+@scenario
+def a_failure_reaches_a_process_whose_send_follows_the_failed_peers_close() -> None:
+    # Found by CI: the neighbour's send after the last rank's close named the
+    # close, not the failure that ended the step.
+    waits = EndsOnceTheLastRankClosed()
+    layers = list(blocks(2 * world() - 1))
+    layers.insert(2 * (world() - 2), waits)  # the neighbour's first layer
+    pipe = DistributedPipe(nn.Sequential(*layers), [2] * world(), chunks=2)
+    x, y = batch()
+    if rank() == world() - 1:
+        expect_error(ValueError, lambda: pipe.step(x, y, a_loss_refused_by_its_process), "refuses")
+        pipe.close()
+        return
+    if rank() == world() - 2:
+        waits.pipe = pipe
+    last = f"rank {world() - 1} failed: ValueError: this loss refuses to run"
+    expect_error(RuntimeError, lambda: pipe.step(x, y, a_loss_refused_by_its_process), last)
+    pipe.close()
+
+
 def tied_model_for(stages: int) -> nn.Sequential:
     torch.manual_seed(11)
     embed = Embed()
