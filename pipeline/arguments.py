@@ -84,8 +84,9 @@ def check_pipe_arguments(
 def check_module(module: Any) -> None:
     if not isinstance(module, nn.Sequential):
         raise TypeError(
-            f"Pipe splits an nn.Sequential, got {type(module).__name__}; wrap your layers in "
-            "nn.Sequential(...)"
+            f"Pipe splits an nn.Sequential, got {type(module).__name__}; for any other model, "
+            "pipeline.split(model, example_args) makes the nn.Sequential to pass (docs/split.md), "
+            "or wrap your layers in nn.Sequential(...)"
         )
 
 
@@ -169,7 +170,7 @@ def resolve_devices(devices: Sequence[Device] | None, partitions: int) -> list[t
     if isinstance(devices, str | torch.device | int):
         raise TypeError(f"devices must be a list of devices, got {devices!r}")
     resolved = [normalize_device(d) for d in devices]
-    if len(resolved) < partitions:
+    if len(resolved) != partitions:
         raise ValueError(
             f"{partitions} partitions but {len(resolved)} devices ({[str(d) for d in resolved]}); "
             "give one device per partition (a device may appear several times)"
@@ -180,7 +181,7 @@ def resolve_devices(devices: Sequence[Device] | None, partitions: int) -> list[t
                 f"device {device} is not available (torch.cuda.device_count() is "
                 f"{torch.cuda.device_count()})"
             )
-    return resolved[:partitions]
+    return resolved
 
 
 def check_sharing(partitions: list[nn.Sequential], devices: list[torch.device]) -> None:

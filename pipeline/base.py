@@ -89,6 +89,17 @@ class PipeBase(nn.Module):
         self.checkpoint = arguments.checkpoint
         self.call_style = arguments.call_style
 
+    def extra_repr(self) -> str:
+        """The pipeline's shape above its layers: ``print(pipe)`` shows how it runs."""
+        return (
+            f"balance={self.balance}, {self._placement()}, chunks={self.chunks}, "
+            f"checkpoint={self.checkpoint!r}"
+        )
+
+    def _placement(self) -> str:
+        """Where the partitions run, for ``extra_repr``."""
+        raise NotImplementedError
+
     @property
     def checkpoint(self) -> CheckpointMode:
         """Which micro-batches are checkpointed: ``'always'``, ``'except_last'`` or ``'never'``."""
@@ -170,7 +181,7 @@ class PipeBase(nn.Module):
 
     def _micro_batches(self, input: Value, device: torch.device, name: str) -> list[Batch]:
         """``input`` (``name``: the input, the target) checked, on ``device``, in micro-batches."""
-        check_input(input)
+        check_input(input, name)
         return scatter(to_device(input, device), self.chunks, name)
 
     # Steps

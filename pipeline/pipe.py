@@ -139,6 +139,9 @@ class Pipe(PipeBase):
         self._driver = ClockDriver(self._runtime, self._workers, self._thread_of, self.skip_layout)
         self.last_step: StepReport | None = None
 
+    def _placement(self) -> str:
+        return f"devices={[str(d) for d in self.devices]}, threads={self.threads!r}"
+
     def forward(self, *inputs: Value, **kwargs: Value) -> Value:
         """Run the input through the pipeline; the output is on the last device.
 
@@ -297,8 +300,7 @@ class Pipe(PipeBase):
 
     def _scatter_target(self, target: Value) -> list[Batch]:
         """The target as micro-batches on the last device."""
-        check_input(target)
-        return scatter(to_device(target, self.devices[-1]), self.chunks, "target")
+        return self._micro_batches(target, self.devices[-1], "target")
 
     def _step(
         self,

@@ -153,6 +153,32 @@ def test_more_partitions_than_devices() -> None:
         Pipe(mlp(), [6], devices="cpu")  # type: ignore[arg-type]
 
 
+def test_more_devices_than_partitions_are_refused_not_dropped() -> None:
+    with pytest.raises(ValueError, match=r"2 partitions but 3 devices .*one device per partition"):
+        Pipe(mlp(), [3, 3], devices=["cpu"] * 3)
+
+
+def test_a_model_that_is_not_a_sequential_is_pointed_to_split() -> None:
+    with pytest.raises(TypeError, match=r"got Linear; .*pipeline\.split\(model, example_args\)"):
+        Pipe(nn.Linear(2, 2), [1], devices=["cpu"])  # type: ignore[arg-type]
+
+
+def test_repr_shows_how_the_pipe_runs_above_its_layers() -> None:
+    pipe = Pipe(mlp(), [4, 2], devices=["cpu", "cpu"], chunks=3, checkpoint="never")
+    lines = repr(pipe).splitlines()
+    assert lines[:2] == [
+        "Pipe(",
+        "  balance=[4, 2], devices=['cpu', 'cpu'], threads='auto', chunks=3, checkpoint='never'",
+    ]
+    assert lines[2].startswith("  (0): ")
+
+
+def test_a_missing_target_is_named_as_the_target() -> None:
+    pipe = Pipe(mlp(), [3, 3], devices=["cpu", "cpu"], chunks=2)
+    with pytest.raises(TypeError, match=r"^Pipe target \(NoneType\) holds no tensor"):
+        pipe.step(torch.randn(4, 4), None, torch.nn.functional.mse_loss)
+
+
 def test_unavailable_cuda_device() -> None:
     with pytest.raises(ValueError, match=r"device cuda:\d+ is not available"):
         Pipe(mlp(), [3, 3], devices=["cpu", f"cuda:{torch.cuda.device_count()}"])
@@ -162,11 +188,6 @@ def test_unavailable_cuda_device() -> None:
         pipe = Pipe(mlp(), [6], devices=["cpu"])
         with pytest.raises(ValueError, match=r"Pipe.cuda\(cuda\) would move partitions"):
             pipe.cuda()
-
-
-def test_extra_devices_are_ignored_like_torchgpipe() -> None:
-    pipe = Pipe(mlp(), [3, 3], devices=["cpu"] * 4)
-    assert len(pipe.devices) == 2
 
 
 def test_layer_shared_between_partitions_on_one_device_trains_like_the_plain_model() -> None:

@@ -199,10 +199,10 @@ def _is_leaf(value: Any) -> bool:
     return isinstance(value, NoChunk)
 
 
-def check_input(input: Value) -> None:
-    """Raise a clear error unless ``input`` can be split into micro-batches."""
+def check_input(input: Value, name: str = "input") -> None:
+    """Raise a clear error unless ``input`` (``name``: the input, the target) can be split."""
     sizes: dict[str, int] = {}
-    parts = input.parts() if isinstance(input, Arguments) else [("input", input)]
+    parts = input.parts() if isinstance(input, Arguments) else [(name, input)]
     tensors = [
         (name + keystr(path), leaf)
         for name, part in parts
@@ -219,12 +219,12 @@ def check_input(input: Value) -> None:
     if not sizes:
         what = "the arguments" if isinstance(input, Arguments) else type(input).__name__
         raise TypeError(
-            f"Pipe input ({what}) holds no tensor to split into micro-batches "
+            f"Pipe {name} ({what}) holds no tensor to split into micro-batches "
             "(NoChunk tensors are not split); pass at least one tensor with a batch dimension"
         )
     if 0 in sizes.values():
         raise ValueError(
-            "input batch is empty (dim 0 has size 0): a Pipe needs at least one row to split "
+            f"{name} batch is empty (dim 0 has size 0): a Pipe needs at least one row to split "
             "into micro-batches; skip empty batches before calling it"
         )
 

@@ -781,6 +781,8 @@ def last_step_reports_this_process_stages() -> None:
     text = repr(report)
     assert text.startswith(f"DistributedStepReport(rank {rank()}: Interleaved1F1B(virtual=2)")
     assert "\n" not in text and "received" in text
+    shape = f"balance={[2] * (2 * world())}, stages={pipe.local_stages} of rank {rank()}/{world()}"
+    assert repr(pipe).startswith(f"DistributedPipe(\n  {shape}, device='cpu', chunks={2 * world()}")
     pipe.close()
 
 
