@@ -55,6 +55,7 @@ from pipeline.step.reports import Measured
 from pipeline.step.runner import StepRun, checkpointed_tasks
 from pipeline.step.schedules import Schedule
 from pipeline.step.simulate import Simulation
+from pipeline.step.token_loss import TokenLoss
 
 __all__ = ["PipeBase"]
 
@@ -81,6 +82,7 @@ class PipeBase(nn.Module):
     _deferred_batch_norms: list[DeferredBatchNorm]
     _completion_hooks: OrderedDict[int, Hook]
     _validated: ProgramCache
+    _token_loss: TokenLoss | None
 
     def _adopt_arguments(self, arguments: PipeArguments) -> None:
         """Keep the arguments every pipe has (the checkpoint mode through its property)."""
@@ -114,6 +116,7 @@ class PipeBase(nn.Module):
         if deferred_batch_norm:
             DeferredBatchNorm.convert(module)
         layers = list(named_layers(module).items())
+        self._token_loss = TokenLoss.of(module, layers[0][1] if layers else None)
         sequential = PositionalSequential if self.call_style == "positional" else KeywordSequential
         bounds = [sum(self.balance[:j]) for j in range(len(self.balance) + 1)]
         return [sequential(OrderedDict(layers[a:b])) for a, b in itertools.pairwise(bounds)]
@@ -242,6 +245,17 @@ class PipeBase(nn.Module):
                 "outputs"
             )
         return None
+
+    def _check_token_loss(
+        self, batches: list[Batch], reduction: LossReduction | None, divisor: Any
+    ) -> None:
+        """Refuse, before any work, a split transformers model's ``out.loss`` weighed wrongly.
+
+        ``batches``: the first layer's micro-batches (none where this process
+        does not run stage 0); ``reduction``: None for an evaluation without a loss.
+        """
+        if self._token_loss is not None and reduction is not None:
+            self._token_loss.check(batches, reduction, divisor)
 
     def _programs(self, schedule: Schedule, m: int) -> tuple[list[Program], Simulation]:
         """The schedule's programs for ``m`` micro-batches, validated once (``step/cache.py``)."""

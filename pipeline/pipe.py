@@ -322,6 +322,7 @@ class Pipe(PipeBase):
                 "worker each)"
             )
         rows = _rows_of(batches, targets)
+        self._check_token_loss(batches, loss_reduction, loss_divisor)
         programs, simulation = self._programs(schedule, len(batches))
         threads = program_threads(programs, self._thread_of)
         run = self._step_run(
@@ -427,6 +428,7 @@ class Pipe(PipeBase):
             batches = self._scatter_input(self._input_of(input, kwargs))
             targets = self._scatter_target(target) if loss_fn is not None else []
             rows = _rows_of(batches, targets) if targets else [b.rows() for b in batches]
+            self._check_token_loss(batches, reduction, loss_divisor)
             n = len(self.partitions)
             programs = forward_programs(len(batches), n, n)
             threads = program_threads(programs, self._thread_of)

@@ -264,6 +264,7 @@ class DistributedPipe(PipeBase):
             named = self._schedule_name(chosen)
             batches = self._scatter(self._input_of(input, kwargs), "input", needed=first)
             targets = self._scatter(target, "target", needed=last)
+            self._check_token_loss(batches, reduction, loss_divisor)
         except Exception as error:
             refusal = error
         choice = None
@@ -487,6 +488,7 @@ class DistributedPipe(PipeBase):
             )
             batches = self._scatter(self._input_of(input, kwargs), "input", needed=first)
             targets = self._scatter(target, "target", needed=last and loss_fn is not None)
+            self._check_token_loss(batches, reduction, loss_divisor)
         except Exception as error:
             refusal = error
         choice = "evaluate the outputs" if loss_fn is None else "evaluate the loss"

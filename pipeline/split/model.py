@@ -44,6 +44,17 @@ class SplitModel(nn.Sequential):
         self.training = model.training
         self._split_pieces = list(pieces)
         self._split_of = type(model).__name__
+        self._loss_name = _loss_name(model)
+
+    @property
+    def loss_name(self) -> str | None:
+        """The qualified name of the model's own ``loss_function`` (transformers'), or None.
+
+        What a model given ``labels=`` computes ``out.loss`` with, e.g.
+        ``'transformers.loss.loss_utils.ForCausalLMLoss'``: a pipe reads it to
+        refuse micro-batches that would weigh that loss wrongly.
+        """
+        return self._loss_name
 
     def named_layers(self) -> OrderedDict[str, nn.Module]:
         """The pieces by layer name (``'0'``, ``'1'``, ...): what a Pipe partitions."""
@@ -92,3 +103,11 @@ class SplitModel(nn.Sequential):
 
     __setitem__ = __delitem__ = append = extend = insert = pop = _fixed
     __add__ = __iadd__ = __mul__ = __rmul__ = __imul__ = _fixed
+
+
+def _loss_name(model: nn.Module) -> str | None:
+    # A name, not the function: a split model pickles, and a lambda would not.
+    function = getattr(model, "loss_function", None)
+    if function is None:
+        return None
+    return f"{getattr(function, '__module__', '')}.{getattr(function, '__qualname__', '')}"

@@ -16,6 +16,8 @@ giving ``reduction=``, carries its own reduction: the step takes it, and
 refuses ``"none"`` or a different ``loss_reduction`` before any work
 (``resolve_reduction``). With a ``torch.amp.GradScaler`` each micro-batch's
 backward starts from its scaled loss, and the step returns the unscaled one.
+A split transformers model's own ``out.loss`` is checked against these
+weights before a step (``token_loss.py``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,133 @@
+"""transformers' own loss (``out.loss`` of a model given ``labels=``) under micro-batching.
+
+A transformers language model averages its loss over the tokens its labels
+count (those not ``-100``; a causal model's shifted by one). Each
+micro-batch's ``out.loss`` is then the mean over that micro-batch's tokens,
+and the step's weighing by rows (``loss_reduction="mean"``) gives the
+plain model's loss only where every micro-batch holds tokens in proportion
+to its rows. transformers' own gradient accumulation passes the batch's
+count instead, as ``num_items_in_batch``: each micro-batch's loss is then
+its sum over that count, and the micro-batches' losses add up
+(``loss_reduction="sum"``) to the plain model's, whatever the labels.
+
+``TokenLoss`` knows a split model's token loss (its first piece's call
+names the arguments) and checks each step's micro-batches before any work:
+it refuses a weighing that would give another loss than the plain model's,
+with the recipe (docs/split.md, "transformers' own loss").
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor
+
+from pipeline.arguments import LossReduction
+from pipeline.runtime.microbatch import Arguments, Batch
+
+__all__ = ["TokenLoss"]
+
+_LOSSES = "transformers.loss.loss_utils."
+# The token losses, and whether each shifts the labels by one (a causal model's).
+_SHIFTS = {
+    _LOSSES + "ForCausalLMLoss": True,
+    _LOSSES + "ForMaskedLMLoss": False,
+    _LOSSES + "ForTokenClassification": False,
+}
+
+
+class TokenLoss:
+    """The token loss of a split transformers model: how its micro-batches' ``out.loss`` add up."""
+
+    def __init__(self, shift: bool, signature: Any) -> None:
+        self.shift = shift
+        self._signature = signature
+
+    @classmethod
+    def of(cls, module: Any, first_layer: Any) -> TokenLoss | None:
+        """The token loss of ``module`` (a split model), or None for any other model or loss."""
+        shift = _SHIFTS.get(getattr(module, "loss_name", None) or "")
+        signature = getattr(first_layer, "signature", None)
+        if shift is None or signature is None:
+            return None
+        return cls(shift, signature)
+
+    def _arguments(self, value: Any) -> dict[str, Any]:
+        """The first piece's call by argument name, bound as the piece binds it."""
+        args, kwargs = (
+            (value.args, value.kwargs) if isinstance(value, Arguments) else ((value,), {})
+        )
+        leaves = self._signature.bind(args, kwargs)
+        return {leaf.name: v for leaf, v in zip(self._signature.leaves, leaves, strict=True)}
+
+    def check(self, batches: list[Batch], reduction: LossReduction, divisor: Any) -> None:
+        """Refuse, before any work, micro-batches whose ``out.loss`` would be weighed wrongly."""
+        calls = [self._arguments(batch.value) for batch in batches]
+        if not calls or not isinstance(calls[0].get("labels"), Tensor):
+            return
+        count = calls[0].get("num_items_in_batch")
+        if count is not None:
+            _check_counted(count, reduction, divisor)
+            return
+        counts = [self._tokens(call) for call in calls]
+        rows = [batch.rows() for batch in batches]
+        if len(batches) == 1 or (
+            reduction == "mean" and divisor is None and _in_proportion(counts, rows)
+        ):
+            return
+        raise ValueError(
+            f"out.loss is the mean over each micro-batch's labelled tokens, but the step weighs "
+            f"the micro-batches {_weighing(reduction, divisor)}: the micro-batches of {rows} rows "
+            f"hold {counts} labelled tokens, so the step's loss and gradients would not be the "
+            f"plain model's. {self._recipe()}. If loss_fn does not use "
+            "out.loss, do not pass labels to the model"
+        )
+
+    def _tokens(self, call: dict[str, Any]) -> int:
+        ignored = call.get("ignore_index", -100)
+        shifted = call.get("shift_labels")
+        if isinstance(shifted, Tensor):
+            return int((shifted != ignored).sum())
+        labels: Tensor = call["labels"]
+        counted = labels[..., 1:] if self.shift else labels
+        return int((counted != ignored).sum())
+
+    def _recipe(self) -> str:
+        count = "(labels[..., 1:] != -100).sum()" if self.shift else "(labels != -100).sum()"
+        return (
+            "Pass the batch's token count as transformers' gradient accumulation does: split "
+            "the model with 'num_items_in_batch': a 0-dim tensor among the example's kwargs, "
+            "then give each step kwargs={..., 'num_items_in_batch': pipeline.NoChunk(n)} with "
+            f"n = {count} over the whole batch, and loss_reduction='sum' (docs/split.md, "
+            '"transformers\' own loss")'
+        )
+
+
+def _in_proportion(counts: list[int], rows: list[int]) -> bool:
+    """Whether each micro-batch's share of the tokens is its share of the rows."""
+    total, all_rows = sum(counts), sum(rows)
+    return all(c * all_rows == r * total for c, r in zip(counts, rows, strict=True))
+
+
+def _weighing(reduction: LossReduction, divisor: Any) -> str:
+    if reduction == "mean":
+        return "by their rows (loss_reduction='mean')"
+    if divisor is None:
+        return "alike (loss_reduction='sum')"
+    return "alike, divided by loss_divisor"
+
+
+def _check_counted(count: Any, reduction: LossReduction, divisor: Any) -> None:
+    """Refuse ``num_items_in_batch`` that is not a shared tensor, or a weighing other than a sum."""
+    if not isinstance(count, Tensor):
+        raise TypeError(
+            f"num_items_in_batch is {type(count).__name__}, but the split model takes a number "
+            "as a constant of its captured code, fixed at split time; split on a 0-dim tensor "
+            "and give each step pipeline.NoChunk(n), n a 0-dim tensor of the batch's count"
+        )
+    if reduction != "sum" or divisor is not None:
+        raise ValueError(
+            "with num_items_in_batch, each micro-batch's out.loss is its sum over the batch's "
+            "count: they add up to the plain model's loss, so pass loss_reduction='sum' and no "
+            f"loss_divisor (the step would weigh them {_weighing(reduction, divisor)})"
+        )
