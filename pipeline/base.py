@@ -18,6 +18,7 @@ from contextlib import AbstractContextManager
 from typing import Any, ClassVar
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
@@ -30,6 +31,7 @@ from pipeline.arguments import (
 )
 from pipeline.runtime.batchnorm import DeferredBatchNorm, statistics_of_one_pass
 from pipeline.runtime.evaluation import evaluating, evaluation_seed
+from pipeline.runtime.grad_norm import clip_grad_norm
 from pipeline.runtime.layers import named_layers, register_names
 from pipeline.runtime.microbatch import Arguments, Batch, Value, check_input, scatter, to_device
 from pipeline.runtime.partitions import (
@@ -355,6 +357,47 @@ class PipeBase(nn.Module):
     def _one_pass(self) -> AbstractContextManager[None]:
         """Around one pass: DeferredBatchNorm statistics committed once, at its end."""
         return statistics_of_one_pass(self._deferred_batch_norms, self.training)
+
+    # Gradients
+
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
+        """Clip the gradients by the norm of the whole model's, as the plain model would be.
+
+        Equal to ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)``
+        on the plain model, with the same arguments and return value (the
+        norm before clipping). Call it after the backward or ``step``, every
+        process of a ``DistributedPipe`` alike: the norm counts every stage
+        of the pipeline (a weight tied across processes once, a DTensor
+        gradient sharded by FSDP2 or tensor parallelism whole), where
+        torch's function in one process sees that process's stages only.
+        With a ``GradScaler``, unscale first (``scaler.unscale_(optimizer)``)::
+
+            loss = pipe.step(x, y, loss_fn)
+            pipe.clip_grad_norm_(1.0)
+            optimizer.step()
+        """
+        return clip_grad_norm(
+            self.parameters(),
+            self._counted_parameters(),
+            max_norm,
+            norm_type,
+            error_if_nonfinite,
+            self._norm_group(),
+            self._norm_device(),
+        )
+
+    def _counted_parameters(self) -> Iterable[nn.Parameter]:
+        """Each parameter whose gradient the pipeline's norm counts, once."""
+        return self.parameters()
+
+    def _norm_group(self) -> dist.ProcessGroup | None:
+        """The processes whose gradients make up the norm (None: this one alone)."""
+        return None
+
+    def _norm_device(self) -> torch.device:
+        raise NotImplementedError
 
     # Hooks and threads
 

@@ -142,6 +142,9 @@ class Pipe(PipeBase):
     def _placement(self) -> str:
         return f"devices={[str(d) for d in self.devices]}, threads={self.threads!r}"
 
+    def _norm_device(self) -> torch.device:
+        return self.devices[0] if self.devices else torch.device("cpu")
+
     def forward(self, *inputs: Value, **kwargs: Value) -> Value:
         """Run the input through the pipeline; the output is on the last device.
 

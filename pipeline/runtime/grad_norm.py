@@ -1,0 +1,92 @@
+"""A whole pipeline's gradient norm, and clipping by it, as torch's ``clip_grad_norm_``.
+
+``torch.nn.utils.clip_grad_norm_(pipe.parameters(), c)`` in a process of a
+``DistributedPipe`` sees that process's stages only, so each stage would be
+clipped by its own norm. Here each process takes the norms of its gradients
+(a DTensor's gradient, sharded by FSDP2 or tensor parallelism, by its whole
+norm), and the processes of the pipeline combine them:
+
+    norm_p = ( sum over processes of  sum over their gradients |g|^p ) ^ (1/p)
+    norm_inf = max over processes of max |g|
+
+so every process gets the plain model's norm and scales by the same factor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import cast
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = ["clip_grad_norm", "total_norm"]
+
+
+def total_norm(
+    grads: list[Tensor],
+    norm_type: float,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+) -> Tensor:
+    """The ``norm_type``-norm of every gradient of the pipeline, on ``device``, in float32 or wider.
+
+    ``group`` is the pipeline's processes (None: this process holds it whole).
+    """
+    p = float(norm_type)
+    norms = [_whole_norm(g, p).to(device) for g in grads]
+    if not norms:
+        here = torch.zeros((), device=device)
+    else:
+        here = torch.linalg.vector_norm(torch.stack(norms), p)
+    if group is None:
+        return here
+    if p == float("inf"):
+        dist.all_reduce(here, op=dist.ReduceOp.MAX, group=group)
+        return here
+    powered = here.double() ** p
+    dist.all_reduce(powered, group=group)
+    return (powered ** (1.0 / p)).to(here.dtype)
+
+
+def clip_grad_norm(
+    params: Iterable[torch.nn.Parameter],
+    counted: Iterable[torch.nn.Parameter],
+    max_norm: float,
+    norm_type: float,
+    error_if_nonfinite: bool,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+) -> Tensor:
+    """Scale the gradients of ``params`` so that the pipeline's norm is at most ``max_norm``.
+
+    Returns the norm before scaling. ``counted`` are those of ``params``
+    whose gradients the norm counts: a weight tied across processes is
+    counted at one of its holders and scaled at every one.
+    """
+    norm = total_norm([p.grad for p in counted if p.grad is not None], norm_type, group, device)
+    if error_if_nonfinite and not torch.isfinite(norm):
+        raise RuntimeError(
+            f"the total norm of order {float(norm_type)} of the pipeline's gradients is "
+            f"{norm.item()}, so clip_grad_norm_ cannot scale them; pass "
+            "error_if_nonfinite=False to scale them anyway (as torch's clip_grad_norm_)"
+        )
+    factor = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    with torch.no_grad():
+        for g in (p.grad for p in params if p.grad is not None):
+            _local(g).mul_(factor.to(g.device, g.dtype))
+    return norm
+
+
+def _whole_norm(grad: Tensor, p: float) -> Tensor:
+    """``grad``'s norm; for a DTensor, of the whole tensor its shards make up."""
+    norm = torch.linalg.vector_norm(grad, p)
+    full = getattr(norm, "full_tensor", None)  # a DTensor: its norm is reduced over its mesh
+    return cast(Tensor, full()) if full is not None else norm
+
+
+def _local(grad: Tensor) -> Tensor:
+    """What this process holds of ``grad``: a DTensor's local shard, else ``grad``."""
+    to_local = getattr(grad, "to_local", None)
+    return cast(Tensor, to_local()) if to_local is not None else grad
