@@ -4,9 +4,12 @@ Each column is a slice of time; it shows the task that fills most of it, ``~``
 when an action of ``Pipe.step`` waited for a message for most of it, or ``.``
 when the partition was idle for most of it::
 
-    time 0 .. 12.31 ms, 1 column = 0.17 ms
-    partition 0 |FFFFffffFFFFffff........BBBBBbbbbbBBBBBbbbbb| idle 33.3%
-    partition 1 |....FFFFffffFFFFffffbbbbbBBBBBbbbbbBBBBB....| idle 33.3%
+    step 3: time 0 .. 12.31 ms, 1 column = 0.17 ms
+    partition 0 |FFFFffffFFFFffff........BBBBBbbbbbBBBBBbbbbb| idle 33.3% of this step
+    partition 1 |....FFFFffffFFFFffffbbbbbBBBBBbbbbbBBBBB....| idle 33.3% of this step
+
+The idle shares are this one step's; ``Trace.summary()``'s are over every
+step traced.
 """
 
 from __future__ import annotations
@@ -37,9 +40,9 @@ def render(events: Sequence[Event], width: int = 72) -> str:
 
     >>> print(render([Event("forward", 0, 0, 0, "t", 0.0, 0.001),
     ...               Event("forward", 0, 1, 0, "t", 0.001, 0.002)], width=4))
-    time 0 .. 2.00 ms, 1 column = 0.50 ms
-    partition 0 |FF..| idle 50.0%
-    partition 1 |..FF| idle 50.0%
+    step 0: time 0 .. 2.00 ms, 1 column = 0.50 ms
+    partition 0 |FF..| idle 50.0% of this step
+    partition 1 |..FF| idle 50.0% of this step
     F forward, B backward, R recompute, I input gradient, W weight gradient, C copy
     lower case: odd micro-batch; ~ waiting for a message; . idle
     """
@@ -52,13 +55,16 @@ def render(events: Sequence[Event], width: int = 72) -> str:
     column = span / width
     n = 1 + max(e.partition for e in events)
     label = len(f"partition {n - 1}")
-    lines = [f"time 0 .. {span * 1e3:.2f} ms, 1 column = {column * 1e3:.2f} ms"]
+    steps = sorted({e.step for e in events})
+    which = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}..{steps[-1]}"
+    lines = [f"{which}: time 0 .. {span * 1e3:.2f} ms, 1 column = {column * 1e3:.2f} ms"]
+    of = "this step" if len(steps) == 1 else "these steps"
     for j in range(n):
         row = [e for e in events if e.partition == j]
         cells = "".join(_cell(row, origin + c * column, column) for c in range(width))
         busy = busy_time(row)
         idle = 1.0 - busy / span if span > 0 else 0.0
-        lines.append(f"{f'partition {j}'.ljust(label)} |{cells}| idle {idle:.1%}")
+        lines.append(f"{f'partition {j}'.ljust(label)} |{cells}| idle {idle:.1%} of {of}")
     lines.append(LEGEND)
     return "\n".join(lines)
 

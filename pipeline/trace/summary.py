@@ -71,7 +71,8 @@ class Summary:
         table = [
             "  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)) for row in rows
         ]
-        foot = f"idle (bubble) fraction {self.idle_fraction:.1%}; " + (
+        over = f"over all {self.steps} steps" if self.steps > 1 else "over the step"
+        foot = f"idle (bubble) fraction {over} {self.idle_fraction:.1%}; " + (
             f"GPipe bound (n-1)/(m+n-1) = ({n}-1)/({self.microbatches}+{n}-1) = "
             f"{self.bubble_bound:.1%}"
             if self.schedule_bound is None

@@ -136,13 +136,17 @@ def test_summary_matches_a_hand_computed_case() -> None:
     assert report.idle_fraction == pytest.approx(3.25 / 9)
     assert report.bubble_bound == pytest.approx(1 / 3)
     assert report.partitions[1].time_by_kind["copy"] == pytest.approx(1.0)
+    assert "idle (bubble) fraction over all 2 steps 36.1%" in str(report)
+    one = pipeline.Trace(synthetic_step(0, 0.0), origin=0)
+    assert "idle (bubble) fraction over the step 36.1%" in str(one.summary())
 
 
 def test_render_draws_the_last_step_one_line_per_partition() -> None:
     trace = pipeline.Trace(synthetic_step(0, 0.0) + synthetic_step(1, 100.0), origin=0)
     lines = trace.render(width=9).splitlines()
-    assert lines[1] == "partition 0 |Ff...bbRB| idle 33.3%"
-    assert lines[2] == "partition 1 |.CfbbBB..| idle 38.9%"
+    assert lines[0].startswith("step 1: time 0 .. ")
+    assert lines[1] == "partition 0 |Ff...bbRB| idle 33.3% of this step"
+    assert lines[2] == "partition 1 |.CfbbBB..| idle 38.9% of this step"
     assert len(lines) == 5  # the time axis, two partitions, the two-line legend
 
 
