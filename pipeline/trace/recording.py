@@ -46,6 +46,7 @@ from pipeline.trace.chrome import chrome_trace
 from pipeline.trace.event import Event, Kind, task_name
 from pipeline.trace.gantt import render
 from pipeline.trace.summary import Summary, summarize
+from pipeline.trace.svg import render_svg
 
 __all__ = ["Trace", "begin_explicit_step", "span", "trace", "traced"]
 
@@ -135,10 +136,24 @@ class Trace:
 
         Example: ``print(t.render(width=100))``.
         """
+        return render(self._step_events(step), width)
+
+    def save_svg(
+        self, path: str | os.PathLike[str], step: int | None = None, title: str = ""
+    ) -> None:
+        """Draw step ``step`` (default: the last) as an SVG picture at ``path``.
+
+        One row per partition, each task a box where and when it ran, waits
+        for messages in grey (``svg.py``). Example: ``t.save_svg("1f1b.svg")``.
+        """
+        with open(path, "w") as file:
+            file.write(render_svg(self._step_events(step), title))
+
+    def _step_events(self, step: int | None) -> list[Event]:
         events = self.events
         if events and step is None:
             step = events[-1].step
-        return render([e for e in events if e.step == step], width)
+        return [e for e in events if e.step == step]
 
 
 @contextlib.contextmanager
