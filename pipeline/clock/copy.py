@@ -20,6 +20,7 @@ from torch import Tensor
 
 from pipeline.runtime.stream import (
     Stream,
+    copy_to,
     get_device,
     record_stream,
     use_device,
@@ -69,7 +70,7 @@ def _copy(x: Any, source: Stream, target: Stream) -> Any:
     if not isinstance(x, Tensor):
         return x
     with use_device(get_device(target)), use_stream(source), use_stream(target):
-        y = x.to(get_device(target), non_blocking=True)
+        y = copy_to(x, get_device(target))
     # Both tensors are used on streams their allocator does not know about.
     record_stream(x, source)
     record_stream(y, target)

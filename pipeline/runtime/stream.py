@@ -17,6 +17,7 @@ import torch
 __all__ = [
     "CPUStream",
     "Stream",
+    "copy_to",
     "current_stream",
     "get_device",
     "new_stream",
@@ -92,3 +93,16 @@ def record_stream(tensor: torch.Tensor, stream: Stream) -> None:
     if isinstance(stream, CPUStream) or not tensor.is_cuda:
         return
     tensor.record_stream(stream)
+
+
+def copy_to(
+    tensor: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """``tensor`` on ``device``: queued on the current stream into a GPU, done into the CPU.
+
+    A non-blocking copy from a GPU into the CPU returns before the copy is
+    done (torch pins the result to allow it), and no stream orders the CPU's
+    reads after the copy: they would read what the memory held before. Into
+    a GPU, the copy is ordered on the current stream like any kernel.
+    """
+    return tensor.to(device, dtype, non_blocking=device.type == "cuda")

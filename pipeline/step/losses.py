@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from pipeline.arguments import LossReduction
+from pipeline.runtime.stream import copy_to
 
 __all__ = [
     "LossDivisor",
@@ -151,7 +152,7 @@ def scaled(loss: Tensor, scale: Scale) -> Tensor:
     would equal it, and its gradient the gradient, bit for bit.
     """
     if isinstance(scale, Tensor):
-        scale = scale.to(loss.device, loss.dtype, non_blocking=True)
+        scale = copy_to(scale, loss.device, loss.dtype)
     elif scale == 1.0:
         return loss
     return loss * scale

@@ -25,6 +25,7 @@ from typing import Any, Protocol
 
 import torch
 
+from pipeline.runtime.stream import copy_to
 from pipeline.trace.recording import span
 
 __all__ = [
@@ -179,11 +180,12 @@ class Message:
 def moved(message: Message, device: torch.device) -> Message:
     """``message`` with its tensors copied to ``device`` by the sender, on its current stream.
 
-    The receiver waits for the copy with ``arrived``: the copy overlaps the
-    sender's next work and the receiver's until it is needed.
+    The receiver waits for a copy into a GPU with ``arrived``: the copy
+    overlaps the sender's next work and the receiver's until it is needed. A
+    copy into the CPU is done before the message is filed (``copy_to``).
     """
     leaves = [
-        x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) and x.device != device else x
+        copy_to(x, device) if isinstance(x, torch.Tensor) and x.device != device else x
         for x in message.leaves
     ]
     event = None
