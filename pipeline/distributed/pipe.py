@@ -41,6 +41,7 @@ from pipeline.arguments import CallStyle, CheckpointMode, LossReduction, PipeArg
 from pipeline.base import PipeBase
 from pipeline.distributed.meta import Init, materialized, meta_resets
 from pipeline.distributed.p2p import P2PTransport
+from pipeline.distributed.sharded import check_sharding
 from pipeline.distributed.stage_arguments import check_alone, disagreement
 from pipeline.distributed.ties import TiedWeights
 from pipeline.distributed.wire_format import DEFAULT_MAX_MESSAGE_BYTES
@@ -54,6 +55,7 @@ from pipeline.step.mail import Message
 from pipeline.step.reports import DistributedStepReport
 from pipeline.step.runner import StepRun, forward_programs
 from pipeline.step.schedules import Schedule, resolve_schedule
+from pipeline.step.sharded import resharded_after
 
 __all__ = ["DistributedPipe"]
 
@@ -331,6 +333,7 @@ class DistributedPipe(PipeBase):
         self._check_open()
         reduction = self._check_step_arguments(loss_fn, loss_reduction, loss_divisor, grad_scaler)
         self._check_scaler_agrees(grad_scaler)
+        self._check_sharding()
         chosen = resolve_schedule(schedule)
         workers = chosen.workers(len(self.balance))
         if workers != self.size:
@@ -339,6 +342,11 @@ class DistributedPipe(PipeBase):
                 f"group has {self.size} processes: use a schedule with one worker per process"
             )
         return chosen, reduction
+
+    def _check_sharding(self) -> None:
+        """Refuse stages sharded (FSDP2, tensor parallel) in a way a step would get wrong."""
+        stages = self.local_stages
+        check_sharding(self, self.partitions, stages, self._ties.parameters())
 
     def _check_scaler_agrees(self, grad_scaler: torch.amp.GradScaler | None) -> None:
         """Refuse a GradScaler that would let some stages step and others skip."""
@@ -486,6 +494,7 @@ class DistributedPipe(PipeBase):
             reduction = self._check_evaluate_arguments(
                 target, loss_fn, loss_reduction, loss_divisor
             )
+            self._check_sharding()
             batches = self._scatter(self._input_of(input, kwargs), "input", needed=first)
             targets = self._scatter(target, "target", needed=last and loss_fn is not None)
             self._check_token_loss(batches, reduction, loss_divisor)
@@ -495,7 +504,8 @@ class DistributedPipe(PipeBase):
         choice += f" ({_loss_choice(reduction, loss_divisor)}), outputs {wants_outputs}"
         rows = self._agree(batches, targets, choice, refusal, with_target=loss_fn is not None)
         programs = forward_programs(len(rows), len(self.balance), self.size)
-        with self._evaluating():
+        local = [self.partitions[s] for s in self.local_stages]
+        with self._evaluating(), resharded_after(local):
             run = self._evaluation_run(
                 batches,
                 targets,

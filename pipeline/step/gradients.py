@@ -13,6 +13,7 @@ and each tensor gets its step's sum in one accumulation, through its own
     stage j, micro-batch i:  autograd.grad --> sums of stage j   (nothing in .grad)
     stage j's last action:   its partition's parameters --> AccumulateGrad (hooks, once)
                              a parameter held by several partitions: at the last of them
+                             FSDP2 units: their unsharded parameters, then one reduction
     after every stage:       other leaves (a tensor of the script, a plain attribute),
                              the caller's graph (stage 0's input gradient), and what the
                              pipe keeps for itself (weights tied across processes)
@@ -32,8 +33,8 @@ micro-batches would (and without the sums' cost per leaf).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable, Sequence
-from contextlib import ExitStack
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
@@ -42,6 +43,7 @@ from torch.autograd.graph import Node
 
 from pipeline.runtime.threadstate import ThreadState
 from pipeline.step.held_hooks import HeldHooks
+from pipeline.step.sharded import ShardedUnits
 
 __all__ = [
     "GradientSums",
@@ -129,7 +131,9 @@ class StepGradients:
     parameter registered in several of them is final at the end of the last
     one. The tensors of ``at_end`` (the pipe's own, such as weights tied
     across processes), the leaves that no partition here registers and the
-    caller's graph wait for the step's end.
+    caller's graph wait for the step's end. A stage's FSDP2 units
+    (``sharded.py``) reduce their gradients at the stage's end, once those of
+    their unsharded parameters are in.
     """
 
     def __init__(
@@ -149,6 +153,20 @@ class StepGradients:
         self._waiting = GradientSums()
         self._end = GradientSums()
         self.hooks = HeldHooks()
+        self.sharded = ShardedUnits(partitions, list(self._registered))
+
+    @contextmanager
+    def holding(self) -> Iterator[None]:
+        """Around a step's run: hooks held back and FSDP2 reductions deferred, both given back.
+
+        A step that failed accumulates nothing more, leaves no hook held, and
+        its FSDP2 units not reduced yet drop its gradients.
+        """
+        try:
+            with self.sharded.deferred():
+                yield
+        finally:
+            self.hooks.release()
 
     def hold(self, tensors: Sequence[Tensor]) -> bool:
         """Hold the hooks of ``tensors`` back: their gradient is about to be computed in part.
@@ -177,12 +195,14 @@ class StepGradients:
         with self._lock:
             registered = self._registered[j]
             sums.move([t for t in sums.tensors() if id(t) in registered], self._waiting)
+            sums.move(self.sharded.unsharded(j), final)
             self._end.merge(sums)
             for key in registered:
                 self._holders[key] -= 1
             done = [t for t in self._waiting.tensors() if self._holders[id(t)] == 0]
             self._waiting.move(done, final)
         self.accumulate(final)
+        self.sharded.reduce(j)
 
     def accumulate(self, sums: GradientSums) -> None:
         """Give the tensors of ``sums`` their hooks back, and their sums (``accumulate``)."""

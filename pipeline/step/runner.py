@@ -179,12 +179,11 @@ class StepRun:
         """Around the step: the hooks held back meanwhile are all given back at its end.
 
         A step that failed or was interrupted accumulates nothing more, but
-        leaves no hook held.
+        leaves no hook held. FSDP2 units reduce once, at their stage's end
+        (``StepGradients.holding``).
         """
-        try:
+        with self.context.gradients.holding():
             yield
-        finally:
-            self.context.gradients.hooks.release()
 
     def _on_thread(self, work: Callable[[], None]) -> None:
         """Do ``work`` in the caller's grad mode, with no autograd device threads.

@@ -1,0 +1,426 @@
+"""DistributedPipe stages sharded by torch's FSDP2 and tensor parallelism, in 4 gloo processes.
+
+Started by tests/gloo_groups.py's run_group with ``script=sharded_scenarios.py``
+and ``world_size=4``. A (dp=2, pp=2) mesh for FSDP2, a (pp=2, tp=2) mesh for
+tensor parallelism; each case trains the pipe and the plain model side by
+side in float64: two accumulated steps, an evaluation, an optimizer step,
+then the next case, so that a case that goes wrong shows in every later one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    parallelize_module,
+)
+
+from pipeline.arguments import CheckpointMode
+from pipeline.distributed import DistributedPipe
+from pipeline.schedules import Interleaved1F1B, Programs, Schedule
+from tests.gloo_groups import expect_error, main, scenario
+
+WIDTH = 6
+ROWS = 8  # per step and replica: 4 micro-batches of 2 rows
+COLLECTIVES = ("reduce_scatter_single", "all_gather_single", "all_reduce")
+
+# Zero-bubble's split with every weight gradient after every input gradient on stage 0.
+LATE_WEIGHTS = Programs(
+    [
+        "0F0 0F1 0F2 0F3 0I3 0I2 0I1 0I0 0W0 0W1 0W2 0W3",
+        "1F0 1F1 1F2 1F3 1I3 1W3 1I2 1W2 1I1 1W1 1I0 1W0",
+    ]
+)
+
+
+@functools.cache
+def fsdp_mesh() -> DeviceMesh:
+    """Ranks 0, 1 and 2, 3 are the pipelines; 0, 2 and 1, 3 shard the same stage."""
+    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+
+
+@functools.cache
+def tp_mesh() -> DeviceMesh:
+    """Ranks 0, 2 and 1, 3 are the pipelines; 0, 1 and 2, 3 split each stage's layers."""
+    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+
+
+def blocks(count: int, dropout: float = 0.0) -> nn.Sequential:
+    torch.manual_seed(0)
+    layers = [
+        nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Dropout(dropout)) for _ in range(count)
+    ]
+    return nn.Sequential(*layers).double()
+
+
+def mlps(count: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    layers = [
+        nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.Tanh(), nn.Linear(2 * WIDTH, WIDTH))
+        for _ in range(count)
+    ]
+    return nn.Sequential(*layers).double()
+
+
+def shard_layers(pipe: DistributedPipe, mesh: DeviceMesh, nested: bool = False) -> int:
+    """fully_shard on each layer of this process's stages (and each stage, if nested): units."""
+    units = 0
+    for s in pipe.local_stages:
+        for layer in pipe.partitions[s]:
+            fully_shard(layer, mesh=mesh)
+            units += 1
+        if nested:
+            fully_shard(pipe.partitions[s], mesh=mesh)
+    return units
+
+
+def split_layers(pipe: DistributedPipe) -> None:
+    """Megatron's MLP split over the tp dimension, on each layer of this process's stages."""
+    plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
+    for s in pipe.local_stages:
+        for layer in pipe.partitions[s]:
+            parallelize_module(layer, tp_mesh()["tp"], plan)
+
+
+def full(tensor: Tensor) -> Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+@dataclass
+class Case:
+    schedule: str | Schedule
+    checkpoint: CheckpointMode = "except_last"
+    divided: bool = False  # a 'sum' loss and a loss_divisor
+    scaled: bool = False  # a ShardedGradScaler
+
+
+class SideBySide:
+    """A pipe and the plain model, trained alike; ``replicas`` data-parallel copies of the pipe."""
+
+    def __init__(self, pipe: DistributedPipe, plain: nn.Module, replica: int, replicas: int):
+        self.pipe, self.plain = pipe, plain
+        self.replica, self.replicas = replica, replicas
+        self.optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
+        self.plain_optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
+        self.generator = torch.Generator().manual_seed(3)
+
+    def batch(self) -> tuple[Tensor, Tensor]:
+        """The whole batch, the same on every process."""
+        rows = ROWS * self.replicas
+        x = torch.randn(rows, WIDTH, generator=self.generator, dtype=torch.double)
+        return x, torch.randn(rows, WIDTH, generator=self.generator, dtype=torch.double)
+
+    def mine(self, tensor: Tensor) -> Tensor:
+        return tensor[self.replica * ROWS : (self.replica + 1) * ROWS]
+
+    def run(self, case: Case, counts: list[dict[str, int]] | None = None) -> None:
+        """Two accumulated steps, an evaluation, an optimizer step; each equal to the plain's."""
+        self.pipe.checkpoint = case.checkpoint
+        self.optimizer.zero_grad()
+        self.plain_optimizer.zero_grad()
+        scaler = ShardedGradScaler("cpu", init_scale=2.0**10) if case.scaled else None
+        for _ in range(2):
+            x, y = self.batch()
+            with counting(counts):
+                self.pipe_step(case, x, y, scaler)
+            F.mse_loss(self.plain(x), y).backward()
+        if scaler is not None:
+            scaler.unscale_(self.optimizer)
+        self.assert_grads(case)
+        x, y = self.batch()
+        loss = self.pipe.evaluate(self.mine(x), self.mine(y), F.mse_loss)
+        with torch.no_grad():
+            expected = F.mse_loss(self.plain(self.mine(x)), self.mine(y))
+        torch.testing.assert_close(loss, expected, msg=f"{case}: the evaluated loss")
+        if scaler is None:
+            self.optimizer.step()
+        else:
+            scaler.step(self.optimizer)
+        self.plain_optimizer.step()
+        self.assert_parameters(case)
+
+    def pipe_step(
+        self, case: Case, x: Tensor, y: Tensor, scaler: ShardedGradScaler | None = None
+    ) -> None:
+        x, y = self.mine(x), self.mine(y)
+        options: dict[str, Any] = {"schedule": case.schedule, "grad_scaler": scaler}
+        loss_fn: Callable[[Tensor, Tensor], Tensor] = F.mse_loss
+        if case.divided:
+            # The replicas' gradients are averaged: each divides by the whole batch's
+            # count over the number of replicas.
+            options.update(loss_reduction="sum", loss_divisor=x.numel() * self.replicas)
+            options["loss_divisor"] /= self.replicas
+            loss_fn = functools.partial(F.mse_loss, reduction="sum")
+        self.pipe.step(x, y, loss_fn, **options)
+
+    def assert_grads(self, case: Case) -> None:
+        reference = dict(self.plain.named_parameters())
+        names = []
+        for name, param in self.pipe.named_parameters():
+            assert param.grad is not None, f"{case}: {name} has no gradient"
+            grad = full(param.grad)
+            torch.testing.assert_close(grad, reference[name].grad, msg=f"{case}: {name}")
+            names.append(name)
+        assert names, "this process holds no parameter"
+
+    def assert_parameters(self, case: Case) -> None:
+        reference = dict(self.plain.named_parameters())
+        for name, param in self.pipe.named_parameters():
+            assert isinstance(param, DTensor), f"{case}: {name} is left unsharded"
+            torch.testing.assert_close(full(param.detach()), reference[name], msg=name)
+
+
+@contextlib.contextmanager
+def counting(counts: list[dict[str, int]] | None) -> Iterator[None]:
+    """Count torch.distributed's calls of ``COLLECTIVES`` in the block, into a new entry."""
+    if counts is None:
+        yield
+        return
+    count = dict.fromkeys(COLLECTIVES, 0)
+    originals = {name: getattr(dist, name) for name in COLLECTIVES}
+
+    def counted(name: str) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            count[name] += 1
+            return originals[name](*args, **kwargs)
+
+        return call
+
+    for name in COLLECTIVES:
+        setattr(dist, name, counted(name))
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+        counts.append(count)
+
+
+def fsdp_side_by_side(
+    model: nn.Sequential, balance: list[int], nested: bool = False
+) -> tuple[SideBySide, int]:
+    mesh = fsdp_mesh()
+    group = mesh["pp"].get_group()
+    pipe = DistributedPipe(copy.deepcopy(model), balance, chunks=4, group=group)
+    units = shard_layers(pipe, mesh["dp"], nested)
+    replica = mesh["dp"].get_local_rank()
+    return SideBySide(pipe, model, replica, replicas=2), units
+
+
+def assert_once_per_step(counts: list[dict[str, int]], what: Case, **expected: int) -> None:
+    """Each step made ``expected`` calls of each collective (none that is not named)."""
+    expected = dict.fromkeys(COLLECTIVES, 0) | expected
+    for count in counts:
+        assert count == expected, f"{what}: {count} collectives in a step, expected {expected}"
+
+
+@scenario
+def fsdp_stages_equal_the_plain_model_in_every_schedule() -> None:
+    side, units = fsdp_side_by_side(blocks(4), [2, 2])
+    cases = [
+        Case("gpipe"),
+        Case("1f1b"),
+        Case("zb-h1"),
+        Case(LATE_WEIGHTS, "always"),
+        Case("zb-h1", "always"),
+        Case("1f1b", "never", divided=True),
+        Case("zb-h1", scaled=True),
+    ]
+    for case in cases:
+        counts: list[dict[str, int]] = []
+        side.run(case, counts)
+        # Each unit reduce-scatters once and all-gathers once (a root unit keeps them).
+        assert_once_per_step(counts, case, reduce_scatter_single=units, all_gather_single=units)
+    # A step that fails half-way leaves nothing of its gradients to the next.
+    x, y = side.batch()
+    expect_error(
+        Exception,
+        lambda: side.pipe.step(side.mine(x), side.mine(y), failing(), schedule="1f1b"),
+        "a loss that fails",
+    )
+    side.run(Case("zb-h1"))
+    side.pipe.close()
+
+
+def failing() -> Any:
+    """A loss that raises on its third micro-batch."""
+    calls = [0]
+
+    def loss(output: Tensor, target: Tensor) -> Tensor:
+        calls[0] += 1
+        if calls[0] == 3:
+            raise ValueError("a loss that fails")
+        return F.mse_loss(output, target)
+
+    return loss
+
+
+@scenario
+def nested_fsdp_units_equal_the_plain_model() -> None:
+    # torchtitan's layout: each layer a unit, and the stage the root over them.
+    side, _ = fsdp_side_by_side(blocks(4), [2, 2], nested=True)
+    for case in [Case("zb-h1"), Case("1f1b", "always"), Case("gpipe", "never")]:
+        counts: list[dict[str, int]] = []
+        side.run(case, counts)
+        for count in counts:
+            assert count["reduce_scatter_single"] == 2, f"{case}: {count}"
+    side.pipe.close()
+
+
+@scenario
+def interleaved_fsdp_stages_equal_the_plain_model() -> None:
+    side, units = fsdp_side_by_side(blocks(4), [1, 1, 1, 1])
+    interleaved = Interleaved1F1B(virtual=2)
+    for case in [Case(interleaved), Case(interleaved, "always")]:
+        counts: list[dict[str, int]] = []
+        side.run(case, counts)
+        assert_once_per_step(counts, case, reduce_scatter_single=units, all_gather_single=units)
+    side.pipe.close()
+
+
+@scenario
+def dropout_under_fsdp_is_the_unsharded_pipes() -> None:
+    # The plain model draws other masks: the reference is the same pipe unsharded,
+    # its replicas' gradients averaged by hand.
+    mesh = fsdp_mesh()
+    group, dp = mesh["pp"].get_group(), mesh["dp"].get_group()
+    model = blocks(4, dropout=0.3)
+    sharded = DistributedPipe(copy.deepcopy(model), [2, 2], chunks=4, group=group)
+    shard_layers(sharded, mesh["dp"])
+    plain = DistributedPipe(copy.deepcopy(model), [2, 2], chunks=4, group=group)
+    replica = mesh["dp"].get_local_rank()
+    gen = torch.Generator().manual_seed(5)
+    for schedule, mode in [("zb-h1", "always"), ("1f1b", "except_last")]:
+        sharded.checkpoint = plain.checkpoint = mode
+        x = torch.randn(2 * ROWS, WIDTH, generator=gen, dtype=torch.double)
+        y = torch.randn(2 * ROWS, WIDTH, generator=gen, dtype=torch.double)
+        rows = slice(replica * ROWS, (replica + 1) * ROWS)
+        for pipe in (sharded, plain):
+            torch.manual_seed(7)  # each step draws its seed from the CPU generator
+            pipe.step(x[rows], y[rows], F.mse_loss, schedule=schedule)
+        reference = dict(plain.named_parameters())
+        for name, param in sharded.named_parameters():
+            expected = reference[name].grad
+            assert param.grad is not None and expected is not None, name
+            dist.all_reduce(expected, group=dp)
+            torch.testing.assert_close(full(param.grad), expected / 2, msg=f"{schedule}: {name}")
+            param.grad = None
+            reference[name].grad = None
+    sharded.close()
+    plain.close()
+
+
+@scenario
+def tensor_parallel_stages_equal_the_plain_model() -> None:
+    mesh = tp_mesh()
+    model = mlps(4)
+    pipe = DistributedPipe(copy.deepcopy(model), [2, 2], chunks=4, group=mesh["pp"].get_group())
+    split_layers(pipe)
+    side = SideBySide(pipe, model, replica=0, replicas=1)  # every tp rank takes the whole batch
+    for case in [Case("gpipe"), Case("1f1b", "always"), Case("zb-h1")]:
+        side.run(case)
+    pipe.close()
+
+
+@scenario
+def hsdp_stages_all_reduce_once_per_step() -> None:
+    # Two replicas, each sharded over one process (four processes): FSDP's all-reduce.
+    mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("replicate", "shard", "pp"))
+    model = blocks(4)
+    pipe = DistributedPipe(copy.deepcopy(model), [2, 2], chunks=4, group=mesh["pp"].get_group())
+    units = shard_layers(pipe, mesh["replicate", "shard"])
+    side = SideBySide(pipe, model, mesh["replicate"].get_local_rank(), replicas=2)
+    for case in [Case("zb-h1"), Case("1f1b", "always")]:
+        counts: list[dict[str, int]] = []
+        side.run(case, counts)
+        assert_once_per_step(counts, case, all_reduce=units)
+    pipe.close()
+
+
+class Embed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.token = nn.Embedding(11, WIDTH)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return cast(Tensor, self.token(x))
+
+
+class Head(nn.Module):
+    """The output layer, tied to the embedding's weight."""
+
+    def __init__(self, token: nn.Embedding) -> None:
+        super().__init__()
+        self.token = token
+
+    def forward(self, h: Tensor) -> Tensor:
+        return h @ self.token.weight.t()
+
+
+@scenario
+def sharding_a_step_would_get_wrong_is_refused_by_every_process() -> None:
+    mesh = fsdp_mesh()
+    group = mesh["pp"].get_group()
+    x, y = (
+        torch.randn(ROWS, WIDTH, dtype=torch.double),
+        torch.randn(ROWS, WIDTH, dtype=torch.double),
+    )
+
+    def step(pipe: DistributedPipe) -> Callable[[], object]:
+        return lambda: pipe.step(x, y, F.mse_loss)
+
+    # fully_shard on the pipe: one unit over both of a process's stages.
+    pipe = DistributedPipe(blocks(4), [1, 1, 1, 1], chunks=4, group=group)
+    fully_shard(pipe, mesh=mesh["dp"])
+    expect_error(ValueError, step(pipe), "fully_shard was applied to the", "shard each stage")
+    pipe.close()
+    # One fully_shard call over this process's two stages.
+    pipe = DistributedPipe(blocks(4), [1, 1, 1, 1], chunks=4, group=group)
+    fully_shard([pipe.partitions[s] for s in pipe.local_stages], mesh=mesh["dp"])
+    expect_error(ValueError, step(pipe), "one fully_shard call holds modules of stage")
+    pipe.close()
+    # A weight tied across processes, sharded.
+    torch.manual_seed(0)
+    embed = Embed()
+    tied = nn.Sequential(embed, nn.Linear(WIDTH, WIDTH), nn.Tanh(), Head(embed.token)).double()
+    pipe = DistributedPipe(tied, [2, 2], chunks=4, group=group)
+    for layer in pipe:
+        if isinstance(layer, Embed | Head):
+            fully_shard(layer, mesh=mesh["dp"])
+    tokens = torch.randint(0, 11, (ROWS,))
+    expect_error(
+        ValueError,
+        lambda: pipe.step(tokens, tokens, F.cross_entropy),
+        "tied across processes",
+        "replaced after the DistributedPipe was built",
+    )
+    pipe.close()
+    # A torch whose FSDP2 lacks what the step reads.
+    pipe = DistributedPipe(blocks(2), [1, 1], chunks=4, group=group)
+    shard_layers(pipe, mesh["dp"])
+    unit = cast(FSDPModule, pipe.partitions[pipe.local_stages[0]][0])
+    groups = unit._get_fsdp_state()._fsdp_param_groups
+    saved = groups[0].reduce_grads
+    del groups[0].reduce_grads
+    expect_error(RuntimeError, step(pipe), "FSDPParamGroup.reduce_grads", "torch version")
+    groups[0].reduce_grads = saved
+    pipe.close()
+
+
+if __name__ == "__main__":
+    main()

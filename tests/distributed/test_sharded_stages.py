@@ -1,0 +1,40 @@
+"""DistributedPipe stages sharded by torch's FSDP2 and tensor parallelism: 4 gloo processes.
+
+One process group runs every scenario of sharded_scenarios.py: a (dp=2, pp=2)
+mesh for FSDP2, a (pp=2, tp=2) mesh for tensor parallelism, each scenario
+against the plain model in float64, or refused by every process.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+from tests.distributed.test_distributed_pipe import check
+
+if TYPE_CHECKING:
+    from tests.gloo_groups import GroupRunner, Outcomes
+
+SCENARIOS = Path(__file__).with_name("sharded_scenarios.py")
+
+NAMES = [
+    "fsdp_stages_equal_the_plain_model_in_every_schedule",
+    "nested_fsdp_units_equal_the_plain_model",
+    "interleaved_fsdp_stages_equal_the_plain_model",
+    "dropout_under_fsdp_is_the_unsharded_pipes",
+    "tensor_parallel_stages_equal_the_plain_model",
+    "hsdp_stages_all_reduce_once_per_step",
+    "sharding_a_step_would_get_wrong_is_refused_by_every_process",
+]
+
+
+@pytest.fixture(scope="module")
+def four_processes(group_runner: GroupRunner) -> Outcomes:
+    return group_runner(NAMES, script=SCENARIOS, world_size=4, pg_timeout_s=60, wall_timeout_s=240)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_sharded_stages(four_processes: Outcomes, name: str) -> None:
+    check(four_processes, [name])
