@@ -1,0 +1,55 @@
+"""examples/benchmarks/gpu_check.py: says so and exits 0 without CUDA; its CPU dry run works.
+
+Both run with CUDA hidden (``CUDA_VISIBLE_DEVICES=""``), so on a GPU machine
+too they take seconds: the GPU run itself is the script's job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "examples" / "benchmarks" / "gpu_check.py"
+TIMEOUT_S = 300
+
+
+def run(*arguments: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *arguments],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+
+
+def test_without_cuda_it_says_so_and_exits_0() -> None:
+    done = run()
+    assert done.returncode == 0, done.stderr
+    assert "CUDA is not available" in done.stdout
+    assert "run this on a machine with a GPU" in done.stdout
+
+
+def test_the_cpu_dry_run_times_checks_and_reports_every_part(tmp_path: Path) -> None:
+    out, table = tmp_path / "check.json", tmp_path / "check.md"
+    done = run("--device", "cpu", "--quick", "--out", str(out), "--markdown", str(table))
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    results = json.loads(out.read_text())
+    steps = results["steps"]["times"]
+    assert list(steps) == ["whole batch", "micro-batches", "pipe(x)", "gpipe", "1f1b", "zb-h1"]
+    assert all(figures["ms"] > 0 and figures["speedup"] > 0 for figures in steps.values())
+    assert list(results["copy_streams"]["times"]) == ["copy streams", "compute streams"]
+    assert results["compiled"]["frames_compiled"] > 0
+    assert results["compiled"]["backend"] == "aot_eager"
+    assert "tests" not in results  # the pytest steps are the CPU suite's on the CPU
+    markdown = table.read_text()
+    assert markdown in done.stdout  # printed too
+    assert "| check | result | figures |" in markdown
+    for name in [*steps, "copy streams", "compiled pipe(x)"]:
+        assert f"{name} |" in markdown, name
