@@ -295,8 +295,9 @@ class StageRun:
             self._recomputed += time.perf_counter() - start
         roots, grads = self._roots(i, stashed)
         inputs = [x for x in stashed.inputs.leaves if _needs_grad(x)]
-        skips = list(stashed.skips_in.items())
-        targets = inputs + [leaf for _, leaf in skips]
+        # A skip that needs no gradient (integer labels) gets None back, not a target.
+        skips = [key for key, leaf in stashed.skips_in.items() if _needs_grad(leaf)]
+        targets = inputs + [stashed.skips_in[key] for key in skips]
         if split:
             found, stashed.weight_work = backward_input(roots, grads, targets)
         else:
@@ -305,9 +306,11 @@ class StageRun:
             )
             if leaves:
                 self.context.gradients.add(self.j, leaves, leaf_grads)
-        for (key, _), grad in zip(skips, found[len(inputs) :], strict=True):
+        skip_grads = dict(zip(skips, found[len(inputs) :], strict=True))
+        for key in stashed.skips_in:
             source = self.context.skip_layout.route(key).source
-            self._send(self._skip_mail("skip-grad", key, i), Message([grad]), source, i)
+            message = Message([skip_grads.get(key)])
+            self._send(self._skip_mail("skip-grad", key, i), message, source, i)
         self._send_input_grads(i, stashed, found[: len(inputs)])
         stashed.outputs, stashed.loss, stashed.skips_out = [], None, {}
 

@@ -21,6 +21,7 @@ import pipeline
 from pipeline.distributed import DistributedPipe
 from pipeline.schedules import Interleaved1F1B
 from tests.gloo_groups import expect_error, main, rank, scenario, world
+from tests.split import hf_labels
 from tests.split.split_models import gpt2, llama, lm_loss, tokens
 
 
@@ -245,6 +246,85 @@ def split_gpt2_in_eval_mode_across_processes() -> None:
     finally:
         set_dropout(model, 0.0)
         model.train()
+
+
+# transformers' own loss (out.loss given labels=), with the count of the
+# whole batch's tokens as num_items_in_batch (tests/split/test_hf_loss.py).
+
+
+@cache
+def _counted_gpt2() -> tuple[nn.Module, nn.Sequential, dict[str, Tensor]]:
+    # A float count: under DataParallel each replica passes the global count
+    # over the number of replicas.
+    model = seeded(gpt2)
+    return model, hf_labels.split_counted(model, torch.float64), copy.deepcopy(model.state_dict())
+
+
+def counted_gpt2() -> tuple[nn.Module, nn.Sequential, nn.Module]:
+    """This process's GPT-2 split with num_items_in_batch at its initial weights, and a copy."""
+    model, seq, initial = _counted_gpt2()
+    model.load_state_dict(initial)
+    model.zero_grad(set_to_none=True)
+    return model, seq, copy.deepcopy(model)
+
+
+@scenario
+def split_gpt2_own_loss_with_the_count_across_processes() -> None:
+    _, seq, plain = counted_gpt2()
+    ids, mask, labels = hf_labels.batch(1)
+    pipe = DistributedPipe(seq, [3, 2], chunks=hf_labels.CHUNKS)
+    first, last = ends(pipe)
+    n = hf_labels.count(labels).double()
+
+    def step(**options: Any) -> Tensor:
+        return pipe.step(
+            ids if first else None,
+            labels if last else None,
+            hf_labels.out_loss,
+            kwargs=hf_labels.recipe(mask, labels, n) if first else None,
+            **options,
+        )
+
+    # Weighed by rows, the summed losses would be wrong: every process refuses.
+    expected_error = "loss_reduction='sum'" if first else "refused this step's arguments"
+    expect_error(ValueError, step, expected_error)
+    assert all(p.grad is None for p in pipe.parameters()), "refused before any work"
+    loss = step(loss_reduction="sum")
+    expected = hf_labels.plain_loss(plain, ids, mask, labels)
+    # float32 over a float64 count: a float64 loss.
+    torch.testing.assert_close(loss, expected, check_dtype=False)
+    assert_like_the_plain_model(pipe, plain, "out.loss with num_items_in_batch")
+    pipe.close()
+
+
+@scenario
+def split_gpt2_own_loss_in_data_parallel_is_the_mean_over_every_token() -> None:
+    # Each replica's count is the global one over the replicas: averaging the
+    # replicas' gradients gives the plain model's mean over every token.
+    model, seq, plain = counted_gpt2()
+    ids, mask, labels = hf_labels.batch(2, rows=hf_labels.ROWS * world())
+    mine = slice(rank() * hf_labels.ROWS, (rank() + 1) * hf_labels.ROWS)
+    local = hf_labels.count(labels[mine]).double()
+    counts = [torch.zeros_like(local) for _ in range(world())]
+    dist.all_gather(counts, local)
+    assert len({int(c) for c in counts}) > 1, "the replicas must hold different counts"
+    n = sum(counts) / world()
+    dp = pipeline.DataParallel(pipeline.Pipe(seq, [2, 3], chunks=hf_labels.CHUNKS))
+    loss = dp.step(
+        ids[mine],
+        labels[mine],
+        hf_labels.out_loss,
+        kwargs=hf_labels.recipe(mask[mine], labels[mine], n),
+        loss_reduction="sum",
+    )
+    expected = hf_labels.plain_loss(plain, ids, mask, labels)
+    dist.all_reduce(loss)
+    torch.testing.assert_close(loss / world(), expected, check_dtype=False)
+    reference = dict(plain.named_parameters())
+    for name, parameter in model.named_parameters():
+        assert parameter.grad is not None, name
+        torch.testing.assert_close(parameter.grad, reference[name].grad, msg=name)
+    dp.module.close()
 
 
 if __name__ == "__main__":

@@ -10,62 +10,45 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
-from split_models import VOCAB, assert_same, gpt2, gradients, twin
-from torch import Tensor, nn
+from hf_labels import (
+    CHUNKS,
+    batch,
+    count,
+    out_loss,
+    per_micro_batch,
+    plain_loss,
+    recipe,
+    split_counted,
+)
+from split_models import assert_same, gpt2, gradients, twin
+from torch import nn
 
 import pipeline
 from pipeline import Pipe
 
+if TYPE_CHECKING:
+    from tests.gloo_groups import GroupRunner, Outcomes
+
 transformers = pytest.importorskip("transformers")
 
-ROWS, LENGTH, CHUNKS = 6, 8, 3
 BALANCE = [2, 3]  # five pieces: the embeddings, three blocks, the head
-
-
-def batch(seed: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Token ids, a mask, and labels whose rows ignore different numbers of tokens."""
-    generator = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, VOCAB, (ROWS, LENGTH), generator=generator)
-    labels = ids.clone()
-    ignored = torch.randint(0, LENGTH - 1, (ROWS,), generator=generator)
-    for row, length in enumerate(ignored.tolist()):
-        labels[row, :length] = -100  # a prompt of its own length per row
-    return ids, torch.ones(ROWS, LENGTH, dtype=torch.long), labels
-
-
-def count(labels: Tensor) -> Tensor:
-    """The tokens GPT-2's causal loss counts: the labels shifted by one, not -100."""
-    return (labels[..., 1:] != -100).sum()
-
-
-def per_micro_batch(labels: Tensor) -> list[int]:
-    return [int(count(part)) for part in labels.chunk(CHUNKS)]
-
-
-def out_loss(output: Any, target: Tensor) -> Tensor:
-    return output.loss
-
-
-def recipe(mask: Tensor, labels: Tensor) -> dict[str, Any]:
-    """The step's keywords: the batch's count, shared by every micro-batch."""
-    return {
-        "attention_mask": mask,
-        "labels": labels,
-        "num_items_in_batch": pipeline.NoChunk(count(labels)),
-    }
+SCENARIOS = Path(__file__).parents[1] / "distributed" / "split_scenarios.py"
+ACROSS_PROCESSES = [
+    "split_gpt2_own_loss_with_the_count_across_processes",
+    "split_gpt2_own_loss_in_data_parallel_is_the_mean_over_every_token",
+]
 
 
 @pytest.fixture(scope="module")
 def counted() -> tuple[nn.Module, nn.Sequential]:
     """GPT-2 split with num_items_in_batch, a 0-dim tensor, among its keywords."""
     model = gpt2()
-    ids, mask, labels = batch(0)
-    example = {"attention_mask": mask, "labels": labels, "num_items_in_batch": count(labels)}
-    return model, pipeline.split(model, (ids,), example)
+    return model, split_counted(model)
 
 
 @pytest.fixture(scope="module")
@@ -84,13 +67,6 @@ def pipe_of(model: nn.Module, seq: nn.Sequential) -> Iterator[Pipe]:
         yield pipe
     finally:
         pipe.close()
-
-
-def plain_loss(plain: nn.Module, ids: Tensor, mask: Tensor, labels: Tensor) -> Tensor:
-    """The plain model's own loss over the whole batch, back-propagated."""
-    loss = plain(ids, attention_mask=mask, labels=labels).loss
-    loss.backward()
-    return loss.detach()
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
@@ -120,6 +96,28 @@ def test_the_recipe_gives_the_plain_models_loss_and_gradients(
             assert_same(gradients(model), gradients(plain))
 
 
+def test_labels_reach_a_stage_whose_gradients_are_held(
+    counted: tuple[nn.Module, nn.Sequential],
+) -> None:
+    # The labels, an integer skip into the last stage, need no gradient: a
+    # backward that computes its targets' gradients (a hook held back) skips them.
+    model, seq = counted
+    plain = twin(model)
+    ids, mask, labels = batch(5)
+    calls = []
+    handle = model.transformer.ln_f.weight.register_hook(lambda grad: calls.append(grad))
+    try:
+        with pipe_of(model, seq) as pipe:
+            loss = pipe.step(
+                ids, labels, out_loss, kwargs=recipe(mask, labels), loss_reduction="sum"
+            )
+    finally:
+        handle.remove()
+    torch.testing.assert_close(loss, plain_loss(plain, ids, mask, labels))
+    assert_same(gradients(model), gradients(plain))
+    assert len(calls) == 1, "the hook sees the step's whole gradient once"
+
+
 def test_the_recipe_evaluates_the_plain_models_loss(
     counted: tuple[nn.Module, nn.Sequential],
 ) -> None:
@@ -141,6 +139,20 @@ def test_the_count_with_a_row_weighing_is_refused(
     ids, mask, labels = batch(1)
     with pipe_of(model, seq) as pipe, pytest.raises(ValueError, match="loss_reduction='sum'"):
         pipe.step(ids, labels, out_loss, kwargs=recipe(mask, labels))
+    assert all(p.grad is None for p in model.parameters()), "refused before any work"
+
+
+def test_a_count_given_as_a_number_is_refused() -> None:
+    # A number is a constant of the captured code: right for one batch only.
+    model = gpt2()
+    ids, _, labels = batch(0)
+    n = int(count(labels))
+    seq = pipeline.split(model, (ids,), {"labels": labels, "num_items_in_batch": n})
+    kwargs = {"labels": labels, "num_items_in_batch": n}
+    with pipe_of(model, seq) as pipe, pytest.raises(TypeError) as refused:
+        pipe.step(ids, labels, out_loss, kwargs=kwargs, loss_reduction="sum")
+    assert "0-dim tensor" in str(refused.value)
+    assert "pipeline.NoChunk(n)" in str(refused.value)
     assert all(p.grad is None for p in model.parameters()), "refused before any work"
 
 
@@ -185,3 +197,18 @@ def test_labels_even_once_shifted_are_weighed_by_rows(
         loss = pipe.step(ids, labels, out_loss, kwargs=kwargs)
     torch.testing.assert_close(loss, plain_loss(plain, ids, mask, labels))
     assert_same(gradients(model), gradients(plain))
+
+
+@pytest.fixture(scope="module")
+def two_processes(group_runner: GroupRunner) -> Outcomes:
+    # Each process splits GPT-2 before its first collective: a generous timeout.
+    return group_runner(
+        ACROSS_PROCESSES, script=SCENARIOS, world_size=2, pg_timeout_s=120, wall_timeout_s=300
+    )
+
+
+@pytest.mark.parametrize("name", ACROSS_PROCESSES)
+def test_the_recipe_across_processes(two_processes: Outcomes, name: str) -> None:
+    """A DistributedPipe of two processes, and DataParallel of two replicas' Pipes."""
+    for rank, outcomes in enumerate(two_processes):
+        assert outcomes.get(name) == "ok", f"rank {rank}:\n{outcomes.get(name)}"
