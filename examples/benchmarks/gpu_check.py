@@ -8,7 +8,8 @@ On a machine with CUDA it:
    evaluate, compiled layers, split GPT-2, DistributedPipe and DataParallel
    (NCCL with a GPU per rank when there are two GPUs), on cuda:0 shared, a
    partition alone, cuda:0 and the CPU in turn, one partition per GPU;
-3. runs DataParallel's NCCL test (``tests/data_parallel``, a rank per GPU);
+3. runs the suite's other CUDA-only tests (``CUDA_ONLY``: copies between
+   GPUs, DataParallel over NCCL with a rank per GPU);
 4. times one training step of an MLP over 4 partitions sharing cuda:0:
    the plain model (whole batch, and its micro-batches one after another),
    ``pipe(x)`` and ``Pipe.step`` (gpipe, 1f1b, zb-h1), after checking that
@@ -65,7 +66,7 @@ from pipeline.runtime.stream import current_stream
 
 ROOT = Path(__file__).resolve().parents[2]
 TIER_TIMEOUT_S = 300
-NCCL_TIMEOUT_S = 120
+CUDA_ONLY_TIMEOUT_S = 90
 SCHEDULES = ("gpipe", "1f1b", "zb-h1")
 # float32 gradients summed over the micro-batches in another order than the
 # plain model's (and, compiled, by fused kernels) are a few ulps of the
@@ -149,22 +150,25 @@ def run_pytest(targets: list[str], timeout_s: int, env: dict[str, str]) -> dict[
     }
 
 
+# The suite's tests that run only where CUDA is: copies between GPUs, a CPU
+# partition before a GPU one, autocast's dtype, the input moved to the first
+# GPU, DataParallel over NCCL (a rank per GPU; one GPU gives one rank).
+CUDA_ONLY = [
+    "tests/clock/test_device_copies.py",
+    "tests/test_migration.py::test_the_input_is_moved_to_the_first_device",
+    "tests/data_parallel/test_data_parallel.py::test_nccl_exchanges_on_the_current_gpu",
+]
+
+
 def run_test_steps() -> dict[str, Any]:
-    """The device tier on CUDA, and DataParallel's NCCL test."""
-    gpus = torch.cuda.device_count()
+    """The device tier on CUDA, and the suite's CUDA-only tests."""
     tier = run_pytest(["tests/device"], TIER_TIMEOUT_S, {"PIPELINE_TEST_DEVICE": "cuda"})
     tier["distributed_pipe_nccl"] = (
         "in the tier (tests/device/test_processes.py, nccl-rank)"
-        if gpus >= 2
+        if torch.cuda.device_count() >= 2
         else "not run: NCCL needs a GPU per rank, this machine has one"
     )
-    nccl = run_pytest(
-        ["tests/data_parallel/test_data_parallel.py::test_nccl_exchanges_on_the_current_gpu"],
-        NCCL_TIMEOUT_S,
-        {},
-    )
-    nccl["ranks"] = min(2, gpus)
-    return {"device_tier": tier, "data_parallel_nccl": nccl}
+    return {"device_tier": tier, "cuda_only_tests": run_pytest(CUDA_ONLY, CUDA_ONLY_TIMEOUT_S, {})}
 
 
 # Timings

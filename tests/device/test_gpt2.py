@@ -69,7 +69,7 @@ def test_pipe_and_step_equal_the_plain_model(layout: Layout) -> None:
     expected_loss.backward()
     out = pipe((ids, None, mask))
     FLOAT64.assert_close(out.logits, expected.logits, f"{layout.name}: logits")
-    lm_loss(out, target).backward()
+    lm_loss(out, target.to(out.logits.device)).backward()
     assert_gradients_equal(pipe, plain, f"{layout.name}, pipe(x)")
     pipe.zero_grad()
     loss = pipe.step((ids, None, mask), target, lm_loss, schedule="1f1b")
@@ -86,7 +86,8 @@ def test_dropout_is_replayed_exactly_in_every_schedule(layout: Layout) -> None:
             pipe = pipe_of(copy.deepcopy(seq).train(), layout, checkpoint=checkpoint)
             torch.manual_seed(1)
             if schedule == "pipe(x)":
-                lm_loss(pipe((ids, None, mask)), target).backward()
+                out = pipe((ids, None, mask))
+                lm_loss(out, target.to(out.logits.device)).backward()
             else:
                 pipe.step((ids, None, mask), target, lm_loss, schedule=schedule)
             results.append(gradients(pipe))
