@@ -23,6 +23,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from pipeline.runtime.rng import default_generator
+
 __all__ = ["evaluating", "evaluation_seed"]
 
 
@@ -57,10 +59,6 @@ def evaluating(module: nn.Module, devices: Sequence[torch.device], seed: int) ->
 
 
 def _default_generators(devices: Sequence[torch.device]) -> list[torch.Generator]:
-    """The CPU's default generator and those of the CUDA devices among ``devices``."""
-    cuda = {
-        d.index if d.index is not None else torch.cuda.current_device()
-        for d in devices
-        if d.type == "cuda"
-    }
-    return [torch.default_generator, *(torch.cuda.default_generators[k] for k in sorted(cuda))]
+    """The CPU's default generator and those of the other devices among ``devices``."""
+    found = [torch.default_generator, *(default_generator(d) for d in devices)]
+    return list(dict.fromkeys(g for g in found if g is not None))

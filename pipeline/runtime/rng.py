@@ -126,8 +126,14 @@ def default_generator(device: torch.device) -> torch.Generator | None:
     """The generator an op on ``device`` draws from when given none (None if there is none)."""
     if device.type == "cpu":
         return torch.default_generator
-    module = getattr(torch, device.type, None)
+    module: Any = getattr(torch, device.type, None)
     generators = getattr(module, "default_generators", None)
+    if not generators and hasattr(module, "init") and module.is_available():
+        # CUDA makes its generators when it starts, at its first use: a pipe
+        # planned before (partitions without parameters) would not own its
+        # GPU's generator, and recomputation would draw new masks.
+        module.init()
+        generators = module.default_generators
     if not generators:
         return None
     index = device.index if device.index is not None else module.current_device()
