@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from pipeline.arguments import LossReduction
@@ -69,7 +70,8 @@ class TokenLoss:
         if count is not None:
             _check_counted(count, reduction, divisor)
             return
-        counts = [self._tokens(call) for call in calls]
+        # One read for every micro-batch's count (a device sync on a GPU).
+        counts = [int(c) for c in torch.stack([self._tokens(call) for call in calls]).tolist()]
         rows = [batch.rows() for batch in batches]
         if len(batches) == 1 or (
             reduction == "mean" and divisor is None and _in_proportion(counts, rows)
@@ -83,14 +85,15 @@ class TokenLoss:
             "out.loss, do not pass labels to the model"
         )
 
-    def _tokens(self, call: dict[str, Any]) -> int:
+    def _tokens(self, call: dict[str, Any]) -> Tensor:
+        """The tokens one micro-batch's loss counts, as the loss counts them."""
         ignored = call.get("ignore_index", -100)
         shifted = call.get("shift_labels")
         if isinstance(shifted, Tensor):
-            return int((shifted != ignored).sum())
+            return shifted.ne(ignored).sum()
         labels: Tensor = call["labels"]
         counted = labels[..., 1:] if self.shift else labels
-        return int((counted != ignored).sum())
+        return counted.ne(ignored).sum()
 
     def _recipe(self) -> str:
         count = "(labels[..., 1:] != -100).sum()" if self.shift else "(labels != -100).sum()"
