@@ -185,19 +185,24 @@ def resolve_devices(devices: Sequence[Device] | None, partitions: int) -> list[t
 
 
 def check_sharing(partitions: list[nn.Sequential], devices: list[torch.device]) -> None:
-    """Refuse a layer or tensor used by two partitions unless they share a device (tied weights)."""
+    """Refuse a layer or buffer used by two partitions unless they share a device.
+
+    A parameter may be (tied weights, ``runtime/borrowed.py``): a layer could
+    not be run by two devices' threads at once, nor a buffer written by both.
+    """
     owner: dict[int, tuple[int, str]] = {}
     for j, partition in enumerate(partitions):
         named = [*partition.named_modules(remove_duplicate=False)]
-        named += [*partition.named_parameters(remove_duplicate=False)]
         named += [*partition.named_buffers(remove_duplicate=False)]
         for name, thing in named:
             first = owner.setdefault(id(thing), (j, name))
             if devices[first[0]] != devices[j]:
+                what = "buffer" if isinstance(thing, torch.Tensor) else "layer"
                 raise ValueError(
                     f"{type(thing).__name__} {first[1]!r} of partition {first[0]} (on "
                     f"{devices[first[0]]}) is also {name!r} of partition {j} (on {devices[j]}); "
-                    "a layer or parameter can be shared between partitions on the same device "
-                    "only: put those partitions on one device, or keep the tied layers in one "
-                    "partition"
+                    f"a {what} can be shared between partitions on the same device only: put "
+                    "those partitions on one device, keep its uses in one partition, or share "
+                    "its parameters between two layers instead (a parameter may be tied across "
+                    "devices)"
                 )

@@ -411,7 +411,10 @@ class PipeBase(nn.Module):
         on an autograd engine thread with ``pipe(x)``, on the thread running
         the partition with ``step``. With ``pipe(x)``, partition 0 is
         signalled only when the input requires grad (otherwise its end is the
-        end of backward). A ``DistributedPipe`` signals only this process's
+        end of backward). A partition sharing a parameter with another is
+        signalled once both have ended (with ``step``, on the worker of the
+        one that ended last: in ZB-H1 the last partition can end after the
+        first). A ``DistributedPipe`` signals only this process's
         stages, once per step; a stage holding weights tied across processes
         once their gradients are summed::
 

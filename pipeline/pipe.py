@@ -25,6 +25,7 @@ from pipeline.arguments import (
 from pipeline.base import PipeBase
 from pipeline.clock.driver import ClockDriver
 from pipeline.runtime.batchnorm import DeferredBatchNorm
+from pipeline.runtime.borrowed import find_loans
 from pipeline.runtime.microbatch import Batch, Value, check_input, gather, scatter, to_device
 from pipeline.runtime.partitions import PositionalSequential
 from pipeline.runtime.recompute import checkpoint_stop
@@ -550,10 +551,11 @@ _COMPILE_MESSAGE = (
 
 
 def _place(partitions: list[nn.Sequential], devices: list[torch.device]) -> None:
-    """Move each partition to its device, once no layer or tensor is shared across devices."""
+    """Move each partition to its device; a parameter tied across devices to its first user's."""
     check_sharing(partitions, devices)
-    for partition, device in zip(partitions, devices, strict=True):
-        partition.to(device)
+    with find_loans(partitions, devices).away():
+        for partition, device in zip(partitions, devices, strict=True):
+            partition.to(device)
 
 
 def _rows_of(batches: list[Batch], targets: list[Batch]) -> list[int]:

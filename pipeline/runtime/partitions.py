@@ -7,7 +7,8 @@ its DeferredBatchNorm layers deferring their statistics. The runtime also
 keeps what running the partitions needs from one pass to the next: each
 partition's buffers as recomputation replays them (``buffers.py``), whether
 its first layer writes into its input, how its random draws are replayed
-(``ownership.py``), and the lock under which one thread at a time runs the
+(``ownership.py``), the parameters tied across devices that it lends
+(``borrowed.py``), and the lock under which one thread at a time runs the
 partitions.
 """
 
@@ -21,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from pipeline.runtime.batchnorm import deferring_batch_norm
+from pipeline.runtime.borrowed import find_loans
 from pipeline.runtime.buffers import PartitionBuffers
 from pipeline.runtime.microbatch import Arguments, Batch, Value
 from pipeline.runtime.ownership import holds_compiled, holds_generator, randomness_plans
@@ -67,6 +69,7 @@ class PartitionRuntime:
         self.protect_inputs = [starts_in_place(p) for p in partitions]
         self.holding_generator = [holds_generator(p) for p in partitions]
         self.compiled = [holds_compiled(p) for p in partitions]
+        self.loans = find_loans(partitions, devices)
         # Held by each forward pass, each recomputation and each Pipe.step:
         # one thread at a time runs the partitions and touches their buffers.
         self.lock = threading.RLock()
@@ -81,7 +84,7 @@ class PartitionRuntime:
     def call(self, j: int, value: Value) -> Value:
         """Run partition ``j`` on ``value``, with the pipe's call style and BatchNorm deferral."""
         partition = self.partitions[j]
-        with deferring_batch_norm(self.deferred_batch_norm):
+        with deferring_batch_norm(self.deferred_batch_norm), self.loans.lent(j):
             if type(value) is Arguments:
                 return value.call(partition)
             if self.positional and type(value) is tuple:

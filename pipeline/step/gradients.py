@@ -150,6 +150,8 @@ class StepGradients:
             for key in self._registered[j]:
                 self._holders[key] = self._holders.get(key, 0) + 1
         self._stages = {j: GradientSums() for j in self._registered}
+        # Stages that ended while a parameter they share with another still waits.
+        self._unfinished: set[int] = set()
         self._waiting = GradientSums()
         self._end = GradientSums()
         self.hooks = HeldHooks()
@@ -188,8 +190,14 @@ class StepGradients:
         with self._lock:
             self._end.add(sources, grads)
 
-    def stage_done(self, j: int) -> None:
-        """Stage ``j`` ran its last action: accumulate what is final now."""
+    def stage_done(self, j: int) -> list[int]:
+        """Stage ``j`` ran its last action: accumulate what is final now.
+
+        Returns the stages whose parameters' gradients are all final now: ``j``
+        unless it shares a parameter with a stage still running (whichever
+        ends first in the schedule, 0 or the last in ZB-H1), and the stages
+        that waited for ``j`` so.
+        """
         sums = self._stages[j]
         final = GradientSums()
         with self._lock:
@@ -201,8 +209,16 @@ class StepGradients:
                 self._holders[key] -= 1
             done = [t for t in self._waiting.tensors() if self._holders[id(t)] == 0]
             self._waiting.move(done, final)
+            self._unfinished.add(j)
+            finished = [k for k in sorted(self._unfinished) if self._final(k)]
+            self._unfinished.difference_update(finished)
         self.accumulate(final)
         self.sharded.reduce(j)
+        return finished
+
+    def _final(self, j: int) -> bool:
+        """Whether every parameter stage ``j`` registers has had its last stage end."""
+        return all(self._holders[key] == 0 for key in self._registered[j])
 
     def accumulate(self, sums: GradientSums) -> None:
         """Give the tensors of ``sums`` their hooks back, and their sums (``accumulate``)."""

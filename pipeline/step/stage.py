@@ -364,12 +364,17 @@ class StageRun:
             )
 
     def _finished(self) -> None:
-        """This stage's gradients are final: accumulate them, call the partition backward hooks."""
+        """This stage ended: accumulate what is final, call the hooks of the partitions final now.
+
+        A partition sharing a parameter with a later-ending one is final, and
+        its hooks called (on this worker), only when that one ends.
+        """
         with self._backward_context():
-            self.context.gradients.stage_done(self.j)
+            finished = self.context.gradients.stage_done(self.j)
         with self.context.hooks_lock:
-            for hook in self.context.hooks:
-                hook(self.j)
+            for j in finished:
+                for hook in self.context.hooks:
+                    hook(j)
 
     # Mail
 

@@ -487,6 +487,47 @@ def pipe_step_matches_full_batch() -> None:
     )
 
 
+class TiedOut(nn.Module):
+    """An output layer that reads another layer's weight (tied), as a language model's head."""
+
+    def __init__(self, tied: nn.Linear) -> None:
+        super().__init__()
+        self.weight = tied.weight
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return (h @ self.weight).sum(dim=1, keepdim=True)
+
+
+@scenario
+def a_weight_tied_across_devices_is_reduced_once_and_matches_full_batch() -> None:
+    # cpu:0 and cpu:1 are two devices to the Pipe: the head borrows the first layer's weight.
+    for schedule in ("1f1b", "zb-h1", None):
+        torch.manual_seed(23)
+        first = nn.Linear(WIDTH, WIDTH)
+        model = nn.Sequential(first, nn.Tanh(), nn.Linear(WIDTH, WIDTH), TiedOut(first))
+        plain = copy.deepcopy(model)
+        pipe = Pipe(model, [2, 2], devices=["cpu:0", "cpu:1"], chunks=4, checkpoint="except_last")
+        dp = DataParallel(pipe, **SMALL_BUCKETS)
+        optimizer = torch.optim.SGD(dp.parameters(), lr=0.1)
+        plain_optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
+        for step in range(2):
+            x, y = global_batch(step)
+            optimizer.zero_grad()
+            plain_optimizer.zero_grad()
+            if schedule is None:
+                F.mse_loss(dp(shard(x)), shard(y)).backward()
+            else:
+                dp.step(shard(x), shard(y), F.mse_loss, schedule=schedule)
+            F.mse_loss(plain(x), y).backward()
+            assert_grads_close(pipe, plain, f"tied across devices, {schedule}, step {step}")
+            optimizer.step()
+            plain_optimizer.step()
+        assert pipe[3].weight is pipe[0].weight
+        assert_params_close(pipe, plain, f"tied across devices, {schedule}, after SGD")
+        assert_equal_on_all_ranks(list(pipe.parameters()), f"tied across devices, {schedule}")
+        pipe.close()
+
+
 @scenario
 def a_mean_over_every_replicas_tokens_with_a_divisor() -> None:
     # Replicas holding different numbers of tokens: each divides its summed

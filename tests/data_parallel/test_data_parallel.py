@@ -35,6 +35,7 @@ SHARED = [
     "pipe_matches_full_batch",
     "torch_ddp_wraps_a_checkpointed_pipe",
     "pipe_step_matches_full_batch",
+    "a_weight_tied_across_devices_is_reduced_once_and_matches_full_batch",
     "a_mean_over_every_replicas_tokens_with_a_divisor",
     "pipe_of_a_split_model_matches_full_batch",
     "unused_parameter_without_flag_raises",
