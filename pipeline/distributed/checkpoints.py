@@ -8,6 +8,9 @@ them wrapped in ``pipeline.DataParallel`` (a pp x dp grid) or torch's DDP::
     save_checkpoint("ckpt/step-1000", pipe, optimizer)  # every process of the job
     load_checkpoint("ckpt/step-1000", model, optimizer)  # in any other layout
 
+Loads are strict, as torch's ``load_state_dict``: what a load refuses, on
+every process and before reading anything, is in ``checkpoint_checks.py``.
+
 Each process writes the keys of the parameters it holds; the optimizer's state
 is flattened, keyed per parameter (``optim.state.<name>.exp_avg``,
 ``optim.param_groups.<name>.lr``), so that any layout reads the keys of its
@@ -43,13 +46,13 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
+from collections import defaultdict
 from collections.abc import Iterator, Mapping, MutableMapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -64,6 +67,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.nn.parallel import DistributedDataParallel
 
 from pipeline.data_parallel.wrapper import DataParallel
+from pipeline.distributed.checkpoint_checks import check_before_loading
 from pipeline.distributed.pipe import DistributedPipe
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
@@ -112,6 +116,7 @@ def load_checkpoint(
     *,
     extra: MutableMapping[str, Any] | None = None,
     process_group: dist.ProcessGroup | None = None,
+    strict: bool = True,
 ) -> None:
     """Load what ``save_checkpoint`` saved in ``path`` into ``module`` (and ``optimizer``).
 
@@ -121,33 +126,41 @@ def load_checkpoint(
     (``lr``, ``betas``, ...) become the checkpoint's: a parameter without
     state there has none after the load. ``.grad`` is left as it is.
     ``extra``'s entries are loaded by name: tensors and objects with
-    ``load_state_dict`` in place, other values replaced in ``extra``. A key
-    this process needs and the checkpoint lacks fails the load on every
-    process (``RuntimeError`` naming the key here), the optimizer left as it was.
+    ``load_state_dict`` in place, other values replaced in ``extra``.
+
+    Strict, as torch's ``load_state_dict``: a key some process needs and the
+    checkpoint lacks, a tensor whose shape differs from the saved one, and a
+    saved key of the model's (or, given an optimizer, the optimizer's) state
+    that no process of the load asks for are refused together, on every
+    process, by a ``RuntimeError`` naming them, before anything is read: the
+    model and the optimizer are left as they were. ``strict=False`` loads
+    what the model has and leaves the checkpoint's other keys unread: then
+    nothing is checked for keys the model lacks (missing keys and shapes
+    still are). ``extra``'s entries are loaded by name; other entries of the
+    checkpoint are not checked.
     """
     holder = _unwrapped(module)
     names = _Names(holder)
-    stored = set(FileSystemReader(path).read_metadata().state_dict_metadata)
-    model = _Reading("model.", _model_state(holder), names, stored)
+    metadata = FileSystemReader(path).read_metadata().state_dict_metadata
+    stored = set(metadata)
+    model_target = _model_state(holder)
+    model = _Reading("model.", model_target, names, stored)
     state: dict[str, Any] = {"model": model.asked}
+    covered = names.covered("model.", model_target)
     target = None if optimizer is None else _OptimizerTarget(holder, optimizer, names, stored)
     if target is not None:
         state["optim"] = target.reading.asked
+        covered |= target.covered
+    asked = {f"{section}.{key}": v for section in state for key, v in state[section].items()}
     state.update(_extra(extra))
+    group = process_group if process_group is not None or not _distributed() else dist.group.WORLD
     try:
+        check_before_loading(path, metadata, asked, covered, target is not None, strict, group)
         with _single_process_quietly():
             load(state, checkpoint_id=path, process_group=process_group)
-    except BaseException as error:
+    except BaseException:
         if target is not None:
             target.undo()
-        missing = sorted(
-            f"{section}.{key}"
-            for section in ("model", "optim")
-            for key in state.get(section, {})
-            if f"{section}.{key}" not in stored
-        )
-        if missing and isinstance(error, CheckpointException):
-            raise RuntimeError(_missing_text(path, missing, stored)) from error
         raise
     if model.asked:  # torch's call refuses a module without state
         set_model_state_dict(holder, model.loaded())
@@ -167,20 +180,6 @@ def _extra(extra: Mapping[str, Any] | None) -> dict[str, Any]:
             "state; give its entries other names"
         )
     return dict(extra or {})
-
-
-def _missing_text(path: str | os.PathLike[str], missing: list[str], stored: set[str]) -> str:
-    shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
-    if all(key.startswith("optim.") for key in missing) and not any(
-        key.startswith("optim.") for key in stored
-    ):
-        why = "it was saved without an optimizer: load it without one"
-    else:
-        why = "it was saved from a model with other parameters, or an optimizer of another kind"
-    return (
-        f"the checkpoint {os.fspath(path)!r} lacks {shown}, which this process needs; {why} "
-        "(nothing was loaded)"
-    )
 
 
 def _unwrapped(module: nn.Module) -> nn.Module:
@@ -235,6 +234,10 @@ class _Names:
     def every_name(self, state: Mapping[str, Any]) -> dict[str, Any]:
         """``state`` with each tied parameter's entries under all of its names."""
         return {alias: value for key, value in state.items() for alias in self.keys(key)}
+
+    def covered(self, section: str, target: Mapping[str, Any]) -> set[str]:
+        """The keys of ``target`` under every name of their parameters, as stored (``section``)."""
+        return {section + alias for alias in self.every_name(target)}
 
     def without_state(self, target: Mapping[str, Any], stored: set[str]) -> set[str]:
         """The parameters in ``target`` (flattened) without optimizer state in the checkpoint."""
@@ -304,20 +307,21 @@ def _optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dic
 class _OptimizerTarget:
     """An optimizer made ready to load: its flattened state, with a tensor for DCP to read into.
 
-    The old state is dropped and torch gives every parameter state by a
-    zero-lr step, which it skips when a parameter has a ``.grad``: they are
-    set aside around it. A parameter that has no state in the checkpoint is
-    not read, and has none after the load.
+    The old state is set aside (put back by ``undo``) and torch gives every
+    parameter fresh state by a zero-lr step, which it skips when a parameter
+    has a ``.grad``: they are set aside around it. A parameter that has no
+    state in the checkpoint is not read, and has none after the load.
     """
 
     def __init__(
         self, module: nn.Module, optimizer: torch.optim.Optimizer, names: _Names, stored: set[str]
     ) -> None:
         self._module, self._optimizer = module, optimizer
-        self._before = optimizer.state_dict()
+        # Set aside, not copied: a refused load puts the very same state back.
+        self._before = optimizer.state
         params = [p for group in optimizer.param_groups for p in group["params"]]
         grads = [p.grad for p in params]
-        optimizer.state.clear()
+        optimizer.state = defaultdict(dict)
         for param in params:
             param.grad = None
         try:
@@ -336,6 +340,7 @@ class _OptimizerTarget:
             if names.parameter_of(key, _STATE) not in self._stateless
         }
         self.reading = _Reading("optim.", wanted, names, stored)
+        self.covered = names.covered("optim.", self._target)
 
     def load(self) -> None:
         """Into the optimizer, once DCP has read: a parameter without saved state keeps none."""
@@ -348,8 +353,8 @@ class _OptimizerTarget:
             self._optimizer.state.pop(self._module.get_parameter(name), None)
 
     def undo(self) -> None:
-        """The optimizer as it was (a failed load)."""
-        self._optimizer.load_state_dict(self._before)
+        """The optimizer as it was (a refused or failed load): its own state, untouched."""
+        self._optimizer.state = self._before
 
 
 @contextlib.contextmanager
@@ -374,10 +379,15 @@ def _without_empty_groups(optimizer: torch.optim.Optimizer) -> Iterator[None]:
         optimizer.param_groups = [next(loaded) if group["params"] else group for group in groups]
 
 
+def _distributed() -> bool:
+    """Whether torch.distributed is initialized: DCP's calls are collective then."""
+    return dist.is_available() and dist.is_initialized()
+
+
 @contextlib.contextmanager
 def _single_process_quietly() -> Iterator[None]:
     """Without a process group DCP reads and writes in this process alone, as asked: no warning."""
-    if dist.is_available() and dist.is_initialized():
+    if _distributed():
         yield
         return
     with warnings.catch_warnings():

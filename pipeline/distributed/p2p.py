@@ -65,6 +65,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pipeline.distributed.groups import retire
 from pipeline.distributed.wire_format import (
     ABORT,
     DATA,
@@ -121,7 +122,7 @@ class P2PTransport:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
         self.group = group
-        self.wires = wires
+        self.wires: tuple[dist.ProcessGroup, ...] = wires
         self.me = dist.get_rank(group)
         self.owner = owner
         self.peers = sorted(set(peers) - {self.me})
@@ -195,9 +196,7 @@ class P2PTransport:
         its connections close then, so the collective fails at once and the
         listeners learn from whom within moments: wait a few seconds for them.
         """
-        deadline = time.monotonic() + _CLOSE_WAIT_S
-        for listener in self._listeners:
-            listener.join(max(deadline - time.monotonic(), 0.0))
+        self.wait_for_listeners()
         with self._gone_lock:
             reasons = list(self._gone.values())
         because = f" ({'; '.join(reasons)})" if reasons else ""
@@ -279,7 +278,9 @@ class P2PTransport:
         Each peer's listener takes the stop whatever that process is doing, so
         this ends within seconds and never waits for a peer to close in turn.
         The wait itself matters: a send dropped before it is done may never
-        arrive, and the peer's listener would go on waiting for it.
+        arrive, and the peer's listener would go on waiting for it. The
+        message groups are retired, to be destroyed once the listeners end
+        (``groups.py``).
         """
         if self._closing:
             return
@@ -288,6 +289,28 @@ class P2PTransport:
             self._send_stop(peer)
         with contextlib.suppress(RuntimeError):
             self._wait_for_sends(min(self.timeout, _CLOSE_WAIT_S))
+        retire(self)
+
+    def idle(self) -> bool:
+        """Whether every listener has ended: nothing travels on the wires any more."""
+        return not any(listener.is_alive() for listener in self._listeners)
+
+    def take_groups(self) -> list[dist.ProcessGroup]:
+        """The wires, forgotten here (once idle: their last use is a listener's).
+
+        So is what a failed step left in the mailboxes: its error's frames
+        hold receives posted on the wires, which would keep them alive.
+        """
+        self._mailboxes.begin(self.step + 1)
+        wires, self.wires = list(self.wires), ()
+        return wires
+
+    def wait_for_listeners(self) -> None:
+        """Wait a few seconds at most for the listeners to end (at their peers' stops)."""
+        deadline = time.monotonic() + _CLOSE_WAIT_S
+        for listener in self._listeners:
+            if listener is not threading.current_thread():
+                listener.join(max(deadline - time.monotonic(), 0.0))
 
     def _send_stop(self, peer: int) -> None:
         """Tell ``peer`` that this process sends it nothing more (once)."""

@@ -29,8 +29,7 @@ from __future__ import annotations
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from datetime import timedelta
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -39,6 +38,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from pipeline.arguments import CallStyle, CheckpointMode, LossReduction, PipeArguments
 from pipeline.base import PipeBase
+from pipeline.distributed.groups import give_back, message_groups, retire
 from pipeline.distributed.meta import Init, materialized, meta_resets
 from pipeline.distributed.p2p import P2PTransport
 from pipeline.distributed.sharded import check_sharding
@@ -61,8 +61,6 @@ __all__ = ["DistributedPipe"]
 
 # Long enough for a slow step; a stalled or dead peer fails the others after it.
 DEFAULT_TIMEOUT_S = 300.0
-# For the message group's blocking receives, which wait between steps too.
-_NEVER = timedelta(days=365)
 _LOSS_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 
 
@@ -158,14 +156,14 @@ class DistributedPipe(PipeBase):
         peers = _peers(self.local_stages, self.owner, self.skip_layout)
         self._transport = P2PTransport(
             self.group,
-            _wire_groups(pipelines),
+            message_groups(pipelines),
             self.owner,
             peers,
             [self.device] * n,
             timeout,
             max_message_bytes,
         )
-        self._finalizer = weakref.finalize(self, self._transport.close)
+        self._finalizer = weakref.finalize(self, _closed, self._transport, self._ties)
         self.last_step: DistributedStepReport | None = None
 
     def _agree_to_build(
@@ -578,6 +576,19 @@ class DistributedPipe(PipeBase):
         mine = OrderedDict((k, v) for k, v in state_dict.items() if k in own)
         return super().load_state_dict(mine, strict=strict, assign=assign)
 
+    def close(self) -> None:
+        """Stop this pipe's listeners, give back its process groups (docs/distributed_pipe.md).
+
+        Never waits for a peer to close in turn: it waits a few seconds at
+        most for each peer's answer to its stop, after which no message can
+        travel on the pipe's groups, and destroys them (with gloo, each
+        process alone). Garbage collection closes a pipe too; its groups are
+        then destroyed at the next ``close()`` or construction in this process.
+        """
+        super().close()
+        self._transport.wait_for_listeners()
+        give_back()
+
     def _tied_names(self) -> list[tuple[str, ...]]:
         """Every name of each weight tied across processes: the plain model's, in its order."""
         return self._ties.names()
@@ -585,6 +596,12 @@ class DistributedPipe(PipeBase):
     def __iter__(self) -> Iterator[nn.Module]:
         for s in self.local_stages:
             yield from self.partitions[s]
+
+
+def _closed(transport: P2PTransport, ties: TiedWeights) -> None:
+    """Close the pipe's transport and retire its groups (a finalizer: destroys nothing)."""
+    transport.close()
+    retire(ties)
 
 
 def _loss_choice(reduction: LossReduction | None, divisor: LossDivisor | None) -> str:
@@ -599,23 +616,6 @@ def _given(value: Any) -> str:
 def _split_sizes(split: list[int]) -> list[int]:
     """The micro-batches' sizes in an agreement row's part ``[count, size, size, ...]``."""
     return split[1 : 1 + split[0]]
-
-
-def _wire_groups(pipelines: list[list[int]]) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    """Two groups of this pipeline's processes for its messages alone, one per direction.
-
-    Each process listens to its peers with a blocking receive between steps
-    too, for as long as the pipeline lives; a receive that times out closes
-    the connection (gloo), so these groups never time out and must not be
-    the user's, whose collectives keep their own timeout. A stalled peer is
-    caught by the transport's own ``timeout`` instead.
-    """
-    wires = []
-    for _ in ("down", "up"):
-        wire, _ = dist.new_subgroups_by_enumeration(pipelines, timeout=_NEVER)
-        assert wire is not None, "every process is in one of the pipelines"
-        wires.append(cast(dist.ProcessGroup, wire))
-    return wires[0], wires[1]
 
 
 def _every_pipeline(

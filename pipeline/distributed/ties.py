@@ -4,7 +4,7 @@ Found by identity in the whole model, before each process keeps only its
 stages. Every process holding one keeps a copy, made equal at construction
 (the first holder's values) and kept equal by summing each step's gradients
 over the holders: a process group per set of holders, as Megatron's
-embedding group.
+embedding group, destroyed once the pipeline is closed.
 """
 
 from __future__ import annotations
@@ -51,6 +51,16 @@ class TiedWeights:
             for o in occurrences
             if any(stage == s for stage, _ in o)
         }
+
+    def idle(self) -> bool:
+        """Always, once the pipeline is closed: only its steps use these groups."""
+        return True
+
+    def take_groups(self) -> list[dist.ProcessGroup]:
+        """The holders' groups, forgotten here: a closed pipeline sums no more gradients."""
+        groups = [group for group, _ in self.groups.values()]
+        self.groups = {}
+        return groups
 
     def names(self) -> list[tuple[str, ...]]:
         """Every name of each tied parameter, in the whole model's order (every stage's)."""

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from pipeline import DataParallel, Pipe
 from pipeline.distributed import DistributedPipe, load_checkpoint, save_checkpoint
-from tests.gloo_groups import rank, scenario, world
+from tests.gloo_groups import expect_error, rank, scenario, world
 
 WIDTH = 8
 STEPS = 4
@@ -209,6 +209,30 @@ def assert_adamw_state(
             assert mine == theirs, f"{what}, {name}: {setting} {mine}, saved {theirs}"
 
 
+def refused_untouched(
+    load: Callable[[], None], module: nn.Module, optimizer: torch.optim.Optimizer, *fragments: str
+) -> str:
+    """``load`` raises a RuntimeError saying ``fragments``; the weights and the optimizer's own
+    state (the very objects, their values) and settings are as they were."""
+    weights = {n: p.detach().clone() for n, p in module.named_parameters()}
+    state = optimizer.state
+    fields = {p: {k: copy.deepcopy(v) for k, v in s.items()} for p, s in state.items()}
+    settings = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    message = expect_error(RuntimeError, load, *fragments)
+    for name, param in module.named_parameters():
+        torch.testing.assert_close(param.detach(), weights[name], rtol=0, atol=0, msg=name)
+    assert optimizer.state is state, "the optimizer's state was replaced"
+    assert state.keys() == fields.keys()
+    for param, before in fields.items():
+        assert state[param].keys() == before.keys()
+        for field, value in before.items():
+            torch.testing.assert_close(state[param][field], value, rtol=0, atol=0, msg=field)
+    assert [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] == (
+        settings
+    )
+    return message
+
+
 @contextlib.contextmanager
 def shared_directory(name: str) -> Iterator[Path]:
     """A directory every rank of this group sees, removed once all are done with it."""
@@ -345,6 +369,46 @@ def torch_calls_with_a_flattened_optimizer_state_resume_two_stages() -> None:
         )
         assert_resumes(model, reference, loading, optimizer, "torch's calls")
         loading.close()
+
+
+@scenario
+def a_load_is_refused_on_every_process_for_keys_no_process_asks_for_or_a_shape_one_finds() -> None:
+    model = BLOCKS
+    with shared_directory("strict") as path:
+        saving = two_stages(model, [4, 4], seed=0)
+        optimizer = adamw(saving)
+        train(model, saving, optimizer, 0)
+        save_checkpoint(path, saving, optimizer)
+        saving.close()
+
+        # Layers 0-5 in two stages: rank 0 asks for model.0 and model.2, rank 1 for
+        # model.4; together, for every key but model.6's, which no process asks for.
+        shallower = DistributedPipe(nn.Sequential(*model.build(7)[:6]), [3, 3], chunks=2)
+        loaded = adamw(shallower)
+        train(model, shallower, loaded, 0)
+        refused_untouched(
+            lambda: load_checkpoint(path, shallower, loaded),
+            shallower,
+            loaded,
+            "holds model.6.bias, model.6.weight and ",
+            "keys of the optimizer's state",
+            "no process of the load asks for",
+        )
+        shallower.close()
+
+        # Wider layers in rank 1's stage alone: rank 0 refuses too, naming them.
+        wider = model.build(7)
+        wider[4], wider[6] = nn.Linear(WIDTH, 16).double(), nn.Linear(16, WIDTH).double()
+        pipe = DistributedPipe(wider, [4, 4], chunks=2)
+        loaded = adamw(pipe)
+        train(model, pipe, loaded, 0)
+        refused_untouched(
+            lambda: load_checkpoint(path, pipe, loaded),
+            pipe,
+            loaded,
+            "shapes differ on rank 1: model.4.bias is (8,) in the checkpoint, (16,) in the model",
+        )
+        pipe.close()
 
 
 # World 4: pipelines {0, 1} and {2, 3}; stage s of each averaged with its twin.

@@ -1,5 +1,5 @@
 """DistributedPipe scenarios of closing: pipelines dropped in any order, at exit, by a script
-that raised.
+that raised; many pipelines closed one after another, giving back all they made.
 
 Registered by importing this module from stage_scenarios.py, and run in its
 group of two processes: closing a pipeline must never wait for a peer, so the
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import os
 import time
 from collections.abc import Callable
 
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pipeline.distributed import DistributedPipe, PeerError
+from tests.distributed.checkpoint_scenarios import TIED
 from tests.gloo_groups import (
     SimulatedScriptError,
     breaks_group,
@@ -49,6 +51,56 @@ def stepped_pipeline() -> Callable[[], Tensor]:
 
     step()
     return step
+
+
+# Enough for a leak to show clearly (one fd per pipeline would be 30), in a few seconds.
+PIPELINES = 30
+
+
+def descriptors_and_threads() -> tuple[int, int]:
+    """This process's open file descriptors and its threads (the native ones too)."""
+    return len(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task"))
+
+
+def build_step_close(failing: bool = False) -> None:
+    """A pipeline whose embedding is tied to its head across the processes: stepped, closed.
+
+    ``failing``: its step fails on the last rank (the loss raises), and on the
+    others by that failure's abort.
+    """
+    pipe = DistributedPipe(TIED.build(0), TIED.balances[0], chunks=2, timeout=TIMEOUT_S)
+    x, y = TIED.batch(0)
+    if not failing:
+        pipe.step(x, y, TIED.loss)
+    elif rank() == world() - 1:
+        expect_error(ValueError, lambda: pipe.step(x, y, refusing_loss), "no loss today")
+    else:
+        expect_error(RuntimeError, lambda: pipe.step(x, y, TIED.loss), "no loss today")
+    pipe.close()
+
+
+def refusing_loss(output: Tensor, target: Tensor) -> Tensor:
+    raise ValueError("no loss today")
+
+
+@scenario
+def many_pipelines_closed_one_after_another_give_back_every_descriptor_and_thread() -> None:
+    """Each pipeline's process groups (messages, tied weights) and listeners go with it.
+
+    Every fifth pipeline's step fails on one rank, and one pipeline is left
+    to garbage collection instead of closed: its groups go at a later close.
+    """
+    build_step_close()  # what the first pipeline makes once (torch's thread pools)
+    before = descriptors_and_threads()
+    dropped = DistributedPipe(TIED.build(0), TIED.balances[0], chunks=2, timeout=TIMEOUT_S)
+    del dropped
+    gc.collect()
+    for k in range(PIPELINES):
+        build_step_close(failing=k % 5 == 4)
+    after = descriptors_and_threads()
+    assert after == before, (
+        f"(descriptors, threads) {before} before {PIPELINES + 1} pipelines, {after} after"
+    )
 
 
 @scenario

@@ -3,8 +3,9 @@
 Across processes (2 stage processes, a pp=2 x dp=2 grid) the round trips are
 checkpoint_scenarios.py's, run in test_distributed_pipe.py's groups. Here:
 the plain model and a Pipe resume each other, an optimizer before its first
-step, gradients present when loading, an LR scheduler alongside, a
-checkpoint that lacks keys.
+step, gradients present when loading, an LR scheduler alongside, and what a
+load refuses: a checkpoint that lacks keys, one that holds keys the model
+lacks (unless strict=False), a shape that differs.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 from pipeline import Pipe
 from pipeline.distributed import load_checkpoint, save_checkpoint
@@ -24,6 +26,7 @@ from tests.distributed.checkpoint_scenarios import (
     Model,
     adamw,
     assert_resumes,
+    refused_untouched,
     train,
     uninterrupted,
 )
@@ -137,3 +140,63 @@ def test_a_missing_key_is_named_and_the_optimizer_is_left_as_it_was(tmp_path: Pa
         RuntimeError, match=r"lacks model\.8\.bias, model\.8\.weight, .*other parameters"
     ):
         load_checkpoint(tmp_path, deeper)
+
+
+def trained_and_saved(path: Path) -> tuple[nn.Sequential, torch.optim.Optimizer]:
+    """BLOCKS' plain model after a step, saved with its optimizer in ``path``."""
+    plain = BLOCKS.build(0)
+    optimizer = adamw(plain)
+    train(BLOCKS, plain, optimizer, 0)
+    save_checkpoint(path, plain, optimizer)
+    return plain, optimizer
+
+
+def test_keys_the_model_lacks_are_refused_unless_strict_is_false(tmp_path: Path) -> None:
+    # A checkpoint of 4 blocks into a Pipe of 3 (another depth): as torch's load_state_dict.
+    plain, optimizer = trained_and_saved(tmp_path)
+    shallower = Pipe(nn.Sequential(*BLOCKS.build(7)[:6]), [3, 3], devices=["cpu"] * 2, chunks=2)
+    loaded = adamw(shallower)
+    train(BLOCKS, shallower, loaded, 0)
+    refused_untouched(
+        lambda: load_checkpoint(tmp_path, shallower, loaded),
+        shallower,
+        loaded,
+        "holds model.6.bias, model.6.weight and ",
+        "keys of the optimizer's state",
+        "no process of the load asks for",
+        "pass strict=False",
+    )
+    # Without an optimizer only the model's keys are asked for, and refused.
+    refused_untouched(
+        lambda: load_checkpoint(tmp_path, shallower),
+        shallower,
+        loaded,
+        "holds model.6.bias, model.6.weight, which no process",
+    )
+    load_checkpoint(tmp_path, shallower, loaded, strict=False)
+    saved = dict(plain.named_parameters())
+    for name, param in shallower.named_parameters():
+        torch.testing.assert_close(param.detach(), saved[name].detach(), rtol=0, atol=0)
+        state, saved_state = loaded.state[param], optimizer.state[saved[name]]
+        assert state.keys() == saved_state.keys()
+        for field, value in saved_state.items():
+            torch.testing.assert_close(state[field], value, rtol=0, atol=0, msg=field)
+    shallower.close()
+
+
+def test_a_shape_that_differs_is_refused_naming_the_key_and_both_shapes(tmp_path: Path) -> None:
+    trained_and_saved(tmp_path)
+    wider = BLOCKS.build(7)
+    wider[2], wider[4] = nn.Linear(8, 16).double(), nn.Linear(16, 8).double()
+    loaded = adamw(wider)
+    train(BLOCKS, wider, loaded, 0)
+    # A RuntimeError (an Exception), before anything is read, the optimizer too.
+    refused_untouched(
+        lambda: load_checkpoint(tmp_path, wider, loaded),
+        wider,
+        loaded,
+        "shapes differ on this process: model.2.bias is (8,) in the checkpoint, (16,) in the "
+        "model, model.2.weight is (8, 8) in the checkpoint, (16, 8) in the model, "
+        "model.4.weight is (8, 8) in the checkpoint, (8, 16) in the model",
+        "build the model with the checkpoint's sizes",
+    )

@@ -26,6 +26,7 @@ SHARED = [
     "the_plain_model_or_a_pipe_saves_and_two_stages_resume",
     "every_holder_of_a_tied_weight_reads_the_same_key",
     "torch_calls_with_a_flattened_optimizer_state_resume_two_stages",
+    "a_load_is_refused_on_every_process_for_keys_no_process_asks_for_or_a_shape_one_finds",
     "a_failing_process_makes_the_others_fail_at_once_naming_it",
     "bad_arguments_are_refused_by_every_process_before_any_work",
     "arguments_that_differ_between_processes_are_refused_by_every_process_at_construction",
@@ -46,8 +47,9 @@ SHARED = [
     "a_value_that_cannot_cross_is_refused_by_its_sender_naming_it",
     "an_output_that_cannot_cross_fails_evaluate_on_every_process",
     "a_crafted_message_runs_no_code_and_fails_closed_naming_its_sender",
-    # closing_scenarios.py: pipelines left open until the processes exit, then a process
-    # whose script raises, which ends the group: last.
+    # closing_scenarios.py: many pipelines closed in turn, pipelines left open until the
+    # processes exit, then a process whose script raises, which ends the group: last.
+    "many_pipelines_closed_one_after_another_give_back_every_descriptor_and_thread",
     "pipelines_collected_in_different_orders_or_at_exit_let_every_process_end",
     "a_process_whose_script_raises_exits_at_once_and_the_others_name_it",
 ]

@@ -1,0 +1,146 @@
+"""What ``load_checkpoint`` refuses before it reads anything, on every process of the load.
+
+As strict as torch's ``load_state_dict``: a key a process needs that the
+checkpoint lacks, a tensor whose shape differs from the stored one, and a
+stored key of the model's or the optimizer's state that no process asks
+for (a deeper model's layers, another optimizer's fields) are refused,
+together, in one ``RuntimeError``, before DCP reads anything.
+
+In a pipeline each process asks for the keys of its own stages, so a key is
+unexpected only if no process of the load asks for it: every process flags
+the stored keys it accounts for (under every name of a tied parameter), and
+one all-reduce takes their union. The stored keys are the checkpoint's, so
+the same list on every process. A problem that one process finds alone
+(its missing keys, its shapes) travels to the others as text, so that every
+process raises the same error, and none waits in DCP for the others.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Collection, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from pipeline.runtime.agreement import gather_texts
+from pipeline.runtime.process_group import collective_device
+
+__all__ = ["check_before_loading"]
+
+# Texts name 4 keys of each kind at most; this bounds what a peer may announce.
+_TEXT_LIMIT = 1 << 20
+_SHOWN = 4
+
+
+def check_before_loading(
+    path: str | os.PathLike[str],
+    stored: Mapping[str, Any],
+    asked: Mapping[str, Any],
+    covered: Collection[str],
+    optimizer: bool,
+    strict: bool,
+    group: dist.ProcessGroup | None,
+) -> None:
+    """Raise ``RuntimeError`` on every process of ``group`` if the load must be refused.
+
+    ``stored``: the checkpoint's metadata by key; ``asked``: what this process
+    reads (key, target value); ``covered``: the stored keys this process
+    accounts for; ``optimizer``: whether it loads an optimizer (its keys are
+    then checked too); ``strict``: whether unexpected keys are refused.
+    Collective over ``group`` (None: this process alone).
+    """
+    mine = _problems(asked, stored, group)
+    keys = sorted(k for k in stored if k.startswith(("model.", "optim.")))
+    flags = [k in covered for k in keys] + [optimizer, bool(mine)]
+    flags = _any_process(flags, group)
+    optimizers, troubled = flags[-2], flags[-1]
+    unexpected = [
+        k
+        for k, seen in zip(keys, flags, strict=False)
+        if not seen and (k.startswith("model.") or optimizers)
+    ]
+    problems = _every_process(mine, group) if troubled else []
+    if strict and unexpected:
+        problems.append(_unexpected_text(unexpected))
+    if problems:
+        raise RuntimeError(
+            f"load_checkpoint({os.fspath(path)!r}) refused, nothing was loaded: "
+            + "; ".join(problems)
+        )
+
+
+def _problems(
+    asked: Mapping[str, Any], stored: Mapping[str, Any], group: dist.ProcessGroup | None
+) -> str:
+    """This process's missing keys and shapes that differ, as text ('' if none)."""
+    who = "this process" if group is None else f"rank {dist.get_rank(group)}"
+    parts = []
+    missing = sorted(k for k in asked if k not in stored)
+    if missing:
+        parts.append(
+            f"the checkpoint lacks {_shown(missing)}, which {who} needs; {_why(missing, stored)}"
+        )
+    differ = [
+        f"{key} is {tuple(meta.size)} in the checkpoint, {tuple(value.shape)} in the model"
+        for key, value in sorted(asked.items())
+        if isinstance(value, torch.Tensor)
+        and isinstance(meta := stored.get(key), TensorStorageMetadata)
+        and tuple(meta.size) != tuple(value.shape)
+    ]
+    if differ:
+        parts.append(
+            f"shapes differ on {who}: {_shown(differ)}; it was saved from a model of other "
+            "sizes (another width, vocabulary or config): build the model with the "
+            "checkpoint's sizes"
+        )
+    return "; ".join(parts)
+
+
+def _why(missing: list[str], stored: Mapping[str, Any]) -> str:
+    if all(k.startswith("optim.") for k in missing) and not any(
+        k.startswith("optim.") for k in stored
+    ):
+        return "it was saved without an optimizer: load it without one"
+    return "it was saved from a model with other parameters, or an optimizer of another kind"
+
+
+def _unexpected_text(unexpected: list[str]) -> str:
+    model = [k for k in unexpected if k.startswith("model.")]
+    optimizer = [k for k in unexpected if k.startswith("optim.")]
+    # The model's keys first: the optimizer's follow its parameters, many per parameter.
+    held = [_shown(model)] if model else []
+    if optimizer:
+        held.append(f"{len(optimizer)} keys of the optimizer's state ({_shown(optimizer, 2)})")
+    return (
+        f"the checkpoint holds {' and '.join(held)}, which no process of the load asks for: it "
+        "was saved from a model with more or other parameters (another depth or config), or "
+        "an optimizer of another kind; load it into the model and optimizer it was saved "
+        "from, or pass strict=False to load what the model has and leave the rest"
+    )
+
+
+def _shown(items: list[str], most: int = _SHOWN) -> str:
+    more = len(items) - most
+    return ", ".join(items[:most]) + (f" and {more} more" if more > 0 else "")
+
+
+def _any_process(flags: list[bool], group: dist.ProcessGroup | None) -> list[bool]:
+    """Each flag, true if it is on any process of ``group``."""
+    if group is None:
+        return flags
+    values = torch.tensor(flags, dtype=torch.uint8, device=collective_device(group))
+    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
+    return [bool(v) for v in values.tolist()]
+
+
+def _every_process(text: str, group: dist.ProcessGroup | None) -> list[str]:
+    """The non-empty texts of every process of ``group``, by rank."""
+    if group is None:
+        return [text]
+    texts = gather_texts(text, group, _TEXT_LIMIT)
+    if texts is None:  # a text of a megabyte (keys of that length): each names its own
+        texts = [text]
+    return [t for t in texts if t]
