@@ -41,7 +41,7 @@ from pipeline.base import PipeBase
 from pipeline.distributed.groups import give_back, message_groups, retire
 from pipeline.distributed.meta import Init, materialized, meta_resets
 from pipeline.distributed.p2p import P2PTransport
-from pipeline.distributed.sharded import check_sharding
+from pipeline.distributed.sharded import check_sharding, sharding_kind
 from pipeline.distributed.stage_arguments import check_alone, disagreement
 from pipeline.distributed.ties import TiedWeights
 from pipeline.distributed.wire_format import DEFAULT_MAX_MESSAGE_BYTES
@@ -271,6 +271,7 @@ class DistributedPipe(PipeBase):
         if named is not None:
             choice = f"{named} {_loss_choice(reduction, loss_divisor)}"
             choice += f", grad_scaler {_given(grad_scaler)}"
+            choice += f", {sharding_kind(self.partitions, self.local_stages)}"
         rows = self._agree(batches, targets, choice, refusal)
         assert chosen is not None and reduction is not None, "else every process raised"
         programs, simulation = self._programs(chosen, len(rows))
@@ -429,8 +430,9 @@ class DistributedPipe(PipeBase):
         if len(choices) > 1:
             raise ValueError(
                 "the processes of the pipeline chose different schedules or loss arguments for "
-                f"this call: {ranks_text(choices)} chose differently (this process, rank "
-                f"{self.rank}: {choice}); every process must pass the same ones"
+                f"this call, or shard their stages differently: {ranks_text(choices)} chose "
+                f"differently (this process, rank {self.rank}: {choice}); every process must "
+                "pass the same ones, and with FSDP2, shard every stage"
             )
         input_rows = _split_sizes(rows[self.owner[0]][2:])
         target_rows = _split_sizes(rows[self.owner[-1]][3 + m :])

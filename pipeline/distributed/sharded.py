@@ -11,6 +11,10 @@ not make equal to the plain model:
 - an FSDP2 unit holding modules of several stages (``fully_shard`` on the
   pipe, or one call over two partitions): its reduction must wait for its
   stage's last backward;
+- a trainable parameter outside every FSDP2 unit in a process whose stages
+  have units, or processes of which some shard their stages and some do not
+  (``sharding_kind``, agreed with the step's arguments): that parameter's
+  gradient would be its replica's alone, never averaged with the others';
 - a weight tied across processes whose parameter ``fully_shard`` or
   ``parallelize_module`` replaced after the pipe was built: the pipe sums the
   gradients of the tensor it found at construction;
@@ -26,7 +30,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from pipeline.step.sharded import fsdp_units, missing_internals
 
-__all__ = ["check_sharding"]
+__all__ = ["check_sharding", "sharding_kind"]
 
 _RECIPE = (
     "shard each stage on its own: fully_shard(layer, mesh=mesh['dp']) for the layers of "
@@ -49,7 +53,6 @@ def check_sharding(
             "stages: FSDP would reduce their gradients together, before the later stages' "
             f"backwards have run; {_RECIPE}"
         )
-    _check_units_within_stages(partitions, stages)
     missing = missing_internals(u for s in stages for u in fsdp_units(partitions[s]))
     if missing:
         raise RuntimeError(
@@ -59,6 +62,8 @@ def check_sharding(
             "(zb-h1's not at all). Use a torch version this release supports, or a stage "
             "replicated with pipeline.DataParallel instead of fully_shard"
         )
+    _check_units_within_stages(partitions, stages)
+    _check_all_sharded(partitions, stages)
     _check_ties_kept(partitions, stages, tied)
 
 
@@ -70,8 +75,7 @@ def _check_units_within_stages(partitions: Sequence[nn.Module], stages: list[int
             stage_of.setdefault(id(module), s)
     for s in stages:
         for unit in fsdp_units(partitions[s]):
-            modules = getattr(unit._get_fsdp_state(), "_modules", (unit,))
-            spans = sorted({stage_of.get(id(m), -1) for m in modules})
+            spans = sorted({stage_of.get(id(m), -1) for m in _modules_of(unit)})
             if spans != [s]:
                 where = ", ".join(f"stage {t}" if t >= 0 else "elsewhere" for t in spans)
                 raise ValueError(
@@ -79,6 +83,32 @@ def _check_units_within_stages(partitions: Sequence[nn.Module], stages: list[int
                     "gradients together, which must wait for its stage's last backward; "
                     f"{_RECIPE}"
                 )
+
+
+def sharding_kind(partitions: Sequence[nn.Module], stages: Iterable[int]) -> str:
+    """How this process's stages are sharded, as the processes of a pipeline must agree."""
+    units = any(fsdp_units(partitions[s]) for s in stages)
+    return "stages sharded by FSDP2" if units else "stages not sharded by FSDP2"
+
+
+def _check_all_sharded(partitions: Sequence[nn.Module], stages: list[int]) -> None:
+    """With FSDP2 units in this process's stages, every trainable parameter is in one."""
+    units = [u for s in stages for u in fsdp_units(partitions[s])]
+    if not units:
+        return
+    covered = {id(m) for unit in units for root in _modules_of(unit) for m in root.modules()}
+    for s in stages:
+        for name, module in partitions[s].named_modules():
+            if id(module) in covered:
+                continue
+            for key, param in module.named_parameters(recurse=False):
+                if param.requires_grad:
+                    where = f"{name}.{key}" if name else key
+                    raise ValueError(
+                        f"stage {s}'s parameter {where!r} is in no FSDP2 unit while other "
+                        "parameters of this process's stages are: its gradient would be this "
+                        f"replica's alone, never averaged with the other replicas'; {_RECIPE}"
+                    )
 
 
 def _check_ties_kept(
@@ -96,6 +126,13 @@ def _check_ties_kept(
             "were replaced after the DistributedPipe was built, by fully_shard or "
             "parallelize_module: the pipe sums the gradients of the tied parameters it found "
             "at construction, which the layers no longer use. Weights tied across processes "
-            "cannot be sharded yet: leave the layers holding them unsharded (shard the others), "
-            "or untie them"
+            "cannot be sharded yet: untie them, or leave the layers holding them out of "
+            "parallelize_module (with fully_shard, every stage must be sharded: replicate the "
+            "stages with pipeline.DataParallel instead)"
         )
+
+
+def _modules_of(unit: FSDPModule) -> tuple[nn.Module, ...]:
+    """The modules of the ``fully_shard`` call that made ``unit`` (itself, or a list)."""
+    modules: tuple[nn.Module, ...] = unit._get_fsdp_state()._modules
+    return modules

@@ -39,7 +39,13 @@ from torch.distributed.fsdp import FSDPModule
 __all__ = ["ShardedUnits", "fsdp_units", "missing_internals", "resharded_after"]
 
 # What this module reads of FSDP2's state, group and parameter objects.
-_STATE = ("_fsdp_param_groups", "_state_ctx", "_is_root", "_root_post_backward_final_callback")
+_STATE = (
+    "_fsdp_param_groups",
+    "_state_ctx",
+    "_is_root",
+    "_modules",
+    "_root_post_backward_final_callback",
+)
 _GROUP = (
     "fsdp_params",
     "post_backward",

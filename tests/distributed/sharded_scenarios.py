@@ -394,14 +394,24 @@ def sharding_a_step_would_get_wrong_is_refused_by_every_process() -> None:
     fully_shard([pipe.partitions[s] for s in pipe.local_stages], mesh=mesh["dp"])
     expect_error(ValueError, step(pipe), "one fully_shard call holds modules of stage")
     pipe.close()
+    # A trainable layer left out of the units: its gradient would be its replica's.
+    pipe = DistributedPipe(blocks(4), [2, 2], chunks=4, group=group)
+    for s in pipe.local_stages:
+        fully_shard(pipe.partitions[s][0], mesh=mesh["dp"])
+    expect_error(ValueError, step(pipe), "parameter", "is in no FSDP2 unit", "fully_shard")
+    pipe.close()
+    # Stage 0 sharded, stage 1 not.
+    pipe = DistributedPipe(blocks(4), [2, 2], chunks=4, group=group)
+    if 0 in pipe.local_stages:
+        shard_layers(pipe, mesh["dp"])
+    expect_error(ValueError, step(pipe), "shard their stages differently", "shard every stage")
+    pipe.close()
     # A weight tied across processes, sharded.
     torch.manual_seed(0)
     embed = Embed()
     tied = nn.Sequential(embed, nn.Linear(WIDTH, WIDTH), nn.Tanh(), Head(embed.token)).double()
     pipe = DistributedPipe(tied, [2, 2], chunks=4, group=group)
-    for layer in pipe:
-        if isinstance(layer, Embed | Head):
-            fully_shard(layer, mesh=mesh["dp"])
+    shard_layers(pipe, mesh["dp"])
     tokens = torch.randint(0, 11, (ROWS,))
     expect_error(
         ValueError,
