@@ -312,6 +312,20 @@ class DistributedPipe(PipeBase):
             return loss
         return loss, gather(run.outputs) if last else None
 
+    def _placement(self) -> str:
+        return f"stages={self.local_stages} of rank {self.rank}/{self.size}, device='{self.device}'"
+
+    def _counted_parameters(self) -> Iterator[nn.Parameter]:
+        """This process's parameters, less the tied ones whose first holder is another process."""
+        elsewhere = {id(p) for p in self._ties.counted_elsewhere(self.rank)}
+        return (p for p in self.parameters() if id(p) not in elsewhere)
+
+    def _norm_group(self) -> dist.ProcessGroup:
+        return self.group
+
+    def _norm_device(self) -> torch.device:
+        return self.device
+
     def _check_open(self) -> None:
         """Refuse a step or an evaluation once this pipe or a peer's side of it is gone."""
         super()._check_open()

@@ -77,6 +77,10 @@ class TiedWeights:
         """This process's tied parameters, in the same order in every process holding them."""
         return [param for _, tied in self.groups.values() for param in tied]
 
+    def counted_elsewhere(self, rank: int) -> list[nn.Parameter]:
+        """This process's tied parameters that a norm counts at their first holder, not here."""
+        return [p for holders, (_, tied) in self.groups.items() if holders[0] != rank for p in tied]
+
     def sum_over_holders(self, sums: GradientSums) -> None:
         """Make each tied parameter's sum in ``sums`` the sum over the processes holding it.
 

@@ -322,6 +322,23 @@ def tied_weights_accumulate_over_steps_like_the_plain_model() -> None:
     pipe.close()
 
 
+@scenario
+def clip_grad_norm_clips_by_the_whole_models_norm_counting_tied_weights_once() -> None:
+    gen = torch.Generator().manual_seed(6)
+    tokens = torch.randint(0, 11, (6,), generator=gen)
+    targets = torch.randint(0, 11, (6,), generator=gen)
+    for norm_type in (2.0, 1.0, float("inf")):
+        plain = tied_model()
+        pipe = DistributedPipe(tied_model(), [2] * world(), chunks=2)
+        F.cross_entropy(plain(tokens), targets).backward()
+        pipe.step(tokens, targets, F.cross_entropy)
+        expected = torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.05, norm_type)
+        norm = pipe.clip_grad_norm_(0.05, norm_type)
+        assert torch.allclose(norm, expected, rtol=1e-12, atol=0), (norm_type, norm, expected)
+        assert_grads_equal(pipe, plain, f"clipped by the norm of order {norm_type}")
+        pipe.close()
+
+
 def step_in_backward(model: nn.Module) -> dict[int, list[Tensor]]:
     """PyTorch's optimizer-step-in-backward recipe (Adam per parameter): each call's gradient."""
     seen: dict[int, list[Tensor]] = {}

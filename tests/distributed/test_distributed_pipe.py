@@ -21,6 +21,7 @@ SHARED = [
     "meta_layers_get_their_own_reset_and_real_layers_keep_their_values",
     "tied_weights_across_processes_stay_equal_and_train_like_the_plain_model",
     "tied_weights_accumulate_over_steps_like_the_plain_model",
+    "clip_grad_norm_clips_by_the_whole_models_norm_counting_tied_weights_once",
     "hooks_of_one_backward_fire_once_per_step_with_the_whole_gradient",
     "two_stages_save_and_another_balance_a_pipe_and_the_plain_model_resume",
     "the_plain_model_or_a_pipe_saves_and_two_stages_resume",
