@@ -39,6 +39,7 @@ import copy
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -121,32 +122,38 @@ def _driver() -> str:
 
 
 def run_pytest(targets: list[str], timeout_s: int, env: dict[str, str]) -> dict[str, Any]:
-    """Run pytest on ``targets`` in a subprocess, bounded by ``timeout_s``; its counts and tail."""
+    """Run pytest on ``targets`` in a subprocess, bounded by ``timeout_s``; its counts and tail.
+
+    Pytest runs in a process group of its own: past the bound, the group is
+    killed, the ranks of a process group test included.
+    """
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", *targets]
     start = time.perf_counter()
+    process = subprocess.Popen(
+        command,
+        cwd=ROOT,
+        env={**os.environ, **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
-        done = subprocess.run(
-            command,
-            cwd=ROOT,
-            env={**os.environ, **env},
-            capture_output=True,
-            text=True,
-            timeout=timeout_s,
-        )
-    except subprocess.TimeoutExpired as expired:
-        output = expired.stdout if isinstance(expired.stdout, str) else ""
-        tail = output[-3000:]
-        return {"command": " ".join(targets), "ok": False, "timed_out_s": timeout_s, "tail": tail}
+        output, _ = process.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output = process.communicate()[0][-3000:]
+        return {"command": " ".join(targets), "ok": False, "timed_out_s": timeout_s, "tail": output}
     counts = {
         kind: int(number)
-        for number, kind in re.findall(r"(\d+) (passed|failed|skipped|errors?)", done.stdout)
+        for number, kind in re.findall(r"(\d+) (passed|failed|skipped|errors?)", output)
     }
     return {
         "command": " ".join(targets),
-        "ok": done.returncode == 0,
+        "ok": process.returncode == 0,
         "seconds": round(time.perf_counter() - start, 1),
         "counts": counts,
-        "tail": (done.stdout + done.stderr)[-3000:] if done.returncode else "",
+        "tail": output[-3000:] if process.returncode else "",
     }
 
 
