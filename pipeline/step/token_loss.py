@@ -63,12 +63,14 @@ class TokenLoss:
 
     def check(self, batches: list[Batch], reduction: LossReduction, divisor: Any) -> None:
         """Refuse, before any work, micro-batches whose ``out.loss`` would be weighed wrongly."""
-        calls = [self._arguments(batch.value) for batch in batches]
-        if not calls or not isinstance(calls[0].get("labels"), Tensor):
+        if not batches:
             return
-        count = calls[0].get("num_items_in_batch")
-        if count is not None:
-            _check_counted(count, reduction, divisor)
+        _check_number(batches[0].value)
+        calls = [self._arguments(batch.value) for batch in batches]
+        if not isinstance(calls[0].get("labels"), Tensor):
+            return
+        if calls[0].get("num_items_in_batch") is not None:
+            _check_summed(reduction, divisor)
             return
         # One read for every micro-batch's count (a device sync on a GPU).
         counts = [int(c) for c in torch.stack([self._tokens(call) for call in calls]).tolist()]
@@ -120,14 +122,23 @@ def _weighing(reduction: LossReduction, divisor: Any) -> str:
     return "alike, divided by loss_divisor"
 
 
-def _check_counted(count: Any, reduction: LossReduction, divisor: Any) -> None:
-    """Refuse ``num_items_in_batch`` that is not a shared tensor, or a weighing other than a sum."""
-    if not isinstance(count, Tensor):
+def _check_number(call: Any) -> None:
+    """Refuse a count given as a number (a keyword only: transformers takes it in ``**kwargs``).
+
+    Checked before the first piece binds the call, which would only say that
+    the number differs from the one the model was split with.
+    """
+    count = call.kwargs.get("num_items_in_batch") if isinstance(call, Arguments) else None
+    if count is not None and not isinstance(count, Tensor):
         raise TypeError(
             f"num_items_in_batch is {type(count).__name__}, but the split model takes a number "
             "as a constant of its captured code, fixed at split time; split on a 0-dim tensor "
             "and give each step pipeline.NoChunk(n), n a 0-dim tensor of the batch's count"
         )
+
+
+def _check_summed(reduction: LossReduction, divisor: Any) -> None:
+    """Refuse a weighing other than a plain sum of losses already divided by the count."""
     if reduction != "sum" or divisor is not None:
         raise ValueError(
             "with num_items_in_batch, each micro-batch's out.loss is its sum over the batch's "

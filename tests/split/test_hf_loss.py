@@ -146,9 +146,11 @@ def test_a_count_given_as_a_number_is_refused() -> None:
     # A number is a constant of the captured code: right for one batch only.
     model = gpt2()
     ids, _, labels = batch(0)
-    n = int(count(labels))
-    seq = pipeline.split(model, (ids,), {"labels": labels, "num_items_in_batch": n})
-    kwargs = {"labels": labels, "num_items_in_batch": n}
+    seq = pipeline.split(
+        model, (ids,), {"labels": labels, "num_items_in_batch": int(count(labels))}
+    )
+    ids, _, labels = batch(1)  # the next batch, with another count
+    kwargs = {"labels": labels, "num_items_in_batch": int(count(labels))}
     with pipe_of(model, seq) as pipe, pytest.raises(TypeError) as refused:
         pipe.step(ids, labels, out_loss, kwargs=kwargs, loss_reduction="sum")
     assert "0-dim tensor" in str(refused.value)
