@@ -13,7 +13,8 @@ both run on the partitions' workers); with ``--schedule call`` it is
 again without the pipeline from the same seed, and the two final losses
 must agree.
 
-    python examples/train.py                       # defaults: 200 steps, 1F1B
+    python examples/train.py                       # defaults: 40 steps, 1F1B, seconds
+    python examples/train.py --steps 200 --batch-size 512 --width 256 --depth 6
     python examples/train.py --steps 50 --chunks 8 --checkpoint always --schedule gpipe
     python examples/train.py --steps 20 --trace out.json   # timeline and bubble
 """
@@ -34,6 +35,8 @@ from torch import Tensor, nn
 import pipeline
 from balance import balance_by_time
 from pipeline import Pipe
+
+LAST = 10  # the final loss is the mean of the last LAST steps' losses
 
 
 class Block(nn.Module):
@@ -117,8 +120,8 @@ def train(
 ) -> tuple[float, float]:
     """Train for ``args.steps`` steps.
 
-    Returns the final loss (the mean of the last 10 steps' losses: one batch's
-    loss is noisy) and the samples per second.
+    Returns the final loss (the mean of the last ``LAST`` steps' losses: one
+    batch's loss is noisy) and the samples per second.
     """
     inputs, labels = spiral_data(8192, args.features, args.classes, seed=args.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
@@ -151,17 +154,58 @@ def train(
                 flush=True,
             )
     elapsed = time.perf_counter() - start
-    return torch.stack(losses[-10:]).mean().item(), args.steps * args.batch_size / elapsed
+    return torch.stack(losses[-LAST:]).mean().item(), args.steps * args.batch_size / elapsed
+
+
+def one_step_difference(
+    initial: nn.Module, args: argparse.Namespace, balance: list[int], devices: list[str]
+) -> float:
+    """Largest gradient difference of one step, pipe against plain model, both in float64.
+
+    Equality holds to rounding there (about 1e-16), where float32 training
+    only agrees to a tolerance: AdamW amplifies rounding differences step by
+    step, so the final losses are compared to 1%.
+    """
+    plain = copy.deepcopy(initial).double()
+    x, y = spiral_data(args.batch_size, args.features, args.classes, seed=args.seed + 1)
+    x = x.double()
+    sample = x[: max(2, args.batch_size // args.chunks)]
+    pipe = Pipe(
+        pipeline.split(copy.deepcopy(plain), (sample,)),
+        balance,
+        devices=devices,
+        chunks=args.chunks,
+        checkpoint=args.checkpoint,
+    )
+    loss_fn = nn.CrossEntropyLoss()
+    if args.schedule == "call":
+        loss_fn(pipe(x), y.to(devices[-1])).backward()
+    else:
+        pipe.step(x, y, loss_fn, schedule=args.schedule)
+    loss_fn(plain.to(devices[0])(x.to(devices[0])), y.to(devices[0])).backward()
+    pipe.close()
+    return max(
+        (a.grad.to(b.grad.device) - b.grad).abs().max().item()
+        for a, b in zip(pipe.parameters(), plain.parameters(), strict=True)
+        if a.grad is not None and b.grad is not None
+    )
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--batch-size", type=int, default=512)
-    parser.add_argument("--chunks", type=int, default=4)
-    parser.add_argument("--partitions", type=int, default=2)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument("--steps", type=int, default=40, help="training steps")
+    parser.add_argument("--batch-size", type=int, default=128, help="samples per step")
+    parser.add_argument("--chunks", type=int, default=4, help="micro-batches per step")
     parser.add_argument(
-        "--checkpoint", default="except_last", choices=["always", "except_last", "never"]
+        "--partitions", type=int, default=2, help="pipeline partitions (CUDA devices, or CPU)"
+    )
+    parser.add_argument(
+        "--checkpoint",
+        default="except_last",
+        choices=["always", "except_last", "never"],
+        help="which micro-batches' activations are recomputed in backward",
     )
     parser.add_argument(
         "--schedule",
@@ -169,19 +213,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         choices=["1f1b", "gpipe", "interleaved", "zb-h1", "call"],
         help="the schedule of pipe.step; 'call': pipe(x) then loss.backward()",
     )
-    parser.add_argument("--width", type=int, default=256)
-    parser.add_argument("--depth", type=int, default=6, help="residual blocks")
-    parser.add_argument("--features", type=int, default=64)
-    parser.add_argument("--classes", type=int, default=5)
-    parser.add_argument("--lr", type=float, default=2e-3)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--width", type=int, default=128, help="the blocks' width")
+    parser.add_argument("--depth", type=int, default=4, help="residual blocks")
+    parser.add_argument("--features", type=int, default=64, help="input features of the data")
+    parser.add_argument("--classes", type=int, default=5, help="spiral arms, one class each")
+    parser.add_argument("--lr", type=float, default=2e-3, help="AdamW's learning rate")
+    parser.add_argument("--seed", type=int, default=0, help="weights, data and batch order")
     parser.add_argument(
         "--balance-timeout",
         type=float,
         default=1.0,
         help="seconds balance_by_time spends timing the pieces",
     )
-    parser.add_argument("--log-every", type=int, default=50)
+    parser.add_argument("--log-every", type=int, default=10, help="steps between two lines")
     parser.add_argument(
         "--trace", metavar="PATH", help="write a Chrome trace of the pipe's steps, print its bubble"
     )
@@ -196,6 +240,7 @@ def main(argv: list[str]) -> int:
     torch.manual_seed(args.seed)
     model = Classifier(args.features, args.width, args.depth, args.classes)
     plain = copy.deepcopy(model)
+    initial = copy.deepcopy(model)
     devices = pick_devices(args.partitions)
     # A micro-batch as the pipe will run it: the split accepts any batch size,
     # and balance_by_time times each piece on it, forward and backward.
@@ -220,21 +265,28 @@ def main(argv: list[str]) -> int:
         print(f"trace of the pipe's steps written to {args.trace} (chrome://tracing, Perfetto)")
         print(timeline.summary())
         print(timeline.render())
-    print(f"pipe:  final loss {pipe_loss:.4f}, {pipe_rate:.0f} samples/s")
+    final = f"final loss (mean of the last {min(LAST, args.steps)} steps)"
+    print(f"pipe:  {final} {pipe_loss:.4f}, {pipe_rate:.0f} samples/s")
     if args.no_compare:
         return 0
 
     plain_device = devices[0]
     plain.to(plain_device)
     plain_loss, plain_rate = train(plain, args, plain_device, plain_device, "plain")
-    print(f"plain: final loss {plain_loss:.4f}, {plain_rate:.0f} samples/s")
+    print(f"plain: {final} {plain_loss:.4f}, {plain_rate:.0f} samples/s")
     print(f"throughput pipe/plain: {pipe_rate / plain_rate:.2f}x ({throughput_meaning(pipe)})")
     agree = math.isclose(pipe_loss, plain_loss, rel_tol=1e-2, abs_tol=1e-3)
     print(
         f"final losses {'agree' if agree else 'DIFFER'} "
-        f"(pipe {pipe_loss:.5f}, plain {plain_loss:.5f})"
+        f"within 1% (pipe {pipe_loss:.5f}, plain {plain_loss:.5f})"
     )
-    return 0 if agree else 1
+    difference = one_step_difference(initial, args, balance, devices)
+    equal = difference < 1e-10
+    print(
+        f"one step from equal weights in float64: gradients {'equal' if equal else 'DIFFER'}, "
+        f"largest difference {difference:.1e} (rounding: under 1e-10)"
+    )
+    return 0 if agree and equal else 1
 
 
 if __name__ == "__main__":

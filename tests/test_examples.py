@@ -1,10 +1,14 @@
-"""The main job runs end to end (an ordinary module split and balanced) and its pipe matches
-the plain model."""
+"""The examples run as a user runs them, with their defaults, and each one's verdict holds: the
+pipe equal to the plain model where equality holds (float64), within a stated tolerance where
+float32 training only agrees to rounding; every command-line option has a help text."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
+import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -22,78 +26,31 @@ def load(name: str) -> ModuleType:
     return module
 
 
-def test_train_matches_the_plain_model(
+def test_train_with_its_defaults_matches_the_plain_model(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setitem(sys.modules, "transformers", None)  # the main job runs without it
-    train = load("train")
-    argv = [
-        "--steps",
-        "6",
-        "--batch-size",
-        "64",
-        "--width",
-        "32",
-        "--depth",
-        "2",
-        "--chunks",
-        "4",
-        "--partitions",
-        "3",
-        "--log-every",
-        "3",
-        "--balance-timeout",
-        "0.05",
-    ]
-    assert train.main(argv) == 0
+    assert load("train").main([]) == 0
     printed = capsys.readouterr().out
-    # An ordinary module: split into embed, 2 blocks, head, and balanced by time.
-    assert "model: Classifier split into 4 pieces" in printed
-    assert "balance_by_time [" in printed
-    assert "[pipe] step    6/6" in printed and "final losses agree" in printed
-    assert "samples/s" in printed
+    # An ordinary module: split into embed, 4 blocks, head, and balanced by time.
+    assert "model: Classifier split into 6 pieces" in printed
+    assert "balance_by_time [" in printed and "samples/s" in printed
+    assert "[pipe] step   40/40" in printed and "[plain] step   40/40" in printed
+    assert "pipe:  final loss (mean of the last 10 steps)" in printed
+    assert "final losses agree within 1%" in printed
+    assert "one step from equal weights in float64: gradients equal" in printed
 
 
 def test_train_writes_a_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    import json
-
     train = load("train")
     path = tmp_path / "out.json"
-    argv = [
-        "--steps",
-        "2",
-        "--batch-size",
-        "32",
-        "--width",
-        "16",
-        "--depth",
-        "1",
-        "--chunks",
-        "4",
-        "--partitions",
-        "2",
-        "--trace",
-        str(path),
-        "--no-compare",
-        "--balance-timeout",
-        "0.05",
-    ]
+    argv = ["--steps", "2", "--batch-size", "32", "--width", "16", "--depth", "1"]
+    argv += ["--trace", str(path), "--no-compare", "--balance-timeout", "0.05"]
     assert train.main(argv) == 0
-    events = json.loads(path.read_text())
-    assert events  # Chrome trace JSON with the pipe's tasks
+    events = json.loads(path.read_text())["traceEvents"]
+    names = [event["name"] for event in events if event["ph"] == "X"]
+    assert any(name.startswith("pipe.forward[") for name in names), names[:5]
     assert f"written to {path}" in capsys.readouterr().out
-
-
-@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
-def test_gpt_trains_through_step_with_a_tied_head(
-    schedule: str, capsys: pytest.CaptureFixture[str]
-) -> None:
-    gpt = load("gpt")
-    argv = ["--steps", "8", "--batch", "8", "--layers", "2", "--width", "32", "--context", "32"]
-    assert gpt.main([*argv, "--schedule", schedule, "--log-every", "4"]) == 0
-    printed = capsys.readouterr().out
-    assert "balance_by_time" in printed and "step    8/8" in printed
-    assert "gradients differ from the plain model's by" in printed and "loss fell" in printed
 
 
 def test_train_runs_the_pipe_call_too(capsys: pytest.CaptureFixture[str]) -> None:
@@ -101,4 +58,58 @@ def test_train_runs_the_pipe_call_too(capsys: pytest.CaptureFixture[str]) -> Non
     argv = ["--steps", "4", "--batch-size", "32", "--width", "16", "--depth", "1"]
     argv += ["--balance-timeout", "0.05", "--schedule", "call", "--log-every", "2"]
     assert train.main(argv) == 0
-    assert "final losses agree" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "final losses agree" in printed and "gradients equal" in printed
+
+
+def test_gpt_with_its_defaults_trains_and_equals_the_plain_model(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert load("gpt").main([]) == 0
+    printed = capsys.readouterr().out
+    assert "balance_by_time" in printed and "step   30/30" in printed
+    assert "float64: gradients differ from the plain model's by" in printed
+    assert "loss fell" in printed
+
+
+def test_gpt_trains_through_zb_h1_with_a_tied_head(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--steps", "8", "--batch", "8", "--layers", "2", "--width", "32", "--context", "32"]
+    assert load("gpt").main([*argv, "--schedule", "zb-h1", "--log-every", "4"]) == 0
+    printed = capsys.readouterr().out
+    assert "step    8/8" in printed and "float64: gradients differ" in printed
+
+
+def test_unet_with_its_defaults_equals_the_plain_model(capsys: pytest.CaptureFixture[str]) -> None:
+    assert load("unet").main([]) == 0
+    printed = capsys.readouterr().out
+    assert "largest relative difference of a step's losses" in printed
+    assert "the Pipe trains the U-Net like the plain model" in printed
+
+
+class _ParsedError(Exception):
+    """Raised in place of parsing, once the example's parser is built."""
+
+
+def parser_of(
+    main: Callable[[list[str]], int], monkeypatch: pytest.MonkeyPatch
+) -> argparse.ArgumentParser:
+    """The parser ``main`` builds, caught as it starts parsing (nothing else runs)."""
+    built: list[argparse.ArgumentParser] = []
+
+    def catch(self: argparse.ArgumentParser, *args: object, **kwargs: object) -> None:
+        built.append(self)
+        raise _ParsedError
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", catch)
+    with pytest.raises(_ParsedError):
+        main([])
+    return built[0]
+
+
+@pytest.mark.parametrize("name", ["train", "gpt", "unet"])
+def test_every_option_has_a_help_text(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    parser = parser_of(load(name).main, monkeypatch)
+    options = [action.option_strings for action in parser._actions if action.option_strings]
+    assert len(options) > 3
+    silent = [action.option_strings for action in parser._actions if not action.help]
+    assert silent == [], f"examples/{name}.py --help lists options without help: {silent}"
