@@ -157,11 +157,12 @@ class ShardedUnits:
         try:
             yield
         except BaseException:
-            for unit in self._pending:
+            failed = list(self._pending)
+            for unit in failed:
                 unit.drop()
-            self._settle(self._pending)
-            for unit in self._roots(self._pending):
-                unit.module.reset_iter_state()
+            self._settle(failed)
+            for unit in self._roots(failed):
+                unit.module.reset_iter_state()  # reshards: the next forward gathers anew
             raise
         finally:
             self._settle(self._pending)

@@ -246,13 +246,17 @@ def fsdp_stages_equal_the_plain_model_in_every_schedule() -> None:
         side.run(case, counts)
         # Each unit reduce-scatters once and all-gathers once (a root unit keeps them).
         assert_once_per_step(counts, case, reduce_scatter_single=units, all_gather_single=units)
-    # A step that fails half-way leaves nothing of its gradients to the next.
+    # A step that fails half-way leaves nothing of its gradients to the next, and
+    # no unsharded parameters that would miss a later change of the sharded ones.
     x, y = side.batch()
     expect_error(
         Exception,
         lambda: side.pipe.step(side.mine(x), side.mine(y), failing(), schedule="1f1b"),
         "a loss that fails",
     )
+    with torch.no_grad():
+        for param in [*side.pipe.parameters(), *side.plain.parameters()]:
+            param.mul_(0.5)
     side.run(Case("zb-h1"))
     side.pipe.close()
 
