@@ -51,5 +51,32 @@ def test_the_cpu_dry_run_times_checks_and_reports_every_part(tmp_path: Path) -> 
     markdown = table.read_text()
     assert markdown in done.stdout  # printed too
     assert "| check | result | figures |" in markdown
-    for name in [*steps, "copy streams", "compiled pipe(x)"]:
+    for name in [*steps, "copy streams", "compiled pipe(x)", "frames compiled"]:
         assert f"{name} |" in markdown, name
+
+
+def test_a_failing_part_is_a_failed_row_and_leaves_the_others() -> None:
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import gpu_check
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+
+    def fails() -> dict[str, object]:
+        raise AssertionError("gradients differ\nmore")
+
+    failed = gpu_check.guarded(fails)
+    assert failed["error"] == "AssertionError: gradients differ\nmore"
+    results = {
+        "versions": {"torch": "2.x", "gpus": [{"name": "H100"}]},
+        "total_s": 1.0,
+        "steps": failed,
+        "copy_streams": {"skipped": "one GPU"},
+        "compiled": {"backend": "inductor", "frames_compiled": 3,
+                     "times": {"eager pipe(x)": {"ms": 2.0, "speedup": 1.0}}},
+    }  # fmt: skip
+    table = gpu_check.markdown(results)
+    assert "| step | FAILED | AssertionError: gradients differ |" in table
+    assert "| pipe(x) over two GPUs | not measured | one GPU |" in table
+    assert "| inductor: eager pipe(x) | 2.00 ms | 1.00x eager |" in table
+    assert table.startswith("GPU check on H100")

@@ -43,7 +43,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+import traceback
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -366,6 +367,30 @@ def check_compiled(device: torch.device, quick: bool, rounds: int) -> dict[str, 
 # The report
 
 
+def guarded(run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """``run()``'s figures, or its error: one failing part leaves the others' figures."""
+    try:
+        return run()
+    except Exception as error:
+        traceback.print_exc()
+        return {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()}
+
+
+def time_rows(label: str, part: dict[str, Any], against: str) -> list[str]:
+    """The table's rows of one timed part: a row per candidate, or why there is none."""
+    if "error" in part:
+        return [f"| {label} | FAILED | {part['error'].splitlines()[0]} |"]
+    if "skipped" in part:
+        return [f"| {label} | not measured | {part['skipped']} |"]
+    rows = [
+        f"| {label}: {name} | {figures['ms']:.2f} ms | {figures['speedup']:.2f}x {against} |"
+        for name, figures in part["times"].items()
+    ]
+    if "frames_compiled" in part:
+        rows.append(f"| {label}: frames compiled | {part['frames_compiled']} | gradients equal |")
+    return rows
+
+
 def markdown(results: dict[str, Any]) -> str:
     """A table to paste into docs/benchmarks.md."""
     info = results["versions"]
@@ -381,28 +406,12 @@ def markdown(results: dict[str, Any]) -> str:
         counts = ", ".join(f"{n} {k}" for k, n in step.get("counts", {}).items())
         verdict = "passed" if step["ok"] else "FAILED"
         lines.append(f"| {name} (`{step['command']}`) | {verdict} | {counts} |")
-    steps = results["steps"]
-    for name, figures in steps["times"].items():
-        lines.append(
-            f"| step: {name} | {figures['ms']:.2f} ms | {figures['speedup']:.2f}x the "
-            "micro-batches one after another |"
-        )
+    lines += time_rows("step", results["steps"], "the micro-batches one after another")
     copies = results["copy_streams"]
-    if "skipped" in copies:
-        lines.append(
-            f"| copy streams against compute streams | not measured | {copies['skipped']} |"
-        )
-    else:
-        for name, figures in copies["times"].items():
-            speedup = f"{figures['speedup']:.2f}x copies on the compute streams"
-            over = " and ".join(copies["devices"])
-            lines.append(f"| pipe(x) over {over}, {name} | {figures['ms']:.2f} ms | {speedup} |")
+    over = " and ".join(copies.get("devices", ["two GPUs"]))
+    lines += time_rows(f"pipe(x) over {over}", copies, "copies on the compute streams")
     compiled = results["compiled"]
-    for name, figures in compiled["times"].items():
-        lines.append(
-            f"| {compiled['backend']}: {name} | {figures['ms']:.2f} ms | "
-            f"{figures['speedup']:.2f}x eager; {compiled['frames_compiled']} frames compiled |"
-        )
+    lines += time_rows(compiled.get("backend", "compiled"), compiled, "eager")
     return "\n".join(lines) + "\n"
 
 
@@ -424,9 +433,9 @@ def main() -> int:
         for name, step in results["tests"].items():
             print(f"{name}: {'passed' if step['ok'] else 'FAILED'} {step.get('counts')}")
             print(step["tail"], end="", flush=True)
-    results["steps"] = time_steps(device, args.quick, rounds)
-    results["copy_streams"] = copy_streams(device, args.quick, rounds)
-    results["compiled"] = check_compiled(device, args.quick, rounds)
+    results["steps"] = guarded(lambda: time_steps(device, args.quick, rounds))
+    results["copy_streams"] = guarded(lambda: copy_streams(device, args.quick, rounds))
+    results["compiled"] = guarded(lambda: check_compiled(device, args.quick, rounds))
     results["total_s"] = round(time.perf_counter() - start, 1)
     args.out.write_text(json.dumps(results, indent=1))
     table = markdown(results)
@@ -434,6 +443,7 @@ def main() -> int:
     print(table)
     print(f"wrote {args.out} and {args.markdown}")
     failed = [name for name, step in results.get("tests", {}).items() if not step["ok"]]
+    failed += [name for name in ("steps", "copy_streams", "compiled") if "error" in results[name]]
     return 1 if failed else 0
 
 
