@@ -13,7 +13,8 @@ pydoc topics character by character. To check the result, rank 0 gathers
 the stages' initial weights into a plain copy of the model and takes the
 same steps on the same batches: the script prints both losses and every
 process exits with 1 if any step's losses differ by more than
-``--tolerance`` (relative), or if the loss did not fall.
+``--tolerance`` (relative), or if the loss did not fall. Both train in
+float64, where equality holds to rounding (see ``hf_gpt2.py`` on float32).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 import torch.distributed as dist
 import transformers
 from gpt import Corpus, load_text
-from hf_gpt2 import lm_loss, log_step, plain_step, verdict
+from hf_gpt2 import TOLERANCE, TOLERANCE_HELP, lm_loss, log_step, plain_step, verdict
 from torch import Tensor, nn
 
 import pipeline
@@ -47,7 +48,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--tolerance", type=float, default=1e-3)
+    parser.add_argument("--tolerance", type=float, default=TOLERANCE, help=TOLERANCE_HELP)
     parser.add_argument("--log-every", type=int, default=10)
     return parser.parse_args(argv)
 
@@ -63,7 +64,7 @@ def llama(vocab: int, args: argparse.Namespace) -> nn.Module:
         num_hidden_layers=args.layers,
         use_cache=False,
     )
-    return transformers.LlamaForCausalLM(config)
+    return transformers.LlamaForCausalLM(config).double()  # float64: see hf_gpt2.py
 
 
 def plain_copy(pipe: DistributedPipe, vocab: int, args: argparse.Namespace) -> nn.Module | None:
