@@ -53,7 +53,15 @@ def check_sharding(
             "stages: FSDP would reduce their gradients together, before the later stages' "
             f"backwards have run; {_RECIPE}"
         )
-    missing = missing_internals(u for s in stages for u in fsdp_units(partitions[s]))
+    units = {s: fsdp_units(partitions[s]) for s in stages}
+    if any(units.values()):
+        _check_units(partitions, units)
+    _check_ties_kept(partitions, stages, tied)
+
+
+def _check_units(partitions: Sequence[nn.Module], units: dict[int, list[FSDPModule]]) -> None:
+    """This process's FSDP2 units: FSDP as the step reads it, each within a stage, covering all."""
+    missing = missing_internals(u for found in units.values() for u in found)
     if missing:
         raise RuntimeError(
             f"DistributedPipe.step defers each FSDP2 unit's gradient reduction to its stage's "
@@ -62,19 +70,20 @@ def check_sharding(
             "(zb-h1's not at all). Use a torch version this release supports, or a stage "
             "replicated with pipeline.DataParallel instead of fully_shard"
         )
-    _check_units_within_stages(partitions, stages)
-    _check_all_sharded(partitions, stages)
-    _check_ties_kept(partitions, stages, tied)
+    _check_units_within_stages(partitions, units)
+    _check_all_sharded(partitions, units)
 
 
-def _check_units_within_stages(partitions: Sequence[nn.Module], stages: list[int]) -> None:
+def _check_units_within_stages(
+    partitions: Sequence[nn.Module], units: dict[int, list[FSDPModule]]
+) -> None:
     """Every FSDP2 unit of this process's stages lies within one stage."""
     stage_of: dict[int, int] = {}
-    for s in stages:
+    for s in units:
         for module in partitions[s].modules():
             stage_of.setdefault(id(module), s)
-    for s in stages:
-        for unit in fsdp_units(partitions[s]):
+    for s, found in units.items():
+        for unit in found:
             spans = sorted({stage_of.get(id(m), -1) for m in _modules_of(unit)})
             if spans != [s]:
                 where = ", ".join(f"stage {t}" if t >= 0 else "elsewhere" for t in spans)
@@ -91,13 +100,16 @@ def sharding_kind(partitions: Sequence[nn.Module], stages: Iterable[int]) -> str
     return "stages sharded by FSDP2" if units else "stages not sharded by FSDP2"
 
 
-def _check_all_sharded(partitions: Sequence[nn.Module], stages: list[int]) -> None:
+def _check_all_sharded(partitions: Sequence[nn.Module], units: dict[int, list[FSDPModule]]) -> None:
     """With FSDP2 units in this process's stages, every trainable parameter is in one."""
-    units = [u for s in stages for u in fsdp_units(partitions[s])]
-    if not units:
-        return
-    covered = {id(m) for unit in units for root in _modules_of(unit) for m in root.modules()}
-    for s in stages:
+    covered = {
+        id(m)
+        for found in units.values()
+        for unit in found
+        for root in _modules_of(unit)
+        for m in root.modules()
+    }
+    for s in units:
         for name, module in partitions[s].named_modules():
             if id(module) in covered:
                 continue
@@ -115,6 +127,9 @@ def _check_ties_kept(
     partitions: Sequence[nn.Module], stages: list[int], tied: Iterable[nn.Parameter]
 ) -> None:
     """Every weight tied across processes is still the parameter its stage registers."""
+    tied = list(tied)
+    if not tied:
+        return
     held = {
         id(p) for s in stages for _, p in partitions[s].named_parameters(remove_duplicate=False)
     }
