@@ -104,9 +104,16 @@ def test_python_block_runs_as_written(
 
 
 def test_every_block_has_a_known_language() -> None:
-    # A block fenced as ```py or ```python3 would escape the test above.
+    # A block fenced as ```py or ```python3, or indented (in a list), would escape the test above.
     unknown = [f"{b.where} ({b.language})" for b in ALL_BLOCKS if b.language not in LANGUAGES]
     assert unknown == [], f"fences other than {sorted(LANGUAGES)}: {unknown}"
+    indented = [
+        f"{page.relative_to(ROOT)}:{number}"
+        for page in PAGES
+        for number, line in enumerate(page.read_text().split("\n"), 1)
+        if re.match(r"\s+```", line)
+    ]
+    assert indented == [], f"indented fences, which the test would not see: {indented}"
 
 
 def test_the_readme_and_the_python_pages_have_blocks() -> None:
