@@ -30,7 +30,11 @@ class Tolerance:
 
     def assert_close(self, actual: Tensor, expected: Tensor, what: str) -> None:
         torch.testing.assert_close(
-            actual.to(expected.device), expected, rtol=self.rtol, atol=self.atol, msg=what
+            actual.to(expected.device),
+            expected,
+            rtol=self.rtol,
+            atol=self.atol,
+            msg=lambda found: f"{what}: {found} (tolerance: {self.reason})",
         )
 
 
