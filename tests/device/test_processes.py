@@ -41,7 +41,7 @@ def test_stages_and_replicas_in_processes_equal_the_plain_model(
     group_runner: GroupRunner, monkeypatch: pytest.MonkeyPatch, backend: str, device: str
 ) -> None:
     monkeypatch.setenv("DEVICE_TIER_DEVICE", device)
-    outcomes = group_runner(NAMES, script=SCENARIOS, backend=backend, wall_timeout_s=120)
+    outcomes = group_runner(NAMES, script=SCENARIOS, backend=backend, wall_timeout_s=180)
     failures = [
         f"rank {r}, {n}:\n{o.get(n)}"
         for r, o in enumerate(outcomes)
