@@ -189,9 +189,11 @@ def moved(message: Message, device: torch.device) -> Message:
         for x in message.leaves
     ]
     event = None
-    if device.type == "cuda" or any(isinstance(x, torch.Tensor) and x.is_cuda for x in leaves):
+    if device.type == "cuda":
+        # On the stream the copies into ``device`` were queued on (and the sender's work
+        # there), which is not the current device's when the sender runs on another one.
         event = torch.cuda.Event()
-        event.record()
+        event.record(torch.cuda.current_stream(device))
     return Message(leaves, message.spec, message.differentiable, event)
 
 
