@@ -18,7 +18,18 @@ from torch import fx, nn
 
 from pipeline.split.cut import PieceNodes
 from pipeline.split.opaque import BlockCall
-from pipeline.split.program import HERE, Block, Fetch, Grad, Op, Program, Slot, Step, Training
+from pipeline.split.program import (
+    HERE,
+    Attribute,
+    Block,
+    Fetch,
+    Grad,
+    Op,
+    Program,
+    Slot,
+    Step,
+    Training,
+)
 from pipeline.split.where import node_module
 
 __all__ = [
@@ -72,6 +83,8 @@ class Built:
     fetched: list[tuple[nn.Module, str]]
     # The mode of each dropout in its code, read from the model at run time.
     trainings: list[Training]
+    # The module attributes its code reads again at every call (a dropout's p).
+    follows: list[tuple[nn.Module, str]]
 
 
 def build_piece(piece: PieceNodes, sources: Sources, output: fx.Node | None) -> Built:
@@ -96,6 +109,7 @@ def build_piece(piece: PieceNodes, sources: Sources, output: fx.Node | None) -> 
         builder.constants,
         builder.fetched,
         builder.trainings,
+        builder.follows,
     )
 
 
@@ -116,6 +130,7 @@ class _Builder:
         self.constants: nn.Module = nn.Module() if parent is None else parent.constants
         self.fetched: list[tuple[nn.Module, str]] = [] if parent is None else parent.fetched
         self.trainings: list[Training] = [] if parent is None else parent.trainings
+        self.follows: list[tuple[nn.Module, str]] = [] if parent is None else parent.follows
 
     def allocate(self, node: fx.Node) -> Slot:
         slot = self.slots[node] = Slot(self.count)
@@ -175,11 +190,21 @@ class _Builder:
             region = getattr(self.sources.root, str(body.target))
             return Grad(-1, enabled, _region(region, self), self.template(inputs))
         args = self.template(node.args)
-        if target in DROPOUTS and self.sources.dropouts_follow_mode and len(args) > 2:
+        if target in DROPOUTS:
+            args = self._dropout(node, args)
+        return Op(-1, _callable(target), args, self.template(node.kwargs))
+
+    def _dropout(self, node: fx.Node, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """A dropout's arguments ``(input, p, train)``: ``p`` from its module, the mode too."""
+        module = self.sources.model.get_submodule(node_module(node))
+        if isinstance(module, nn.modules.dropout._DropoutNd) and args[1] == module.p:
+            self.follows.append((module, "p"))
+            args = (args[0], Attribute(module, "p"), *args[2:])
+        if self.sources.dropouts_follow_mode and len(args) > 2:
             training = training_of(node, self.sources.model)
             self.trainings.append(training)
             args = (*args[:2], training, *args[3:])
-        return Op(-1, _callable(target), args, self.template(node.kwargs))
+        return args
 
 
 def _region(module: fx.GraphModule, parent: _Builder) -> Program:

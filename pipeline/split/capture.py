@@ -26,10 +26,9 @@ import torch
 from torch import Tensor, fx, nn
 from torch.export import Dim, ExportedProgram
 from torch.export.graph_signature import InputKind
-from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils._pytree import TreeSpec, tree_map
 
-from pipeline.split.errors import SplitError
+from pipeline.split.errors import SplitError, find_cause, is_data_dependent
 from pipeline.split.opaque import BlockCall, opaque_blocks
 from pipeline.split.where import WRAPPED, argument_names, failure_location
 
@@ -95,7 +94,7 @@ def capture(
         except Exception as error:
             refusal = _refusal(error, model, names)
             # torch.export's own error stays attached; one of split's own says it all.
-            raise refusal from (None if refusal is _find(error, SplitError) else error)
+            raise refusal from (None if refusal is find_cause(error, SplitError) else error)
     return Captured(program, calls, model.training, argument_names(model, args, kwargs))
 
 
@@ -153,18 +152,18 @@ def _every_dim(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]
 
 def _refusal(error: Exception, model: nn.Module, names: dict[nn.Module, str]) -> SplitError:
     """``error`` of torch.export as a ``SplitError`` that says where and what to do."""
-    cause = _find(error, SplitError)
+    cause = find_cause(error, SplitError)
     if isinstance(cause, SplitError):
         return cause
     module, line = failure_location(error, names)
     where = f"{module} at {line}" if module else f"{line}"
-    if _find(error, GuardOnDataDependentSymNode) is not None or "data-dependent" in str(error):
+    if is_data_dependent(error):
+        # Points cannot help: a point is a block, and every block runs on fake tensors once.
         return SplitError(
             f"cannot capture {where}: the code branches on the value of a tensor (or makes a "
-            "shape from one), which a captured graph cannot follow. Keep that code inside a "
-            "block that runs as itself: add the module that runs it to points (a module named "
-            "in points is called as it is, not captured), or compute the value without "
-            "looking at tensor contents"
+            "shape from one), which a captured graph cannot follow, nor can the run on fake "
+            "tensors through which split learns a block's output. Compute it without looking "
+            "at tensor contents (torch.where instead of an if, a mask instead of a selection)"
         )
     first = str(error).strip().splitlines()[0] if str(error).strip() else ""
     return SplitError(
@@ -172,15 +171,3 @@ def _refusal(error: Exception, model: nn.Module, names: dict[nn.Module, str]) ->
         f"{where} with {type(error).__name__}: {first}. Add the module that runs that line to "
         "points so that it runs as itself, or check that the model runs on these inputs"
     )
-
-
-def _find(error: BaseException, kind: type[BaseException]) -> Any:
-    """``error`` or the first exception of ``kind`` it was raised from (None if none)."""
-    seen: set[int] = set()
-    current: BaseException | None = error
-    while current is not None and id(current) not in seen:
-        if isinstance(current, kind):
-            return current
-        seen.add(id(current))
-        current = current.__cause__ or current.__context__
-    return None

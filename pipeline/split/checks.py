@@ -6,7 +6,8 @@ saying what to do, before any piece exists:
 - the captured code changes a parameter, a buffer, an argument, or a value
   that another piece made, in place (the piece would change a copy, or
   change it twice when recomputed);
-- a module whose code is captured has hooks (they would no longer run);
+- the captured code assigns a module attribute (``self.ema = ...``): the
+  pieces would never assign it (``attributes.py`` records assignments);
 - a region of code that the pieces cannot run (``torch.cond``, a block
   called under ``torch.no_grad()`` inside the captured code);
 - a split point called twice, or never, on the example.
@@ -18,15 +19,16 @@ import operator
 from collections import Counter
 
 import torch
-from torch import fx, nn
+from torch import fx
 from torch.export.graph_signature import InputKind
 
+from pipeline.split.attributes import Recorded
 from pipeline.split.build import BLOCK_OP, GRAD_REGION
 from pipeline.split.capture import Captured
 from pipeline.split.errors import SplitError
 from pipeline.split.where import WRAPPED, describe_module, node_location, node_module
 
-__all__ = ["check_calls", "check_hooks", "check_inputs", "check_mutations", "check_regions"]
+__all__ = ["check_calls", "check_inputs", "check_mutations", "check_regions", "check_writes"]
 
 
 def check_inputs(captured: Captured) -> None:
@@ -58,35 +60,27 @@ def check_calls(captured: Captured, points: list[str]) -> None:
         )
 
 
-def check_hooks(model: nn.Module, blocks: dict[nn.Module, str]) -> None:
-    """Refuse hooks on modules whose forward is captured (all but blocks and their insides)."""
-    inside = {sub for block in blocks for sub in block.modules()}
-    for name, module in model.named_modules():
-        if module in inside:
-            continue
-        kinds = [kind for kind, hooks in _hooks(module) if hooks]
-        if kinds:
-            raise SplitError(
-                f"{describe_module(name, module)} has {' and '.join(kinds)} hooks, but its "
-                "forward is captured as torch ops by split and would run without them: name "
-                "it in points (a point runs as itself, hooks included), or remove the hooks "
-                "before splitting"
-            )
-    if nn.modules.module._has_any_global_hook():
-        raise SplitError(
-            "global module hooks are registered (torch.nn.modules.module."
-            "register_module_forward_hook and the like); the modules that split captures as "
-            "torch ops would no longer call them: remove them before splitting"
-        )
-
-
-def _hooks(module: nn.Module) -> list[tuple[str, object]]:
-    return [
-        ("forward", module._forward_hooks),
-        ("forward pre", module._forward_pre_hooks),
-        ("backward", module._backward_hooks),
-        ("backward pre", module._backward_pre_hooks),
-    ]
+def check_writes(recorded: Recorded) -> None:
+    """Refuse the captured code's assignments of module attributes (``self.ema = ...``)."""
+    if not recorded.writes:
+        return
+    write = recorded.writes[0]
+    module = write.module
+    what = (
+        "buffer"
+        if write.attribute in module._buffers
+        else "parameter"
+        if write.attribute in module._parameters
+        else "attribute"
+    )
+    owner = describe_module(recorded.modules[module], module)
+    raise SplitError(
+        f"the model's code at {write.location} assigns {what} {write.attribute!r} of {owner}, "
+        "in code that split captures as torch ops: the pieces only run those ops, would never "
+        "make the assignment, and the attribute would keep its value of split time. Move the "
+        "update into a module of its own and name that module in points (a point runs as "
+        "itself, its Python code too), or into a block"
+    )
 
 
 def check_regions(captured: Captured) -> None:
@@ -172,11 +166,13 @@ def _refuse_change(
             InputKind.PARAMETER: f"parameter {name!r}",
             InputKind.BUFFER: f"buffer {name!r}",
         }.get(kind, f"constant {name!r}")
+        # A new value bound to a buffer is refused too (check_writes): only a point helps.
+        other = " (move it into a module of its own)" if kind != InputKind.USER_INPUT else ""
+        instead = ", or compute a new value instead" if kind == InputKind.USER_INPUT else ""
         raise SplitError(
             f"{_at(node)} changes {what} in place, which a piece cannot do the same way (it "
             "would change it again when recomputed, or change a copy on another device): "
-            "name the module that does it in points so that it runs as itself, or compute a "
-            "new value instead"
+            f"name the module that does it in points so that it runs as itself{other}{instead}"
         )
     if piece_of.get(base) != piece_of.get(node):
         raise SplitError(

@@ -47,9 +47,10 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
+from pipeline.split.attributes import paused
 from pipeline.split.dims import Dimension, bind, dimension, expected
-from pipeline.split.errors import SplitError
-from pipeline.split.where import argument_names
+from pipeline.split.errors import SplitError, is_data_dependent
+from pipeline.split.where import argument_names, failure_location
 
 __all__ = ["TENSOR", "BlockCall", "Result", "opaque_blocks"]
 
@@ -188,10 +189,12 @@ def _block(call: int, tensors: list[Tensor], sizes: list[int]) -> list[Tensor]:
 def _(call: int, tensors: list[Tensor], sizes: list[int]) -> list[Tensor]:
     record = _calls()[call]
     assert _active.results is not None
-    key = _likeness(record, tensors, sizes)
-    found = _active.results.get(key)
-    if found is None:
-        found = _active.results[key] = _run_fake(record, tensors, sizes)
+    # A block runs as itself: what its code reads and assigns is followed, not captured.
+    with paused():
+        key = _likeness(record, tensors, sizes)
+        found = _active.results.get(key)
+        if found is None:
+            found = _active.results[key] = _run_fake(record, tensors, sizes)
     record.result, fakes = found
     # A custom op's outputs may not alias its inputs: the fake ones are copies.
     return [fake.clone() for fake in fakes]
@@ -203,7 +206,12 @@ def _run_fake(
     args, kwargs = record.arguments(tensors, sizes)
     # Below autograd (where fake kernels run) in-place ops bump no version counter.
     with _Writes(tensors) as writes:
-        output = _eager(record.module).forward(*args, **kwargs)
+        try:
+            output = _eager(record.module).forward(*args, **kwargs)
+        except Exception as error:
+            if is_data_dependent(error):
+                raise _data_dependent(record, error) from error
+            raise
     leaves, spec = tree_flatten(output)
     outputs = [leaf for leaf in leaves if isinstance(leaf, Tensor)]
     result = Result(
@@ -240,6 +248,26 @@ class _Writes(TorchDispatchMode):
                     if found is not None:
                         self.found.add(found)
         return func(*args, **kwargs)
+
+
+def _data_dependent(record: BlockCall, error: Exception) -> SplitError:
+    block = _eager(record.module)
+    inside = {module: _join(record.name, name) for name, module in block.named_modules()}
+    module, line = failure_location(error, inside)
+    where = f"{module} at {line}" if module else line
+    return SplitError(
+        f"cannot capture block {record.name} ({type(block).__name__}): its code in {where} "
+        "depends on the values of tensors (as Mixture-of-Experts routing does: which experts "
+        "run depends on the router's choice). A block runs as itself in the pieces, but split "
+        "learns the shapes of its output by running it on fake tensors, which have no values; "
+        "naming a module inside it in points does not help (a point is run on fake tensors "
+        "too). Make the block's shapes independent of tensor values: for a transformers "
+        "Mixture-of-Experts model, set experts_implementation='batched_mm' in its config"
+    )
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if name else prefix
 
 
 def _likeness(record: BlockCall, tensors: list[Tensor], sizes: list[int]) -> Any:

@@ -14,7 +14,9 @@ model's children) and in a Pipe built on it. It still answers for them:
 - ``_apply`` (``.to(device)``, ``.double()``, a Pipe's placement) applies to
   those same tensors and no others.
 
-The first piece takes the model's arguments and checks them
+Every piece first checks that the model still runs as it was captured
+(``watch.py``: attributes the code read, hooks, replaced modules). The
+first piece takes the model's arguments and checks them
 (``signature.py``); the last returns what the model returns (a
 ``ModelOutput`` too); the others take and return a tuple of values.
 """
@@ -33,6 +35,7 @@ from pipeline.skip.skippable import Skippable, pop, stash
 from pipeline.split.build import Built
 from pipeline.split.program import Training, first_device, load
 from pipeline.split.signature import Signature
+from pipeline.split.watch import Watch
 
 __all__ = ["ModeCheck", "Piece"]
 
@@ -80,6 +83,7 @@ class Piece(Skippable):
         signature: Signature | None,
         out_spec: TreeSpec | None,
         modes: list[ModeCheck],
+        watch: Watch,
     ) -> None:
         super().__init__()
         self.index = index
@@ -92,6 +96,7 @@ class Piece(Skippable):
         self.signature = signature
         self.output = None if out_spec is None else Output(built.output, out_spec)
         self.modes = modes
+        self.watch = watch
         self.trainings = [*built.trainings, *(mode.training for mode in modes)]
         self.blocks = blocks
         self.owners = owners
@@ -104,6 +109,7 @@ class Piece(Skippable):
     # What the piece runs: a generator forward, as skippable layers have.
 
     def _generator_forward(self, *args: Any, **kwargs: Any) -> Generator[Any, Any, Any]:
+        self.watch.check()
         if self.signature is not None:
             inputs = self.signature.bind(args, kwargs)
         else:

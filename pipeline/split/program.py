@@ -13,10 +13,12 @@ An op step calls the aten op, so autograd records it as it would the model's
 own code, and the pipeline's per-op random seeding sees every random op. A
 block step rebuilds the block's arguments from its ``BlockCall`` record and
 calls the module: its hooks fire, a compiled block runs compiled, randomness
-inside it is the pipeline's. Two things captured as constants follow the
+inside it is the pipeline's. Three things captured as constants follow the
 piece instead: the capture's device becomes the device the piece runs on
 (``HERE``), and a dropout's ``train`` flag becomes its module's mode at run
-time (``Training``). A slot is emptied after its last use.
+time (``Training``); a dropout module's ``p`` is read from it at every call
+(``Attribute``). Other values the code read are checked (``watch.py``). A
+slot is emptied after its last use.
 """
 
 from __future__ import annotations
@@ -31,7 +33,18 @@ from torch import Tensor, nn
 
 from pipeline.split.opaque import BlockCall
 
-__all__ = ["HERE", "Block", "Fetch", "Grad", "Op", "Program", "Slot", "Step", "Training"]
+__all__ = [
+    "HERE",
+    "Attribute",
+    "Block",
+    "Fetch",
+    "Grad",
+    "Op",
+    "Program",
+    "Slot",
+    "Step",
+    "Training",
+]
 
 
 @dataclass(frozen=True)
@@ -84,6 +97,24 @@ class Training:
             return self.module.training
         modes = {child.training for child in self.children}
         return modes.pop() if len(modes) == 1 else self.module.training
+
+
+class Attribute:
+    """A value the captured code read from a module, read from it again at every call.
+
+    A dropout's ``p`` (``model.transformer.drop.p = 0`` after the split).
+    """
+
+    __slots__ = ("attribute", "module")
+
+    def __init__(self, module: nn.Module, attribute: str) -> None:
+        self.module, self.attribute = module, attribute
+
+    def __repr__(self) -> str:
+        return f"Attribute({type(self.module).__name__}.{self.attribute})"
+
+    def value(self) -> Any:
+        return getattr(self.module, self.attribute)
 
 
 class Step(ABC):
@@ -222,8 +253,8 @@ def load(template: Any, env: list[Any], here: torch.device) -> Any:
         return {key: load(item, env, here) for key, item in template.items()}
     if template is HERE:
         return here
-    if kind is Training:
-        return cast(Training, template).value()
+    if kind is Training or kind is Attribute:
+        return cast(Training | Attribute, template).value()
     return template
 
 

@@ -4,10 +4,13 @@ See ``docs/split.md`` for the guide. The steps, each in its own file:
 
   points.py     which modules start pieces, which are kept whole
   capture.py    torch.export of the call, blocks opaque (opaque.py)
+  hooks.py      hooks on captured modules: refused (and at every call)
+  attributes.py what the captured code reads and assigns of modules' attributes
   checks.py     what the pieces could not do the same way: refused
   variants.py   a second capture: one graph for both modes? for one row? (compare.py)
   cut.py        which piece computes what, and how values travel
   build.py      each piece's program (program.py), then its Piece (piece.py)
+  watch.py      what every piece checks at every call: attributes, hooks, modules
   model.py      the SplitModel holding the pieces under the model's names
 """
 
@@ -22,21 +25,25 @@ from torch import Tensor, fx, nn
 from torch.utils._pytree import tree_flatten
 
 from pipeline.skip.namespace import Namespace
-from pipeline.split.build import BLOCK_OP, DROPPED, Sources, build_piece, training_of
+from pipeline.split.attributes import recording
+from pipeline.split.build import BLOCK_OP, DROPPED, Built, Sources, build_piece, training_of
 from pipeline.split.capture import Captured, capture
 from pipeline.split.checks import (
     check_calls,
-    check_hooks,
     check_inputs,
     check_mutations,
     check_regions,
+    check_writes,
 )
 from pipeline.split.cut import PieceNodes, cut
+from pipeline.split.errors import SplitError
+from pipeline.split.hooks import captured_modules, refuse_hooks
 from pipeline.split.model import SplitModel
 from pipeline.split.piece import ModeCheck, Piece
 from pipeline.split.points import kept_whole, resolve_points
 from pipeline.split.signature import Signature, in_order
 from pipeline.split.variants import Variants, variants
+from pipeline.split.watch import Watch
 from pipeline.split.where import describe_module, node_module
 
 __all__ = ["split"]
@@ -65,14 +72,24 @@ def split(
     names = {module: name for name, module in model.named_modules()}
     starts, default = resolve_points(model, points)
     blocks = kept_whole(model, starts)
-    check_hooks(model, blocks)
-    captured = capture(model, args, kwargs, blocks, names)
-    check_inputs(captured)
-    check_regions(captured)
-    check_calls(captured, starts)
-    pieces = cut(captured.program.graph, captured.inputs(), _boundaries(captured, starts, default))
-    check_mutations(captured, pieces.piece_of)
-    found = variants(model, args, kwargs, blocks, names, captured)
+    captured_code = captured_modules(model, blocks)
+    refuse_hooks(
+        captured_code,
+        SplitError,
+        "remove the hooks before splitting, or (for a module's own hooks) name the module in "
+        "points: a point runs as itself, hooks included",
+    )
+    with recording(names) as recorded:
+        captured = capture(model, args, kwargs, blocks, names)
+        check_writes(recorded)
+        check_inputs(captured)
+        check_regions(captured)
+        check_calls(captured, starts)
+        bounds = _boundaries(captured, starts, default)
+        pieces = cut(captured.program.graph, captured.inputs(), bounds)
+        check_mutations(captured, pieces.piece_of)
+        found = variants(model, args, kwargs, blocks, names, captured)
+        check_writes(recorded)
     sources = Sources(
         model,
         captured.program.graph_module,
@@ -88,28 +105,42 @@ def split(
         tree_flatten((args, in_order(kwargs, captured.spec)))[0],
         _ranges(captured, found),
     )
-    namespace = Namespace(f"split {type(model).__name__}")
+    output = next(node for node in captured.program.graph.nodes if node.op == "output")
+    count = len(pieces.pieces)
     built = [
-        _piece(j, nodes, len(pieces.pieces), captured, sources, names, found, namespace, signature)
+        build_piece(nodes, sources, output if j == count - 1 else None)
         for j, nodes in enumerate(pieces.pieces)
     ]
-    return SplitModel(model, built)
+    followed = {(id(module), attribute) for one in built for module, attribute in one.follows}
+    reads = [read for key, read in recorded.reads.items() if key not in followed]
+    watch = Watch(reads, names, captured_code)
+    watched = {**dict((module, name) for name, module in captured_code), **blocks}
+    watch.add_places(watched, watched)
+    namespace = Namespace(f"split {type(model).__name__}")
+    made = [
+        _piece(j, count, nodes, one, captured, sources, names, found, namespace, signature, watch)
+        for j, (nodes, one) in enumerate(zip(pieces.pieces, built, strict=True))
+    ]
+    split_model = SplitModel(model, made)
+    # The split model holds the model's children too: seq.head = ... replaces one there.
+    watch.add_places([split_model], watched)
+    return split_model
 
 
 def _piece(
     j: int,
-    nodes: PieceNodes,
     count: int,
+    nodes: PieceNodes,
+    built: Built,
     captured: Captured,
     sources: Sources,
     names: dict[nn.Module, str],
     found: Variants,
     namespace: Namespace,
     signature: Signature,
+    watch: Watch,
 ) -> Piece:
     last = j == count - 1
-    output = next(node for node in captured.program.graph.nodes if node.op == "output")
-    built = build_piece(nodes, sources, output if last else None)
     calls = [captured.calls[n.args[0]] for n in nodes.nodes if n.target is BLOCK_OP]  # type: ignore[index]
     owners = {module: names[module] for module, _ in built.fetched}
     return Piece(
@@ -122,6 +153,7 @@ def _piece(
         signature if j == 0 else None,
         captured.program.call_spec.out_spec if last else None,
         [] if found.dropouts_follow_mode else _mode_checks(nodes.nodes, sources.model),
+        watch,
     )
 
 

@@ -6,7 +6,7 @@ import inspect
 import linecache
 import os
 import re
-from types import TracebackType
+from types import FrameType, TracebackType
 from typing import Any
 
 import torch
@@ -18,6 +18,7 @@ __all__ = [
     "argument_names",
     "describe_module",
     "failure_location",
+    "frame_location",
     "node_location",
     "node_module",
 ]
@@ -101,10 +102,19 @@ def failure_location(error: BaseException, names: dict[nn.Module, str]) -> tuple
         if isinstance(owner, nn.Module) and owner in names and model_code:
             module = describe_module(names[owner], owner)
         if model_code:
-            text = linecache.getline(code, traceback.tb_lineno).strip()
-            line = f"{_short(code)}:{traceback.tb_lineno} (`{text}`)"
+            line = _line(code, traceback.tb_lineno)
         traceback = traceback.tb_next
     return module, line
+
+
+def frame_location(frame: FrameType) -> str:
+    """``file.py:12 (`code`)`` for the line that ``frame`` is running."""
+    return _line(frame.f_code.co_filename, frame.f_lineno)
+
+
+def _line(path: str, number: int) -> str:
+    text = linecache.getline(path, number).strip()
+    return f"{_short(path)}:{number} (`{text}`)"
 
 
 def _short(path: str) -> str:

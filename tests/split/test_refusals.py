@@ -78,7 +78,8 @@ def test_a_branch_on_a_tensor_value() -> None:
     message = refusal(Branches())
     assert "the model (Branches)" in message
     assert "test_refusals.py" in message and "`if h.sum() > 0:`" in message
-    assert "branches on the value of a tensor" in message and "points" in message
+    assert "branches on the value of a tensor" in message
+    assert "without looking at tensor contents" in message
 
 
 def test_a_buffer_changed_in_place() -> None:

@@ -1,0 +1,226 @@
+"""Attributes: the Python attributes of modules that the captured code reads and assigns.
+
+torch.export makes a constant of every Python value the model's code reads
+(``self.temperature``, ``nn.Dropout.p``, ``LayerNorm.eps``): the pieces run
+that code's torch ops with the value of split time. And an assignment
+(``self.ema = self.ema * 0.9 + ...``, ``self.steps += 1`` on an int) is not
+an op at all: the pieces would never make it. So while a model is captured,
+every read and every assignment of a module attribute by the captured code
+is recorded here:
+
+- a read of a value (``None``, numbers, strings, dtypes, containers of them)
+  or of a tensor that is neither parameter nor buffer, as ``Read``: the
+  split model compares it with the module's attribute at every call
+  (``watch.py``) and refuses a call after a change;
+- an assignment or deletion, as ``Write`` with the line that made it:
+  ``split`` refuses it before any piece exists; an attribute other than a
+  tensor is put back (torch.export puts parameters and buffers back).
+
+Blocks run as themselves, so what their own code reads and assigns is
+followed as in eager mode: their fake runs at capture are not recorded
+(``paused``). Recording swaps ``nn.Module.__getattribute__``,
+``__setattr__`` and ``__delattr__`` while any capture runs; only the
+capturing thread records, and only for the model's modules.
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+import os
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from pipeline.split.where import frame_location
+
+__all__ = ["MISSING", "Read", "Recorded", "Write", "is_value", "paused", "recording"]
+
+# What ``nn.Module`` itself keeps: the mode (followed by pieces), hooks (checked apart), internals.
+_INTERNAL = frozenset(vars(nn.Module)) | frozenset(vars(nn.Module()))
+_VALUES = (
+    type(None),
+    bool,
+    int,
+    float,
+    complex,
+    str,
+    bytes,
+    enum.Enum,
+    torch.dtype,
+    torch.device,
+    torch.layout,
+    torch.memory_format,
+)
+_CONTAINERS = (tuple, list, dict, set, frozenset)
+_LIBRARIES = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__) + os.sep)
+
+
+class _Missing:
+    """An attribute that is not there (deleted since the split)."""
+
+    def __repr__(self) -> str:
+        return "<missing>"
+
+    def __reduce__(self) -> str:
+        return "MISSING"
+
+
+MISSING = _Missing()
+
+
+@dataclass(frozen=True)
+class Read:
+    """An attribute the captured code read: its value then (a tensor is compared by identity)."""
+
+    module: nn.Module
+    attribute: str
+    value: Any
+
+
+@dataclass(frozen=True)
+class Write:
+    """An assignment (or deletion) of an attribute by the captured code, and where it was made."""
+
+    module: nn.Module
+    attribute: str
+    location: str
+
+
+@dataclass
+class Recorded:
+    """What the captured code of one split read and assigned, first occurrence each."""
+
+    modules: dict[nn.Module, str]
+    reads: dict[tuple[int, str], Read] = field(default_factory=dict)
+    writes: list[Write] = field(default_factory=list)
+    # The value each written attribute had before its first write, to put back.
+    before: dict[tuple[int, str], tuple[nn.Module, Any]] = field(default_factory=dict)
+
+
+def is_value(value: Any) -> bool:
+    """Whether ``value`` is one that torch.export makes a constant of (containers too)."""
+    if isinstance(value, _VALUES):
+        return True
+    if isinstance(value, dict):
+        return all(is_value(key) and is_value(item) for key, item in value.items())
+    return isinstance(value, _CONTAINERS) and all(is_value(item) for item in value)
+
+
+class _State(threading.local):
+    recorded: Recorded | None = None
+    paused: int = 0
+
+
+_state = _State()
+_installed = 0
+_install_lock = threading.Lock()
+_set_attribute = nn.Module.__setattr__
+_delete_attribute = nn.Module.__delattr__
+
+
+@contextmanager
+def recording(modules: dict[nn.Module, str]) -> Iterator[Recorded]:
+    """Record what the code run on this thread reads from and assigns to ``modules``.
+
+    Written attributes are put back to their values before the first write
+    on leaving: the capture must not change the model.
+    """
+    recorded = Recorded(modules)
+    _install(+1)
+    _state.recorded = recorded
+    try:
+        yield recorded
+    finally:
+        _state.recorded = None
+        _install(-1)
+        for (_, attribute), (module, value) in recorded.before.items():
+            _restore(module, attribute, value)
+
+
+@contextmanager
+def paused() -> Iterator[None]:
+    """Nothing read or assigned inside is recorded (a block's own code, which runs as itself)."""
+    _state.paused += 1
+    try:
+        yield
+    finally:
+        _state.paused -= 1
+
+
+def _install(change: int) -> None:
+    global _installed
+    with _install_lock:
+        _installed += change
+        if _installed == 1 and change > 0:
+            nn.Module.__getattribute__ = _get  # type: ignore[method-assign,assignment]
+            nn.Module.__setattr__ = _set  # type: ignore[method-assign,assignment]
+            nn.Module.__delattr__ = _delete  # type: ignore[method-assign]
+        elif _installed == 0:
+            del nn.Module.__getattribute__
+            nn.Module.__setattr__ = _set_attribute  # type: ignore[method-assign]
+            nn.Module.__delattr__ = _delete_attribute  # type: ignore[method-assign]
+
+
+def _recorder(module: nn.Module, attribute: str) -> Recorded | None:
+    recorded = _state.recorded
+    if recorded is None or _state.paused or attribute in _INTERNAL:
+        return None
+    return recorded if module in recorded.modules else None
+
+
+def _get(module: nn.Module, attribute: str) -> Any:
+    value = object.__getattribute__(module, attribute)
+    recorded = _recorder(module, attribute)
+    if recorded is not None and (id(module), attribute) not in recorded.reads:
+        kept = _kept(module, attribute, value)
+        if kept is not MISSING:
+            recorded.reads[id(module), attribute] = Read(module, attribute, kept)
+    return value
+
+
+def _kept(module: nn.Module, attribute: str, value: Any) -> Any:
+    """What to compare later: a copy of a value, a plain tensor itself; else ``MISSING``."""
+    if isinstance(value, Tensor):
+        # Parameters and buffers are read from their modules at every call already.
+        return value if attribute in object.__getattribute__(module, "__dict__") else MISSING
+    return copy.deepcopy(value) if is_value(value) else MISSING
+
+
+def _set(module: nn.Module, attribute: str, value: Any) -> None:
+    _note_write(module, attribute, value)
+    _set_attribute(module, attribute, value)
+
+
+def _delete(module: nn.Module, attribute: str) -> None:
+    _note_write(module, attribute, MISSING)
+    _delete_attribute(module, attribute)
+
+
+def _note_write(module: nn.Module, attribute: str, value: Any) -> None:
+    recorded = _recorder(module, attribute)
+    caller = sys._getframe(2)
+    if recorded is None or caller.f_code.co_filename.startswith(_LIBRARIES):
+        return
+    before = getattr(module, attribute, MISSING)
+    if value is before:
+        return  # ``self.calls += 1`` on a tensor: changed in place (checks.py), bound again
+    recorded.writes.append(Write(module, attribute, frame_location(caller)))
+    key = (id(module), attribute)
+    # torch.export puts parameters and buffers back itself (they are fake while it traces).
+    if key not in recorded.before and not isinstance(before, Tensor):
+        recorded.before[key] = (module, before)
+
+
+def _restore(module: nn.Module, attribute: str, value: Any) -> None:
+    if value is MISSING:
+        if hasattr(module, attribute):
+            _delete_attribute(module, attribute)
+    else:
+        _set_attribute(module, attribute, value)

@@ -1,0 +1,55 @@
+"""Hooks on modules whose code split captures: refused at split time and at every call after.
+
+The pieces run a captured module's torch ops, never the module itself, so
+its hooks would not fire. Blocks, and the modules inside them, run as
+themselves, hooks included. Global module hooks
+(``register_module_forward_hook`` and the like) would not fire for the
+captured modules either.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from pipeline.split.where import describe_module
+
+__all__ = ["captured_modules", "refuse_hooks"]
+
+
+def captured_modules(model: nn.Module, blocks: dict[nn.Module, str]) -> list[tuple[str, nn.Module]]:
+    """The modules whose forward split captures as torch ops: all but blocks and their insides."""
+    inside = {sub for block in blocks for sub in block.modules()}
+    return [(name, module) for name, module in model.named_modules() if module not in inside]
+
+
+def refuse_hooks(modules: list[tuple[str, nn.Module]], error: type[Exception], fix: str) -> None:
+    """Raise ``error`` (saying ``fix``) if a module of ``modules`` has hooks, or any module has."""
+    for name, module in modules:
+        if (
+            module._forward_hooks
+            or module._forward_pre_hooks
+            or module._backward_hooks
+            or module._backward_pre_hooks
+        ):
+            raise error(
+                f"{describe_module(name, module)} has {' and '.join(_kinds(module))} hooks, but "
+                "its forward is captured as torch ops by split, and the pieces run those ops "
+                f"without calling the module, so the hooks would never run: {fix}"
+            )
+    if nn.modules.module._has_any_global_hook():
+        raise error(
+            "global module hooks are registered (torch.nn.modules.module."
+            "register_module_forward_hook and the like); the modules that split captures as "
+            f"torch ops would never call them: {fix}"
+        )
+
+
+def _kinds(module: nn.Module) -> list[str]:
+    backward = "full backward" if module._is_full_backward_hook else "backward"
+    found = {
+        "forward": module._forward_hooks,
+        "forward pre": module._forward_pre_hooks,
+        backward: module._backward_hooks,
+        "backward pre": module._backward_pre_hooks,
+    }
+    return [kind for kind, hooks in found.items() if hooks]

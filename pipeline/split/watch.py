@@ -1,0 +1,99 @@
+"""Watch: what every piece checks at every call, that the model still runs as it was captured.
+
+The pieces run the code captured at split time. What they read from the
+model at run time follows it: parameters and buffers, the blocks (hooks,
+their own attributes, modules replaced inside them), the mode, a dropout's
+``p``. Three other things the capture fixed, so each piece refuses a call
+after they change, before it computes anything:
+
+- an attribute that the captured code read (``attributes.py``) holds
+  another value, or another tensor;
+- a module whose code is captured got hooks, or a global module hook was
+  registered (``hooks.py``, the check ``split`` makes too);
+- a captured module or a block was replaced in (or removed from) its
+  parent, the split model included (``seq.head = nn.Linear(8, 5)``).
+
+Every piece checks all of them, so that each process of a
+``DistributedPipe`` checks its own copy of the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from torch import Tensor, nn
+
+from pipeline.split.attributes import MISSING, Read
+from pipeline.split.hooks import refuse_hooks
+from pipeline.split.where import describe_module
+
+__all__ = ["Watch"]
+
+_AGAIN = "split the model again after the change"
+
+
+class Watch:
+    """The checks of one split model, shared by its pieces."""
+
+    def __init__(
+        self,
+        reads: Iterable[Read],
+        names: dict[nn.Module, str],
+        captured: list[tuple[str, nn.Module]],
+    ) -> None:
+        self.reads = [(r.module, r.attribute, r.value, names[r.module]) for r in reads]
+        self.captured = captured
+        # (the parent's children, the key, the child there at split time, the child's name)
+        self.places: list[tuple[dict[str, Any], str, nn.Module, str]] = []
+
+    def add_places(self, parents: Iterable[nn.Module], watched: dict[nn.Module, str]) -> None:
+        """Check that each child of ``parents`` among ``watched`` stays where it is."""
+        for parent in parents:
+            for key, child in parent._modules.items():
+                if child in watched:
+                    self.places.append((parent._modules, key, child, watched[child]))
+
+    def check(self) -> None:
+        """Raise ``RuntimeError`` if the model changed in a way the pieces cannot follow."""
+        for module, attribute, value, name in self.reads:
+            now = getattr(module, attribute, MISSING)
+            if now is not value and (
+                isinstance(value, Tensor) or type(now) is not type(value) or now != value
+            ):
+                raise RuntimeError(_changed(describe_module(name, module), attribute, value, now))
+        for children, key, child, name in self.places:
+            now = children.get(key)
+            if now is not child:
+                raise RuntimeError(_replaced(describe_module(name, child), now))
+        refuse_hooks(
+            self.captured,
+            RuntimeError,
+            "they were registered after the split; remove them, or split the model again with "
+            "the module in points (a point runs as itself, hooks included)",
+        )
+
+
+def _changed(owner: str, attribute: str, value: Any, now: Any) -> str:
+    if isinstance(value, Tensor):
+        return (
+            f"attribute {attribute!r} of {owner} is another tensor than at split time (a "
+            "tensor that is neither parameter nor buffer, which the captured code holds as a "
+            "constant): register it as a buffer (read at every call) or change it in place, or "
+            f"{_AGAIN}"
+        )
+    return (
+        f"attribute {attribute!r} of {owner} is {now!r}, but the model was split with "
+        f"{value!r}, and the captured code holds that value as a constant: {_AGAIN}, or make "
+        "it a tensor (a buffer, read at every call), or move the code that reads it into a "
+        "module named in points (a point runs as itself)"
+    )
+
+
+def _replaced(what: str, now: nn.Module | None) -> str:
+    change = "removed" if now is None else f"replaced by {type(now).__name__}"
+    return (
+        f"{what} was {change} after the split; the pieces run the code captured at split time "
+        f"with the modules of that time, so the new one would never run: {_AGAIN} (after "
+        "adding adapters or a new head)"
+    )
