@@ -11,7 +11,8 @@ exist and they would never reach the sharded parameters. Hence, for the
 units of the stages run here::
 
     step begins         every unit: no gradient sync, no reshard after backward,
-                        not the last backward (FSDPModule's own setters)
+                        not the last backward (FSDPModule's own setters); no reshard
+                        after forward either, unless you chose it
     F, B, I, W          the unsharded parameters' .grad sums the micro-batches
     stage j's end       its summed gradients reach .grad (gradients.py); its units
                         get their own settings back and run FSDP's post-backward:
@@ -44,6 +45,7 @@ _STATE = (
     "_state_ctx",
     "_is_root",
     "_modules",
+    "_auto_reshard_after_forward",
     "_root_post_backward_final_callback",
 )
 _GROUP = (
@@ -52,6 +54,7 @@ _GROUP = (
     "reduce_grads",
     "all_reduce_grads",
     "reshard_after_backward",
+    "post_forward_mesh_info",
 )
 
 
@@ -85,21 +88,35 @@ class _Unit:
         self.module = module
         self.state: Any = module._get_fsdp_state()
         self.groups: list[Any] = list(self.state._fsdp_param_groups)
-        self.saved: list[tuple[bool, bool, bool]] = []
+        self.saved: list[tuple[bool, bool, bool, Any]] = []
 
     def defer(self) -> None:
-        """Keep the gradients unreduced and the parameters unsharded until ``reduce``."""
+        """Keep the gradients unreduced and the parameters unsharded until ``reduce``.
+
+        Unsharded after each forward too, unless ``reshard_after_forward`` was
+        chosen (``fully_shard``'s argument, ``set_reshard_after_forward``):
+        left to FSDP, a unit under a root would gather its parameters again
+        for every micro-batch's forward and backward.
+        """
         self.saved = [
-            (g.reduce_grads, g.all_reduce_grads, g.reshard_after_backward) for g in self.groups
+            (g.reduce_grads, g.all_reduce_grads, g.reshard_after_backward, g.post_forward_mesh_info)
+            for g in self.groups
         ]
         self.module.set_requires_gradient_sync(False, recurse=False)
         self.module.set_reshard_after_backward(False, recurse=False)
+        if self.state._auto_reshard_after_forward:
+            for group in self.groups:
+                group.post_forward_mesh_info = None
 
     def restore(self) -> None:
-        """The settings ``defer`` found."""
-        for group, (reduce, all_reduce, reshard) in zip(self.groups, self.saved, strict=True):
+        """The settings ``defer`` found (a root's own: FSDP keeps a root gathered after forward)."""
+        for group, (reduce, all_reduce, reshard, forward) in zip(
+            self.groups, self.saved, strict=True
+        ):
             group.reduce_grads, group.all_reduce_grads = reduce, all_reduce
             group.reshard_after_backward = reshard
+            if not self.state._is_root:
+                group.post_forward_mesh_info = forward
 
     def unsharded(self) -> list[Tensor]:
         """The parameters autograd sees while the unit runs (once it has run)."""

@@ -78,7 +78,10 @@ def mlps(count: int) -> nn.Sequential:
 
 
 def shard_layers(pipe: DistributedPipe, mesh: DeviceMesh, nested: bool = False) -> int:
-    """fully_shard on each layer of this process's stages (and each stage, if nested): units."""
+    """fully_shard on each layer of this process's stages (and each stage, if nested).
+
+    Returns the units holding parameters (a stage over sharded layers holds none).
+    """
     units = 0
     for s in pipe.local_stages:
         for layer in pipe.partitions[s]:
@@ -277,12 +280,21 @@ def failing() -> Any:
 @scenario
 def nested_fsdp_units_equal_the_plain_model() -> None:
     # torchtitan's layout: each layer a unit, and the stage the root over them.
-    side, _ = fsdp_side_by_side(blocks(4), [2, 2], nested=True)
+    # The layer units, under a root, stay gathered from their first forward to their
+    # stage's end; a unit chosen to reshard after forward gathers again for backwards.
+    side, units = fsdp_side_by_side(blocks(4), [2, 2], nested=True)
     for case in [Case("zb-h1"), Case("1f1b", "always"), Case("gpipe", "never")]:
         counts: list[dict[str, int]] = []
         side.run(case, counts)
+        assert_once_per_step(counts, case, reduce_scatter_single=units, all_gather_single=units)
+    chosen = cast(FSDPModule, side.pipe.partitions[side.pipe.local_stages[0]][0])
+    chosen.set_reshard_after_forward(True)
+    for case in [Case("1f1b"), Case("zb-h1")]:
+        counts = []
+        side.run(case, counts)
         for count in counts:
-            assert count["reduce_scatter_single"] == 2, f"{case}: {count}"
+            assert count["reduce_scatter_single"] == units, f"{case}: {count}"
+            assert count["all_gather_single"] > units, f"{case}: {count}, the choice ignored"
     side.pipe.close()
 
 
