@@ -34,7 +34,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from pipeline.arguments import CallStyle, CheckpointMode, LossReduction, PipeArguments
 from pipeline.base import PipeBase
@@ -46,6 +45,7 @@ from pipeline.distributed.stage_arguments import check_alone, disagreement
 from pipeline.distributed.ties import TiedWeights
 from pipeline.distributed.wire_format import DEFAULT_MAX_MESSAGE_BYTES
 from pipeline.runtime.agreement import camps, fingerprint, gather_rows, ranks_text, refused_text
+from pipeline.runtime.lazy import instance_of
 from pipeline.runtime.microbatch import Batch, Value, gather
 from pipeline.runtime.process_group import collective_device, resolve_group
 from pipeline.skip.layout import SkipLayout, inspect_skip_layout
@@ -61,6 +61,7 @@ __all__ = ["DistributedPipe"]
 
 # Long enough for a slow step; a stalled or dead peer fails the others after it.
 DEFAULT_TIMEOUT_S = 300.0
+_SHARDED_SCALER = "torch.distributed.fsdp.sharded_grad_scaler"
 _LOSS_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 
 
@@ -365,9 +366,9 @@ class DistributedPipe(PipeBase):
         """Refuse a GradScaler that would let some stages step and others skip."""
         if grad_scaler is None or not grad_scaler.is_enabled():
             return
-        if isinstance(grad_scaler, ShardedGradScaler):
+        if instance_of(grad_scaler, _SHARDED_SCALER, "ShardedGradScaler"):
             # None is the default group (torch's default argument, read before it existed).
-            group = grad_scaler.process_group or dist.group.WORLD
+            group = getattr(grad_scaler, "process_group", None) or dist.group.WORLD
             missing = set(dist.get_process_group_ranks(self.group)) - set(
                 dist.get_process_group_ranks(group)
             )
