@@ -24,11 +24,15 @@ not make equal to the plain model:
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 
+from pipeline.runtime.lazy import instance_of
 from pipeline.step.sharded import fsdp_units, missing_internals
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
 
 __all__ = ["check_sharding", "sharding_kind"]
 
@@ -47,7 +51,7 @@ def check_sharding(
 ) -> None:
     """Refuse a step or evaluation over stages sharded in a way it would get wrong."""
     stages = list(stages)
-    if isinstance(pipe, FSDPModule):
+    if instance_of(pipe, "torch.distributed.fsdp", "FSDPModule"):
         raise ValueError(
             f"fully_shard was applied to the {type(pipe).__name__} itself, which holds several "
             "stages: FSDP would reduce their gradients together, before the later stages' "

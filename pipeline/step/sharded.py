@@ -29,16 +29,22 @@ refuses FSDP2 stages on a torch where this would not hold.
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from torch import Tensor, nn
-from torch.distributed.fsdp import FSDPModule
+
+from pipeline.runtime.lazy import instance_of
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
 
 __all__ = ["ShardedUnits", "fsdp_units", "missing_internals", "resharded_after"]
 
+_FSDP = "torch.distributed.fsdp"  # imported by whoever shards: never here (seconds)
 # What this module reads of FSDP2's state, group and parameter objects.
 _STATE = (
     "_fsdp_param_groups",
@@ -59,8 +65,13 @@ _GROUP = (
 
 
 def fsdp_units(module: nn.Module) -> list[FSDPModule]:
-    """The FSDP2 modules in ``module`` (itself included), in ``modules()`` order."""
-    return [m for m in module.modules() if isinstance(m, FSDPModule)]
+    """The FSDP2 modules in ``module`` (itself included), in ``modules()`` order.
+
+    None, at no cost, where FSDP was never imported (nothing can be sharded).
+    """
+    if _FSDP not in sys.modules:
+        return []
+    return [cast("FSDPModule", m) for m in module.modules() if instance_of(m, _FSDP, "FSDPModule")]
 
 
 def missing_internals(units: Iterable[FSDPModule]) -> list[str]:
