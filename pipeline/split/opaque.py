@@ -262,7 +262,8 @@ def _data_dependent(record: BlockCall, error: Exception) -> SplitError:
         "learns the shapes of its output by running it on fake tensors, which have no values; "
         "naming a module inside it in points does not help (a point is run on fake tensors "
         "too). Make the block's shapes independent of tensor values: for a transformers "
-        "Mixture-of-Experts model, set experts_implementation='batched_mm' in its config"
+        "Mixture-of-Experts model, set experts_implementation='batched_mm' in its config (or "
+        "leave transformers' default, 'grouped_mm', for float32 and bfloat16)"
     )
 
 
