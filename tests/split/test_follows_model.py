@@ -75,6 +75,17 @@ def test_a_dropout_p_changed_after_the_split_is_followed() -> None:
     lm_loss(out, target).backward()
     lm_loss(expected, target).backward()
     assert_same(gradients(model), gradients(plain))
+    # A pipe built on it follows it too, recomputation included.
+    model.zero_grad()
+    plain.zero_grad()
+    pipe = Pipe(seq, [2, 3], devices=["cpu", "cpu"], chunks=2, checkpoint="always")
+    kwargs = {"attention_mask": mask}
+    loss = pipe.step(ids, target, lm_loss, kwargs=kwargs, schedule="1f1b")
+    pipe.close()
+    expected_loss = lm_loss(plain(ids, attention_mask=mask), target)
+    expected_loss.backward()
+    torch.testing.assert_close(loss, expected_loss.detach(), rtol=0, atol=1e-14)
+    assert_same(gradients(model), gradients(plain))
     # And up: the embedding dropout zeroes half of the embedded entries, not 3 in 10.
     seq.transformer.drop.p = 0.5
     (embedded,) = [value for value in seq[0](ids, attention_mask=mask) if _hidden(value)]
@@ -174,6 +185,7 @@ def test_a_pipe_sees_the_same_refusals() -> None:
     handle.remove()
     # Unchanged again: the pipe gives the plain model's results.
     torch.testing.assert_close(pipe(x), plain(x), rtol=0, atol=1e-14)
+    pipe.close()
 
 
 class RebindsBuffer(Model):
