@@ -42,6 +42,7 @@ from pipeline.step.losses import LossDivisor
 from pipeline.step.reports import StepReport
 from pipeline.step.runner import StepRun, forward_programs, program_threads
 from pipeline.step.schedules import Schedule, resolve_schedule
+from pipeline.step.sharded import fsdp_units
 from pipeline.step.simulate import Simulation
 from pipeline.trace.profiling import warn_if_workers_unseen
 from pipeline.trace.recording import begin_explicit_step
@@ -163,6 +164,7 @@ class Pipe(PipeBase):
             raise RuntimeError(_COMPILE_MESSAGE)
         input = self._input(inputs, kwargs)
         self._check_open()
+        _refuse_sharded(self, "forward")
         if not self.partitions:
             _check_holds_tensor(input)
             return input
@@ -295,6 +297,7 @@ class Pipe(PipeBase):
         self._check_open()
         if not self.partitions:
             raise ValueError(f"Pipe.{method} needs at least one partition; this Pipe is empty")
+        _refuse_sharded(self, method)
 
     def _scatter_input(self, input: Value) -> list[Batch]:
         """The input as micro-batches on the first device, as ``step`` and ``evaluate`` take it."""
@@ -556,6 +559,19 @@ def _place(partitions: list[nn.Sequential], devices: list[torch.device]) -> None
     with find_loans(partitions, devices).away():
         for partition, device in zip(partitions, devices, strict=True):
             partition.to(device)
+
+
+def _refuse_sharded(pipe: Pipe, method: str) -> None:
+    """Refuse FSDP2 units in a Pipe: its partitions' threads would race their collectives."""
+    units = fsdp_units(pipe)
+    if units:
+        raise ValueError(
+            f"Pipe.{method}: {type(units[0]).__name__} is sharded with FSDP2 (fully_shard), "
+            "which a Pipe does not support: its partitions run on threads of one process, "
+            "whose collectives would interleave in no fixed order. Shard the stages of a "
+            "pipeline.distributed.DistributedPipe instead (docs/distributed_pipe.md, 'Sharded "
+            "stages'), or replicate the Pipe with pipeline.DataParallel"
+        )
 
 
 def _rows_of(batches: list[Batch], targets: list[Batch]) -> list[int]:

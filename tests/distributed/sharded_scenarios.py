@@ -31,6 +31,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from pipeline.arguments import CheckpointMode
+from pipeline import Pipe
 from pipeline.distributed import DistributedPipe
 from pipeline.schedules import Interleaved1F1B, Programs, Schedule
 from tests.gloo_groups import expect_error, main, scenario
@@ -445,6 +446,18 @@ def sharding_a_step_would_get_wrong_is_refused_by_every_process() -> None:
     del groups[0].reduce_grads
     expect_error(RuntimeError, step(pipe), "FSDPParamGroup.reduce_grads", "torch version")
     groups[0].reduce_grads = saved
+    pipe.close()
+
+
+@scenario
+def a_pipe_in_one_process_refuses_fsdp_units_before_any_work() -> None:
+    mesh = fsdp_mesh()
+    pipe = Pipe(blocks(2), [1, 1], devices=["cpu", "cpu"], chunks=2)
+    fully_shard(pipe.partitions[1][0], mesh=mesh["dp"])
+    x = torch.randn(ROWS, WIDTH, dtype=torch.double)
+    for call in (lambda: pipe(x), lambda: pipe.step(x, x, F.mse_loss), lambda: pipe.evaluate(x)):
+        expect_error(ValueError, call, "sharded with FSDP2", "DistributedPipe")
+    assert all(p.grad is None for p in pipe.parameters())
     pipe.close()
 
 

@@ -27,6 +27,7 @@ NAMES = [
     "tensor_parallel_stages_equal_the_plain_model",
     "hsdp_stages_all_reduce_once_per_step",
     "sharding_a_step_would_get_wrong_is_refused_by_every_process",
+    "a_pipe_in_one_process_refuses_fsdp_units_before_any_work",
 ]
 
 
