@@ -30,8 +30,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from pipeline.arguments import CheckpointMode
 from pipeline import Pipe
+from pipeline.arguments import CheckpointMode
 from pipeline.distributed import DistributedPipe
 from pipeline.schedules import Interleaved1F1B, Programs, Schedule
 from tests.gloo_groups import expect_error, main, scenario
