@@ -149,10 +149,12 @@ class StepGradients:
             self._registered[j] = {id(p) for p in partitions[j].parameters()} - kept
             for key in self._registered[j]:
                 self._holders[key] = self._holders.get(key, 0) + 1
+        # Summed per stage, then added in stage order: never in the order threads end.
+        self._shared = {key for key, count in self._holders.items() if count > 1}
         self._stages = {j: GradientSums() for j in self._registered}
         # Stages that ended while a parameter they share with another still waits.
         self._unfinished: set[int] = set()
-        self._waiting = GradientSums()
+        self._waiting: dict[int, GradientSums] = {}  # by stage
         self._end = GradientSums()
         self.hooks = HeldHooks()
         self.sharded = ShardedUnits(partitions, list(self._registered))
@@ -179,7 +181,9 @@ class StepGradients:
         model's gradient accumulation would.
         """
         holding = self.hooks.hold(tensors)
-        return holding or (bool(self._kept) and any(id(t) in self._kept for t in tensors))
+        if holding or not (self._kept or self._shared):
+            return holding
+        return any(id(t) in self._kept or id(t) in self._shared for t in tensors)
 
     def add(self, j: int, tensors: Sequence[Tensor], grads: Sequence[Tensor | None]) -> None:
         """Stage ``j`` computed ``grads`` for the leaves ``tensors`` (on its own thread)."""
@@ -202,13 +206,15 @@ class StepGradients:
         final = GradientSums()
         with self._lock:
             registered = self._registered[j]
-            sums.move([t for t in sums.tensors() if id(t) in registered], self._waiting)
+            waiting = self._waiting.setdefault(j, GradientSums())
+            sums.move([t for t in sums.tensors() if id(t) in registered], waiting)
             sums.move(self.sharded.unsharded(j), final)
             self._end.merge(sums)
             for key in registered:
                 self._holders[key] -= 1
-            done = [t for t in self._waiting.tensors() if self._holders[id(t)] == 0]
-            self._waiting.move(done, final)
+            for k in sorted(self._waiting):
+                held = self._waiting[k]
+                held.move([t for t in held.tensors() if self._holders[id(t)] == 0], final)
             self._unfinished.add(j)
             finished = [k for k in sorted(self._unfinished) if self._final(k)]
             self._unfinished.difference_update(finished)
@@ -228,7 +234,9 @@ class StepGradients:
     def at_end(self) -> GradientSums:
         """What waits for the step's end, once every stage here has ended: to ``accumulate``."""
         with self._lock:
-            self._end.merge(self._waiting)
+            for k in sorted(self._waiting):
+                self._end.merge(self._waiting[k])
+            self._waiting = {}
             rest, self._end = self._end, GradientSums()
         return rest
 

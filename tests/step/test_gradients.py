@@ -14,6 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 from pipeline import Pipe
 from pipeline.step import held_hooks
+from pipeline.step.gradients import StepGradients
 
 FLAT = ["gpipe", "1f1b", "zb-h1"]
 
@@ -376,3 +377,21 @@ def test_hooks_on_some_parameters_only_and_accumulation_over_steps_equal_the_pla
     for found, wanted in zip(seen[schedule], seen["plain"], strict=True):
         torch.testing.assert_close(found, wanted, rtol=1e-12, atol=1e-14)
     assert_same(results[schedule], results["plain"], f"{schedule}, {checkpoint}, two steps")
+
+
+@pytest.mark.parametrize("ends", [(0, 1, 2), (0, 2, 1), (2, 1, 0), (1, 2, 0)])
+def test_a_weight_shared_by_stages_sums_them_in_stage_order_whichever_ends_first(
+    ends: tuple[int, int, int],
+) -> None:
+    # Workers end in whatever order the machine gives; the sum must not follow it. In
+    # float32, 1e8 + 1 rounds to 1e8, so the order of (1e8, 1, -1e8) decides the result.
+    shared = nn.Linear(1, 1, bias=False)
+    partitions = [nn.Sequential(shared) for _ in range(3)]
+    gradients = StepGradients(partitions, [0, 1, 2], at_end=[])
+    assert gradients.hold([shared.weight])  # summed here, never added by two threads at once
+    for j, value in enumerate((1e8, 1.0, -1e8)):
+        gradients.add(j, [shared.weight], [torch.full((1, 1), value)])
+    finished = [gradients.stage_done(j) for j in ends]
+    assert finished == [[], [], [0, 1, 2]]
+    assert shared.weight.grad is not None
+    assert shared.weight.grad.item() == 0.0  # (1e8 + 1) - 1e8 in float32; 1.0 in another order
