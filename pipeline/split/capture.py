@@ -16,6 +16,7 @@ module and the line, and saying what to do.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -86,15 +87,16 @@ def capture(
 
     ``blocks`` and ``names`` map modules to their names in the model.
     """
+    _check_call(model, args, kwargs)
     with opaque_blocks(blocks) as calls, _quiet():
         try:
             program = torch.export.export(
                 _Call(model), (args, kwargs), strict=False, dynamic_shapes=_every_dim(args, kwargs)
             )
         except Exception as error:
-            refusal = _refusal(error, model, names)
-            # torch.export's own error stays attached; one of split's own says it all.
-            raise refusal from (None if refusal is find_cause(error, SplitError) else error)
+            # The message says where and what to do (and torch.export's first line): the
+            # hundreds of lines of torch.export's frames and chain above it are noise.
+            raise _refusal(error, model, names).with_traceback(None) from None
     return Captured(program, calls, model.training, argument_names(model, args, kwargs))
 
 
@@ -148,6 +150,22 @@ def _every_dim(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]
         return dict.fromkeys(range(value.dim()), Dim.AUTO) if isinstance(value, Tensor) else None
 
     return tree_map(dims, args), tree_map(dims, kwargs)
+
+
+def _check_call(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Refuse example arguments that ``model.forward`` cannot take, before any tracing."""
+    try:
+        signature = inspect.signature(model.forward)
+    except (TypeError, ValueError):  # a forward Python cannot describe: let the run tell
+        return
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as error:
+        raise SplitError(
+            f"{type(model).__name__}.forward cannot be called with the example arguments "
+            f"({error}): pass pipeline.split(model, args, kwargs) the arguments of one call "
+            "model(*args, **kwargs)"
+        ) from None
 
 
 def _refusal(error: Exception, model: nn.Module, names: dict[nn.Module, str]) -> SplitError:

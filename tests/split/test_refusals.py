@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import traceback
+
 import pytest
 import torch
 from split_models import Block
 from torch import Tensor, nn
 
 import pipeline
+from pipeline.split import SplitError
 
 
 class Model(nn.Module):
@@ -80,6 +83,33 @@ def test_a_branch_on_a_tensor_value() -> None:
     assert "test_refusals.py" in message and "`if h.sum() > 0:`" in message
     assert "branches on the value of a tensor" in message
     assert "without looking at tensor contents" in message
+
+
+class NeedsMask(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(4) for _ in range(2))
+
+    def forward(self, x: Tensor, *, mask: Tensor) -> Tensor:
+        for block in self.blocks:
+            x = block(x) * mask
+        return x
+
+
+def test_example_arguments_the_forward_cannot_take_are_named_before_tracing() -> None:
+    message = refusal(NeedsMask())
+    assert message.startswith("NeedsMask.forward cannot be called with the example arguments")
+    assert "'mask'" in message and "pipeline.split(model, args, kwargs)" in message
+    assert "points" not in message
+
+
+def test_a_refusal_shows_split_s_frames_only() -> None:
+    # torch.export's frames and its exception chain (hundreds of lines) are not the user's.
+    with pytest.raises(SplitError) as caught:
+        pipeline.split(Branches(), (torch.randn(3, 4),))
+    frames = traceback.extract_tb(caught.value.__traceback__)
+    assert [f.filename for f in frames if "torch" in f.filename.split("/")] == []
+    assert caught.value.__cause__ is None and caught.value.__suppress_context__
 
 
 def test_a_buffer_changed_in_place() -> None:
