@@ -16,6 +16,7 @@ from typing import Any, Literal, TypeAlias, cast
 import torch
 from torch import nn
 
+from pipeline.runtime.layers import modules_only_read
 from pipeline.skip.verify import verify_skippables
 
 __all__ = [
@@ -189,20 +190,38 @@ def check_sharing(partitions: list[nn.Sequential], devices: list[torch.device]) 
 
     A parameter may be (tied weights, ``runtime/borrowed.py``): a layer could
     not be run by two devices' threads at once, nor a buffer written by both.
+    A module whose tensors every partition holding it only reads (a split
+    model's tied head, ``layers.ReadsModules``) may be too: none runs it.
     """
-    owner: dict[int, tuple[int, str]] = {}
+    read = [modules_only_read(partition.children()) for partition in partitions]
+    held: dict[int, list[tuple[int, str, nn.Module | torch.Tensor]]] = {}
     for j, partition in enumerate(partitions):
         named = [*partition.named_modules(remove_duplicate=False)]
         named += [*partition.named_buffers(remove_duplicate=False)]
         for name, thing in named:
-            first = owner.setdefault(id(thing), (j, name))
-            if devices[first[0]] != devices[j]:
-                what = "buffer" if isinstance(thing, torch.Tensor) else "layer"
-                raise ValueError(
-                    f"{type(thing).__name__} {first[1]!r} of partition {first[0]} (on "
-                    f"{devices[first[0]]}) is also {name!r} of partition {j} (on {devices[j]}); "
-                    f"a {what} can be shared between partitions on the same device only: put "
-                    "those partitions on one device, keep its uses in one partition, or share "
-                    "its parameters between two layers instead (a parameter may be tied across "
-                    "devices)"
-                )
+            held.setdefault(id(thing), []).append((j, name, thing))
+    for key, holders in held.items():
+        (first, first_name, thing), *others = holders
+        elsewhere = [(j, name) for j, name, _ in others if devices[j] != devices[first]]
+        if not elsewhere or _only_read(key, thing, holders, read):
+            continue
+        j, name = elsewhere[0]
+        what = "buffer" if isinstance(thing, torch.Tensor) else "layer"
+        raise ValueError(
+            f"{type(thing).__name__} {first_name!r} of partition {first} (on "
+            f"{devices[first]}) is also {name!r} of partition {j} (on {devices[j]}); "
+            f"a {what} can be shared between partitions on the same device only: put "
+            "those partitions on one device, keep its uses in one partition, or share "
+            "its parameters between two layers instead (a parameter may be tied across "
+            "devices)"
+        )
+
+
+def _only_read(
+    key: int,
+    thing: nn.Module | torch.Tensor,
+    holders: list[tuple[int, str, nn.Module | torch.Tensor]],
+    read: list[set[int]],
+) -> bool:
+    """Whether ``thing`` is a module every partition holding it only reads tensors of."""
+    return isinstance(thing, nn.Module) and all(key in read[j] for j, _, _ in holders)

@@ -16,6 +16,13 @@ recomputation makes it again)::
 so the gradient of every use reaches the one parameter, as in the plain
 model. Only parameters are lent this way: a layer or a buffer used by
 partitions on two devices is still refused (``arguments.check_sharing``).
+
+A module that the layers of every partition holding it only read tensors
+of (``layers.ReadsModules``: a split model's pieces read GPT-2's tied
+``lm_head.weight`` through one module, in its first and its last piece) is
+not swapped: the partitions' threads would race on the one module. Its
+parameters stay home all the same, and the reader copies each one to its
+device as it reads it (``split/program.py``, ``Fetch``).
 """
 
 from __future__ import annotations
@@ -27,17 +34,25 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from pipeline.runtime.layers import modules_only_read
+
 __all__ = ["Loan", "Loans", "find_loans"]
 
 
 @dataclass(frozen=True)
 class Loan:
-    """``module.<name>`` in partition ``partition`` is ``param``, whose home is another device."""
+    """``module.<name>`` in partition ``partition`` is ``param``, whose home is another device.
+
+    ``read``: the partition only reads the module's tensors; the reader moves
+    them itself, so the loan keeps the parameter home at placement only.
+    """
 
     partition: int
     module: nn.Module
     name: str
     param: nn.Parameter
+    home: torch.device
+    read: bool
 
 
 class Loans:
@@ -45,9 +60,11 @@ class Loans:
 
     def __init__(self, loans: list[Loan], devices: list[torch.device]) -> None:
         self.devices = devices
+        self.all = loans
         self.by_partition: dict[int, list[Loan]] = {}
         for loan in loans:
-            self.by_partition.setdefault(loan.partition, []).append(loan)
+            if not loan.read:
+                self.by_partition.setdefault(loan.partition, []).append(loan)
 
     @contextlib.contextmanager
     def lent(self, j: int) -> Iterator[None]:
@@ -64,10 +81,16 @@ class Loans:
 
     @contextlib.contextmanager
     def away(self) -> Iterator[None]:
-        """While the partitions move to their devices: the borrowers hold nothing to move."""
-        loans = [loan for found in self.by_partition.values() for loan in found]
-        with _swapped(loans, [None] * len(loans)):
+        """While the partitions move to their devices: the borrowers hold nothing to move.
+
+        A module only read is one module in its home partition and in the
+        borrower, hidden from both: its parameters then go home on their own.
+        """
+        with _swapped(self.all, [None] * len(self.all)):
             yield
+        for loan in self.all:
+            if loan.read:
+                _send(loan.param, loan.home)
 
 
 def find_loans(partitions: list[nn.Sequential], devices: list[torch.device]) -> Loans:
@@ -75,12 +98,21 @@ def find_loans(partitions: list[nn.Sequential], devices: list[torch.device]) -> 
     home: dict[int, torch.device] = {}
     loans: list[Loan] = []
     for j, partition in enumerate(partitions):
+        read = modules_only_read(partition.children())
         for module in partition.modules():
             for name, param in module.named_parameters(recurse=False, remove_duplicate=False):
                 where = home.setdefault(id(param), devices[j])
                 if where != devices[j]:
-                    loans.append(Loan(j, module, name, param))
+                    loans.append(Loan(j, module, name, param, where, id(module) in read))
     return Loans(loans, devices)
+
+
+def _send(param: nn.Parameter, device: torch.device) -> None:
+    """Move ``param`` (and its gradient) to ``device`` in place, as ``Module.to`` does."""
+    with torch.no_grad():
+        param.data = param.data.to(device)
+        if param.grad is not None:
+            param.grad.data = param.grad.data.to(device)
 
 
 @contextlib.contextmanager

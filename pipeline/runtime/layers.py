@@ -34,7 +34,7 @@ from typing import Protocol, runtime_checkable
 
 from torch import nn
 
-__all__ = ["Layered", "Part", "named_layers", "register_names"]
+__all__ = ["Layered", "Part", "ReadsModules", "modules_only_read", "named_layers", "register_names"]
 
 
 @runtime_checkable
@@ -46,6 +46,32 @@ class Layered(Protocol):
 
     def modes_read(self, layer: str) -> list[nn.Module]:
         """The modules whose training mode layer ``layer`` reads, beyond its own modules."""
+
+
+@runtime_checkable
+class ReadsModules(Protocol):
+    """A layer that reads some modules' parameters and buffers without calling the modules.
+
+    A split model's piece reads tensors of the modules its glue uses (GPT-2's
+    embedding piece and head piece both read ``lm_head.weight``, the tied
+    weight). Such a module may be held by partitions on different devices:
+    nothing of it runs there, and its parameters are read where they are
+    (``arguments.check_sharing``, ``runtime/borrowed.py``).
+    """
+
+    def modules_read(self) -> list[nn.Module]:
+        """The modules whose tensors this layer only reads (it calls none of them)."""
+
+
+def modules_only_read(layers: Iterable[nn.Module]) -> set[int]:
+    """The ids of the modules that ``layers`` only read tensors of, none of them calling it."""
+    read: set[int] = set()
+    run: set[int] = set()
+    for layer in layers:
+        own = {id(m) for m in layer.modules_read()} if isinstance(layer, ReadsModules) else set()
+        read |= own
+        run.update(id(m) for m in layer.modules() if id(m) not in own)
+    return read - run
 
 
 def named_layers(module: nn.Sequential) -> OrderedDict[str, nn.Module]:

@@ -10,7 +10,7 @@ model's children) and in a Pipe built on it. It still answers for them:
   ``named_parameters()``) lists the blocks it calls, whole, and the modules
   whose parameters or buffers its glue reads, alone (not their children);
   a Pipe checks sharing between partitions and balance counts parameters
-  through it;
+  through it; ``modules_read()`` tells the modules only read apart;
 - ``_apply`` (``.to(device)``, ``.double()``, a Pipe's placement) applies to
   those same tensors and no others.
 
@@ -164,6 +164,17 @@ class Piece(Skippable):
                 if remove_duplicate:
                     memo.add(module)
                 yield _join(prefix, name), module
+
+    def modules_read(self) -> list[nn.Module]:
+        """The modules whose tensors its glue reads and which it does not call (its owners).
+
+        ``pipeline.runtime.layers.ReadsModules``: a Pipe lets partitions on
+        different devices hold such a module (a tied head read by the first
+        and the last piece), as each read moves the tensor to the piece's
+        device (``program.Fetch``).
+        """
+        called = {id(m) for _, block in self.blocks for m in block.modules()}
+        return [module for _, module in self.owners if id(module) not in called]
 
     def modes_read(self) -> list[nn.Module]:
         """The modules whose mode its code reads, beyond those it runs (``named_modules()``).

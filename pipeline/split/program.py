@@ -132,6 +132,9 @@ class Fetch(Step):
     """A parameter or buffer, read from its module at every call (so moves and loads show).
 
     The code around it was captured for its dtype: a changed one is refused.
+    One held on another device than the piece's (a weight tied across a
+    Pipe's devices, kept on its first user's) is moved here by a
+    differentiable copy, so its gradient reaches the one parameter.
     """
 
     def __init__(self, out: int, module: nn.Module, attribute: str, dtype: torch.dtype) -> None:
@@ -145,7 +148,7 @@ class Fetch(Step):
                 f"model was split with it in {self.dtype}, and the code around it was captured "
                 "for that dtype: split the model again after changing dtypes"
             )
-        return tensor
+        return tensor if tensor.device == here else tensor.to(here)
 
 
 class Op(Step):

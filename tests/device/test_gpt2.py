@@ -1,9 +1,9 @@
 """GPT-2 from transformers, split by pipeline.split, on every layout: the plain model's results.
 
-The head is tied to the token embedding where the first and last
-partitions share a device; across devices (a tie is refused there) the
-model is built untied. One split serves every layout: splitting takes
-seconds.
+The head is tied to the token embedding in every layout: where the first
+and last partitions are on different devices, the tied weight stays on the
+first one's and the head piece reads a differentiable copy of it. One split
+serves every layout: splitting takes seconds.
 """
 
 from __future__ import annotations
@@ -27,17 +27,16 @@ BALANCE = [2, 2, 1]  # the five pieces: embedding, three blocks, the head
 
 
 @functools.cache
-def split_gpt2(tied: bool) -> tuple[nn.Module, nn.Module]:
-    """GPT-2 with dropout, and its split (on the CPU), made once: a split takes seconds."""
-    model = gpt2(tie_word_embeddings=tied, embd_pdrop=0.3, resid_pdrop=0.3, attn_pdrop=0.3)
+def split_gpt2() -> tuple[nn.Module, nn.Module]:
+    """GPT-2 with dropout and its tied head, and its split (on the CPU), made once."""
+    model = gpt2(embd_pdrop=0.3, resid_pdrop=0.3, attn_pdrop=0.3)
     ids, mask, _ = tokens(4, 8, padded=3)
     return model, pipeline.split(model, (ids, None, mask))
 
 
 def models(layout: Layout) -> tuple[nn.Module, nn.Module]:
     """Copies of the plain model, on the layout's first device, and of its split."""
-    devices = layout.devices(len(BALANCE))
-    model, seq = split_gpt2(tied=devices[0] == devices[-1])
+    model, seq = split_gpt2()
     return copy.deepcopy(model).to(layout.first), copy.deepcopy(seq)
 
 

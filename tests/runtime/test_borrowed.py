@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pipeline import Pipe
-from tests.split.split_models import gradients
+from tests.split.split_models import assert_same, gpt2, gradients, lm_loss, tokens
 
 DEVICES = ["cpu:0", "cpu:1"]
 SCHEDULES = [None, "gpipe", "1f1b", "zb-h1"]
@@ -138,3 +138,55 @@ def test_a_partition_sharing_a_weight_is_signalled_once_the_weight_is_final(
     )
     assert sorted(seen) == [(0, True), (1, True)], seen
     pipe.close()
+
+
+@pytest.fixture(scope="module")
+def split_gpt2() -> tuple[nn.Module, nn.Sequential]:
+    """GPT-2 with its tied head, and its split, whose first and last pieces read the tied weight."""
+    import pipeline
+
+    model = gpt2()
+    ids, mask, _ = tokens(4, 6)
+    return model, pipeline.split(copy.deepcopy(model), (ids,), {"attention_mask": mask})
+
+
+def test_split_gpt2_with_its_tied_head_on_two_devices_equals_the_plain_model(
+    split_gpt2: tuple[nn.Module, nn.Sequential],
+) -> None:
+    model, split = split_gpt2
+    plain, seq = copy.deepcopy(model), copy.deepcopy(split)
+    ids, mask, targets = tokens(4, 6)
+    lm_loss(plain(ids, attention_mask=mask), targets).backward()
+    expected = gradients(plain)
+    assert "lm_head.weight" not in expected  # tied: listed once, as the embedding
+    pipe = Pipe(seq, [2, len(seq) - 2], devices=DEVICES, chunks=2)
+    assert pipe.state_dict().keys() == plain.state_dict().keys()
+    assert pipe.lm_head.weight is pipe.transformer.wte.weight
+    torch.testing.assert_close(pipe(ids, attention_mask=mask).logits, plain(ids).logits)
+    for schedule in SCHEDULES[1:]:
+        pipe.zero_grad(set_to_none=True)
+        pipe.step(ids, targets, lm_loss, kwargs={"attention_mask": mask}, schedule=schedule)
+        assert_same(gradients(pipe), expected)
+    pipe.close()
+
+
+def test_the_placement_of_a_split_gpt2_keeps_its_tied_weight_home(
+    split_gpt2: tuple[nn.Module, nn.Sequential],
+) -> None:
+    # The pieces of both partitions read it through one module, lm_head.
+    seq = copy.deepcopy(split_gpt2[1])
+    pipe = Pipe(seq, [2, len(seq) - 2], devices=["cpu", "meta"])
+    assert pipe.lm_head.weight is pipe.transformer.wte.weight
+    assert pipe.lm_head.weight.device == torch.device("cpu")
+    assert pipe.transformer.ln_f.weight.device == torch.device("meta")
+    assert pipe.transformer.h[0].mlp.c_fc.weight.device == torch.device("cpu")
+    pipe.close()
+
+
+def test_a_module_run_by_one_partition_and_read_by_another_device_is_refused(
+    split_gpt2: tuple[nn.Module, nn.Sequential],
+) -> None:
+    seq = copy.deepcopy(split_gpt2[1])
+    model = nn.Sequential(*seq, seq.lm_head)
+    with pytest.raises(ValueError, match=r"'0.lm_head' of partition 0 .* a layer can be shared"):
+        Pipe(model, [2, len(seq) - 1], devices=DEVICES)
