@@ -15,6 +15,7 @@ from pipeline.data_parallel.buckets import SignalsPartitionBackward, partition_o
 from pipeline.data_parallel.reducer import Reducer
 from pipeline.data_parallel.replicas import broadcast_from_rank0, check_replicas_match
 from pipeline.runtime.process_group import resolve_group
+from pipeline.step.sharded import fsdp_units
 
 
 class DataParallel(nn.Module):
@@ -169,6 +170,7 @@ def _validate(
                 f"DataParallel averages dense gradients only, but '{name}' "
                 f"({type(sub).__name__}) produces sparse ones; construct it with sparse=False"
             )
+    _refuse_fsdp(module)
     named_params = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
     if not named_params:
         raise ValueError(
@@ -177,3 +179,18 @@ def _validate(
             "unfreeze some parameters"
         )
     return named_params
+
+
+def _refuse_fsdp(module: nn.Module) -> None:
+    """Refuse FSDP2 units: they reduce their gradients over their own mesh, and DataParallel's
+    broadcast and all-reduce would see their shards as whole parameters."""
+    units = fsdp_units(module)
+    if units:
+        names = {id(m): name or "the module itself" for name, m in module.named_modules()}
+        raise ValueError(
+            f"DataParallel cannot replicate a module sharded with FSDP2 (fully_shard): "
+            f"{len(units)} of its modules are FSDP2 units ('{names[id(units[0])]}' first), "
+            "and FSDP already reduces their gradients over its mesh. "
+            "Leave DataParallel out; to replicate the shards as well, give fully_shard an "
+            "HSDP mesh (a 2-D mesh of replicate x shard dimensions)"
+        )

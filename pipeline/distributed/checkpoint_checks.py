@@ -26,13 +26,15 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from pipeline.runtime.agreement import gather_texts
+from pipeline.runtime.lazy import instance_of
 from pipeline.runtime.process_group import collective_device
 
-__all__ = ["check_before_loading"]
+__all__ = ["check_before_loading", "check_shards_within"]
 
 # Texts name 4 keys of each kind at most; this bounds what a peer may announce.
 _TEXT_LIMIT = 1 << 20
 _SHOWN = 4
+_DTENSOR = "torch.distributed.tensor"
 
 
 def check_before_loading(
@@ -70,6 +72,36 @@ def check_before_loading(
             f"load_checkpoint({os.fspath(path)!r}) refused, nothing was loaded: "
             + "; ".join(problems)
         )
+
+
+def check_shards_within(
+    state: Mapping[str, Any], group: dist.ProcessGroup | None, call: str
+) -> None:
+    """Raise ``ValueError`` if a sharded tensor of ``state`` has shards outside ``group``.
+
+    A DTensor (FSDP2's shards, tensor parallelism's) is saved and loaded by
+    the processes of its mesh together: DCP in a group that lacks some of
+    them would write a checkpoint of part of the tensor, or read part of it.
+    Every process holding such a tensor refuses, before anything is read or
+    written. ``group`` None: the whole job (or no torch.distributed at all).
+    """
+    if group is None or not _distributed():
+        return
+    ranks = set(dist.get_process_group_ranks(group))
+    for key, value in state.items():
+        if instance_of(value, _DTENSOR, "DTensor"):
+            mesh = set(value.device_mesh.mesh.flatten().tolist())
+            if not mesh <= ranks:
+                raise ValueError(
+                    f"{call}: {key} is sharded over ranks {sorted(mesh)} (a DTensor of FSDP2 "
+                    f"or tensor parallelism), but process_group holds ranks {sorted(ranks)}: "
+                    "the processes of its mesh save and load it together; pass a "
+                    "process_group holding them all (default: the whole job)"
+                )
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
 
 
 def _problems(

@@ -67,7 +67,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.nn.parallel import DistributedDataParallel
 
 from pipeline.data_parallel.wrapper import DataParallel
-from pipeline.distributed.checkpoint_checks import check_before_loading
+from pipeline.distributed.checkpoint_checks import check_before_loading, check_shards_within
 from pipeline.distributed.pipe import DistributedPipe
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
@@ -101,7 +101,9 @@ def save_checkpoint(
     """
     holder = _unwrapped(module)
     names = _Names(holder)
-    state: dict[str, Any] = {"model": names.every_name(_model_state(holder))}
+    model_state = _model_state(holder)
+    check_shards_within(model_state, process_group, "save_checkpoint")
+    state: dict[str, Any] = {"model": names.every_name(model_state)}
     if optimizer is not None:
         state["optim"] = names.every_name(_optimizer_state(holder, optimizer))
     state.update(_extra(extra))
@@ -144,6 +146,7 @@ def load_checkpoint(
     metadata = FileSystemReader(path).read_metadata().state_dict_metadata
     stored = set(metadata)
     model_target = _model_state(holder)
+    check_shards_within(model_target, process_group, "load_checkpoint")
     model = _Reading("model.", model_target, names, stored)
     state: dict[str, Any] = {"model": model.asked}
     covered = names.covered("model.", model_target)

@@ -27,6 +27,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
 
 from pipeline import DataParallel, Pipe
 from pipeline.distributed import DistributedPipe, load_checkpoint, save_checkpoint
@@ -94,7 +95,18 @@ def _tied(seed: int) -> nn.Sequential:
     return nn.Sequential(*layers, Head(embed.token)).double()
 
 
+def _mlps(seed: int) -> nn.Sequential:
+    """4 MLP blocks (Linear, Tanh, Linear): units for FSDP2, Megatron's split for TP."""
+    torch.manual_seed(seed)
+    layers = [
+        nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.Tanh(), nn.Linear(2 * WIDTH, WIDTH))
+        for _ in range(4)
+    ]
+    return nn.Sequential(*layers).double()
+
+
 BLOCKS = Model("blocks", _blocks, ([4, 4], [2, 6], [3, 5]), tokens=False)
+MLPS = Model("mlps", _mlps, ([2, 2], [1, 3], [1, 3]), tokens=False)
 TIED = Model("tied", _tied, ([3, 3], [2, 4], [2, 4]), tokens=True)
 MODELS = (BLOCKS, TIED)
 
@@ -184,12 +196,17 @@ def assert_resumes(
         train(model, module, optimizer, step, replica, replicas)
         for name, param in _named(inner):
             torch.testing.assert_close(
-                param.detach(),
+                full(param.detach()),
                 reference.weights[step][name],
                 rtol=0,
                 atol=1e-12,
                 msg=lambda m, name=name, step=step: f"{what}, step {step}, {name}: {m}",
             )
+
+
+def full(tensor: Tensor) -> Tensor:
+    """A sharded tensor (a DTensor of FSDP2 or tensor parallelism) whole; others as they are."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def assert_adamw_state(
@@ -202,7 +219,7 @@ def assert_adamw_state(
         assert state.keys() == saved.keys() == {"step", "exp_avg", "exp_avg_sq"}, f"{what}, {name}"
         for field in saved:
             torch.testing.assert_close(
-                state[field], saved[field], rtol=0, atol=1e-12, msg=f"{what}, {name}.{field}"
+                full(state[field]), saved[field], rtol=0, atol=1e-12, msg=f"{what}, {name}.{field}"
             )
         for setting in ("lr", "betas", "eps", "weight_decay"):
             mine, theirs = group_of[param][setting], reference.settings[name][setting]
@@ -214,19 +231,20 @@ def refused_untouched(
 ) -> str:
     """``load`` raises a RuntimeError saying ``fragments``; the weights and the optimizer's own
     state (the very objects, their values) and settings are as they were."""
-    weights = {n: p.detach().clone() for n, p in module.named_parameters()}
+    weights = {n: full(p.detach()).clone() for n, p in module.named_parameters()}
     state = optimizer.state
-    fields = {p: {k: copy.deepcopy(v) for k, v in s.items()} for p, s in state.items()}
+    fields = {p: {k: full(v).clone() for k, v in s.items()} for p, s in state.items()}
     settings = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     message = expect_error(RuntimeError, load, *fragments)
     for name, param in module.named_parameters():
-        torch.testing.assert_close(param.detach(), weights[name], rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(full(param.detach()), weights[name], rtol=0, atol=0, msg=name)
     assert optimizer.state is state, "the optimizer's state was replaced"
     assert state.keys() == fields.keys()
     for param, before in fields.items():
         assert state[param].keys() == before.keys()
         for field, value in before.items():
-            torch.testing.assert_close(state[param][field], value, rtol=0, atol=0, msg=field)
+            actual = full(state[param][field])
+            torch.testing.assert_close(actual, value, rtol=0, atol=0, msg=field)
     assert [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] == (
         settings
     )

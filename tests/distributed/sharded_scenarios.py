@@ -14,6 +14,7 @@ import copy
 import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -30,11 +31,24 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from pipeline import Pipe
+from pipeline import DataParallel, Pipe
 from pipeline.arguments import CheckpointMode
-from pipeline.distributed import DistributedPipe
+from pipeline.distributed import DistributedPipe, load_checkpoint, save_checkpoint
 from pipeline.schedules import Interleaved1F1B, Programs, Schedule
-from tests.gloo_groups import expect_error, main, scenario
+from tests.distributed.checkpoint_scenarios import (
+    MLPS,
+    SAVED_AFTER,
+    Uninterrupted,
+    adamw,
+    assert_resumes,
+    each_process_alone,
+    grid,
+    refused_untouched,
+    shared_directory,
+    train,
+    uninterrupted,
+)
+from tests.gloo_groups import expect_error, main, rank, scenario
 
 WIDTH = 6
 ROWS = 8  # per step and replica: 4 micro-batches of 2 rows
@@ -459,6 +473,140 @@ def a_pipe_in_one_process_refuses_fsdp_units_before_any_work() -> None:
         expect_error(ValueError, call, "sharded with FSDP2", "DistributedPipe")
     assert all(p.grad is None for p in pipe.parameters())
     pipe.close()
+
+
+# Checkpoints across layouts: MLPS (4 MLP blocks) in float64, AdamW, from
+# checkpoint_scenarios.py: saved after 2 steps, loaded, 2 more steps equal to
+# the plain model's 4.
+
+
+@dataclass
+class Layout:
+    """A layout of MLPS trained by this process: its module, its share of each batch."""
+
+    name: str
+    module: nn.Module
+    pipe: DistributedPipe
+    replica: int = 0
+    replicas: int = 1
+
+
+def fsdp_layout(balance: list[int], seed: int, model: nn.Sequential | None = None) -> Layout:
+    """pp=2 x fsdp=2: each block a unit sharded over the dp dimension."""
+    mesh = fsdp_mesh()
+    model = MLPS.build(seed) if model is None else model
+    pipe = DistributedPipe(model, balance, chunks=2, group=mesh["pp"].get_group())
+    shard_layers(pipe, mesh["dp"])
+    return Layout(f"pp=2 x fsdp=2 {balance}", pipe, pipe, mesh["dp"].get_local_rank(), 2)
+
+
+def tp_layout(balance: list[int], seed: int) -> Layout:
+    """pp=2 x tp=2: each block's Linear layers split column- then row-wise."""
+    pipe = DistributedPipe(MLPS.build(seed), balance, chunks=2, group=tp_mesh()["pp"].get_group())
+    split_layers(pipe)
+    return Layout(f"pp=2 x tp=2 {balance}", pipe, pipe)
+
+
+def grid_layout(balance: list[int], seed: int) -> Layout:
+    """pp=2 x dp=2: DataParallel over the DistributedPipe, replicated."""
+    trainer, replica = grid(MLPS, balance, seed)
+    assert isinstance(trainer.module, DistributedPipe)
+    return Layout(f"pp=2 x dp=2 {balance}", trainer, trainer.module, replica, 2)
+
+
+def four_stages(balance: list[int], seed: int) -> Layout:
+    pipe = DistributedPipe(MLPS.build(seed), [1, 1, 1, 1], chunks=2)
+    return Layout("pp=4", pipe, pipe)
+
+
+def trained(layout: Layout) -> torch.optim.Optimizer:
+    """The layout's AdamW, after the steps before the save."""
+    optimizer = adamw(layout.module)
+    for step in range(SAVED_AFTER):
+        train(MLPS, layout.module, optimizer, step, layout.replica, layout.replicas)
+    return optimizer
+
+
+def loads_and_resumes(
+    reference: Uninterrupted, layout: Layout, path: Path, resave: Path | None = None
+) -> None:
+    """The layout loads ``path`` (saves it again in ``resave``), trains on as the plain model."""
+    optimizer = adamw(layout.module)
+    load_checkpoint(path, layout.module, optimizer)
+    if resave is not None:
+        save_checkpoint(resave, layout.module, optimizer)
+    what = f"{layout.name} from {path.name}"
+    assert_resumes(MLPS, reference, layout.module, optimizer, what, layout.replica, layout.replicas)
+    layout.pipe.close()
+
+
+def refused_in_a_sharded_layout(path: Path, alone: dist.ProcessGroup) -> None:
+    """A shape one rank finds and a group without the shards' mesh: refused by every process."""
+    wider = MLPS.build(7)
+    width = wider[3][0].in_features
+    wider[3][0], wider[3][2] = nn.Linear(width, 32).double(), nn.Linear(32, width).double()
+    layout = fsdp_layout([2, 2], seed=7, model=wider)
+    optimizer = trained(layout)
+    refused_untouched(
+        lambda: load_checkpoint(path, layout.module, optimizer),
+        layout.module,
+        optimizer,
+        "shapes differ on rank 1: model.3.0.bias is (16,) in the checkpoint, (32,) in the model",
+    )
+    for call in (load_checkpoint, save_checkpoint):
+        expect_error(
+            ValueError,
+            lambda call=call: call(path, layout.module, optimizer, process_group=alone),
+            f"{call.__name__}: ",
+            "is sharded over ranks",
+            "pass a process_group holding them all",
+        )
+    layout.pipe.close()
+
+
+@scenario
+def sharded_stages_save_and_load_across_layouts() -> None:
+    reference = uninterrupted(MLPS)
+    first, other, pipe_balance = MLPS.balances
+    alone = each_process_alone()
+    with (
+        shared_directory("fsdp") as fsdp,
+        shared_directory("tp") as tp,
+        shared_directory("dp") as dp,
+    ):
+        saving = fsdp_layout(first, seed=0)
+        save_checkpoint(fsdp, saving.module, trained(saving))
+        saving.pipe.close()
+        refused_in_a_sharded_layout(fsdp, alone)
+        loads_and_resumes(reference, tp_layout(other, seed=7), fsdp, resave=tp)
+        loads_and_resumes(reference, fsdp_layout(other, seed=7), tp)
+        loads_and_resumes(reference, grid_layout(first, seed=7), tp, resave=dp)
+        loads_and_resumes(reference, fsdp_layout(first, seed=7), dp)
+        loads_and_resumes(reference, four_stages(first, seed=7), fsdp)
+        if rank() in (0, 1):  # one process of another job each, from the sharded layouts
+            module: nn.Module = MLPS.build(7)
+            if rank() == 0:
+                module = Pipe(module, pipe_balance, devices=["cpu"] * 2, chunks=2)
+            for path in (fsdp, tp):
+                optimizer = adamw(module)
+                load_checkpoint(path, module, optimizer, process_group=alone)
+                what = f"rank {rank()} alone from {path.name}"
+                assert_resumes(MLPS, reference, module, optimizer, what)
+            if isinstance(module, Pipe):
+                module.close()
+
+
+@scenario
+def data_parallel_over_fsdp_stages_is_refused_before_any_work() -> None:
+    layout = fsdp_layout([2, 2], seed=0)
+    expect_error(
+        ValueError,
+        lambda: DataParallel(layout.pipe, process_group=fsdp_mesh()["dp"].get_group()),
+        "DataParallel cannot replicate a module sharded with FSDP2",
+        "2 of its modules are FSDP2 units",
+        "HSDP mesh",
+    )
+    layout.pipe.close()
 
 
 if __name__ == "__main__":
