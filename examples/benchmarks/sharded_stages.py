@@ -12,7 +12,10 @@ block and then on the stage (its root), FSDP's default settings:
 - ours: ``DistributedPipe`` on ``mesh["pp"]``, sharded as
   docs/distributed_pipe.md says, ``step`` with ``gpipe`` and ``1f1b``;
 - torch's: ``PipelineStage`` of the same blocks with ``ScheduleGPipe`` and
-  ``Schedule1F1B`` (which run FSDP's post-backward in their REDUCE_GRAD).
+  ``Schedule1F1B`` (which run FSDP's post-backward in their REDUCE_GRAD);
+- torch's again with its blocks sharded with ``reshard_after_forward=False``
+  ("torch kept"), torchtitan's choice under pp: gathered once per step, as
+  ours keeps a unit whose resharding was left to FSDP.
 
 For each m of ``--chunks``: first a gate, every candidate's full gradients
 against the plain model's in float64; then, in float32, one counted step per
@@ -92,10 +95,10 @@ def blocks(shape: Shape, dtype: torch.dtype) -> nn.Sequential:
     return nn.Sequential(*layers).to(dtype)
 
 
-def shard(stage: nn.Module, mesh: DeviceMesh) -> None:
-    """fully_shard every block of ``stage``, then the stage, over the dp dimension."""
+def shard(stage: nn.Module, mesh: DeviceMesh, reshard: bool | None = None) -> None:
+    """fully_shard every block of ``stage`` (``reshard``: after forward), then the stage."""
     for block in stage.children():
-        fully_shard(block, mesh=mesh)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
     fully_shard(stage, mesh=mesh)
 
 
@@ -135,11 +138,12 @@ def torchs(
     kind: type[ScheduleGPipe | Schedule1F1B],
     x: Tensor,
     y: Tensor,
+    reshard: bool | None = None,
 ) -> Candidate:
     index, stages = mesh["pp"].get_local_rank(), mesh["pp"].size()
     size = len(model) // stages
     part = model[size * index : size * (index + 1)]  # keeps the whole model's names
-    shard(part, mesh["dp"])
+    shard(part, mesh["dp"], reshard)
     stage = PipelineStage(part, index, stages, torch.device("cpu"), group=mesh["pp"].get_group())
     schedule = kind(stage, n_microbatches=m, loss_fn=F.mse_loss)
     optimizer = torch.optim.AdamW(part.parameters())
@@ -161,6 +165,7 @@ def candidates(shape: Shape, mesh: DeviceMesh, m: int, dtype: torch.dtype) -> di
     for schedule, kind in PAIRS:
         built[f"ours {schedule}"] = ours(copy.deepcopy(model), mesh, m, schedule, x, y)
         built[f"torch {schedule}"] = torchs(copy.deepcopy(model), mesh, m, kind, x, y)
+        built[f"torch kept {schedule}"] = torchs(copy.deepcopy(model), mesh, m, kind, x, y, False)
     return built
 
 
@@ -311,8 +316,11 @@ def measure(shape: Shape, mesh: DeviceMesh, m: int, rounds: int) -> dict[str, An
         "chunks": m,
         "ms": {name: round(t * 1e3, 2) for name, t in median_times(times).items()},
         "ours_over_torch_throughput": {
-            schedule: round(median_ratio(times, f"torch {schedule}", f"ours {schedule}"), 3)
+            f"{torch_} {schedule}": round(
+                median_ratio(times, f"{torch_} {schedule}", f"ours {schedule}"), 3
+            )
             for schedule, _ in PAIRS
+            for torch_ in ("torch", "torch kept")
         },
         "max_grad_difference_from_plain": differences,
         "collectives_per_step_rank0": {n: c[0]["collectives"] for n, c in counts.items()},
@@ -335,12 +343,12 @@ def report(result: dict[str, Any]) -> None:
         saved = max(result["saved_peak_bytes_per_rank"][name]) / 2**20
         state = max(result["state_bytes_per_rank"][name]) / result["stage_state_bytes"]
         print(
-            f"  {name:12s} {ms:8.1f} ms  saved peak {saved:6.2f} MiB"
+            f"  {name:17s} {ms:8.1f} ms  saved peak {saved:6.2f} MiB"
             f"  state {state:.2f} of a stage's"
             f"  {result['collectives_per_step_rank0'][name]}"
         )
-    for schedule, ratio in result["ours_over_torch_throughput"].items():
-        print(f"  {schedule}: ours {ratio:.3f}x torch's throughput (median of rounds' ratios)")
+    for name, ratio in result["ours_over_torch_throughput"].items():
+        print(f"  ours {ratio:.3f}x the throughput of {name} (median of rounds' ratios)")
 
 
 def main(argv: list[str] | None = None) -> None:
