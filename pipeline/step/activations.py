@@ -10,7 +10,9 @@ was dropped)::
     F 1   saves c       live {a, b, c}     peak a + b + c
     B 0   frees a, b    live {c}
 
-Parameters are not activations and are left out. The count is the same on
+Parameters are not activations and are left out, and so are the caller's
+input and target, of which the micro-batches are views (the step keeps no
+copy of them): what is counted is what the step itself keeps. The count is the same on
 CPU and CUDA: bytes autograd holds, not what the allocator reserved (its
 caches, its rounding, the workspace of kernels); a view counts its whole
 storage. It costs a few microseconds per saved tensor, so it is off by
@@ -34,8 +36,9 @@ __all__ = ["ActivationMeter"]
 class ActivationMeter:
     """Counts the storages saved for backward under ``hooks()``, and their peak in bytes."""
 
-    def __init__(self, parameters: Iterable[Tensor]) -> None:
-        self._excluded = {p.untyped_storage().data_ptr() for p in parameters}
+    def __init__(self, excluded: Iterable[Tensor]) -> None:
+        """``excluded``: tensors whose storages are not counted (parameters, the caller's batch)."""
+        self._excluded = {p.untyped_storage().data_ptr() for p in excluded}
         # Storage address -> [bytes, saved tensors still holding it].
         self._live: dict[int, list[int]] = {}
         # Released from whichever thread drops the graph.

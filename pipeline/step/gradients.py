@@ -35,11 +35,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 from torch import Tensor, nn
-from torch.autograd.graph import Node
+from torch.autograd.graph import GradientEdge, Node
 
 from pipeline.runtime.threadstate import ThreadState
 from pipeline.step.held_hooks import HeldHooks
@@ -47,12 +47,17 @@ from pipeline.step.sharded import ShardedUnits
 
 __all__ = [
     "GradientSums",
+    "Root",
     "StepGradients",
     "accumulate",
     "backward_to_leaves",
     "gradient_node",
     "leaves_of",
 ]
+
+
+# What a backward starts from: a tensor, or the edge of one whose storage is gone.
+Root: TypeAlias = Tensor | GradientEdge
 
 
 class GradientSums:
@@ -274,7 +279,7 @@ class _Deliver(torch.autograd.Function):
         return (None, *grads)
 
 
-def leaves_of(roots: Iterable[Tensor]) -> tuple[list[Tensor], bool]:
+def leaves_of(roots: Iterable[Root]) -> tuple[list[Tensor], bool]:
     """The leaves a backward from ``roots`` reaches (their ``AccumulateGrad`` nodes' tensors).
 
     Also whether it crosses a reentrant checkpoint (``torch.utils.checkpoint``
@@ -303,8 +308,13 @@ def leaves_of(roots: Iterable[Tensor]) -> tuple[list[Tensor], bool]:
     return found, any(kind.__name__ == _REENTRANT_CHECKPOINT for kind in kinds)
 
 
-def gradient_node(tensor: Tensor) -> Node:
-    """Where a backward from ``tensor`` starts: its ``grad_fn``, or a leaf's ``AccumulateGrad``."""
+def gradient_node(tensor: Root) -> Node:
+    """Where a backward from ``tensor`` starts: its ``grad_fn``, or a leaf's ``AccumulateGrad``.
+
+    An edge (a stage's output, whose storage was freed once sent) starts at its node.
+    """
+    if isinstance(tensor, GradientEdge):
+        return tensor.node
     node = tensor.grad_fn
     return node if node is not None else torch.autograd.graph.get_gradient_edge(tensor).node
 
@@ -314,7 +324,7 @@ _REENTRANT_CHECKPOINT = "CheckpointFunctionBackward"
 
 
 def backward_to_leaves(
-    roots: Sequence[Tensor],
+    roots: Sequence[Root],
     grads: Sequence[Tensor | None],
     inputs: Sequence[Tensor],
     hold: Callable[[list[Tensor]], bool],
@@ -334,11 +344,14 @@ def backward_to_leaves(
     known = {id(x) for x in inputs}
     reached, reentrant = leaves_of(roots)
     leaves = [t for t in reached if id(t) not in known]
+    # torch takes tensors and edges mixed, though its hints name one or the other.
     if reentrant or not hold(leaves):
-        torch.autograd.backward(roots, grads)
+        torch.autograd.backward(roots, grads)  # type: ignore[arg-type]
         return [x.grad for x in inputs], [], []
     wanted = [*inputs, *leaves]
     found: list[Tensor | None] = (
-        list(torch.autograd.grad(roots, wanted, grads, allow_unused=True)) if wanted else []
+        list(torch.autograd.grad(roots, wanted, grads, allow_unused=True))  # type: ignore[arg-type]
+        if wanted
+        else []
     )
     return found[: len(inputs)], leaves, found[len(inputs) :]

@@ -12,9 +12,10 @@ per stage. Costs below are in units of one forward (F = 1, B = 2)::
                                                 in flight on stage s, same bubble
     interleaved (v stages per worker)            Megatron's order over v * workers
                                                 stages: the bubble shrinks by v
-    ZB-H1   1F1B with each backward split into  the weight gradient of stage s waits
-            I (input) and W (weight)             n - 1 - s micro-batches, filling the
-                                                 cooldown bubble
+    ZB-H1   0F0 0F1 0I0 0W0 0F2 0I1 0W1 ...     1F1B with each backward split into I
+                                                (input) and W (weight): W fills the
+                                                gaps, a forward waits for a W, so at
+                                                most n - s in flight (1F1B's memory)
 
 Every program is checked by ``simulate.validate`` before it runs.
 """
@@ -91,9 +92,13 @@ class ZeroBubbleH1(Schedule):
     The programs come from playing the dependencies with unit costs (F, I, W
     = 1): a worker runs an input gradient as soon as it can (it is on the
     critical path back to stage 0), else a forward, while it holds fewer than
-    ``stages - s`` micro-batches before their input gradient and at most
-    ``stages - 1 - s`` waiting for their weight gradient, else a weight
-    gradient: the weight work fills the gaps where 1F1B waits.
+    ``stages - s`` micro-batches whose weight gradient is still to come (a
+    graph waiting for W is held as much as one waiting for I), else a weight
+    gradient: the weight work fills the gaps where 1F1B waits, and stage
+    ``s`` never holds more than 1F1B's ``min(stages - s, m)``.
+
+    >>> [" ".join(map(str, p)) for p in ZeroBubbleH1().programs(3, 2)]
+    ['0F0 0F1 0I0 0W0 0F2 0I1 0W1 0I2 0W2', '1F0 1I0 1W0 1F1 1I1 1W1 1F2 1I2 1W2']
     """
 
     name = "zb-h1"
@@ -213,9 +218,7 @@ def _zero_bubble_programs(m: int, stages: int) -> list[Program]:
             ready = forwarded.get((s, i)) if s == stages - 1 else input_grads.get((s + 1, i))
             if ready is not None:
                 found.append((max(clock[s], ready), 0, "I"))
-        before_input = done["F"] - done["I"] < stages - s
-        before_weight = done["I"] - done["W"] <= stages - 1 - s
-        if done["F"] < m and before_input and before_weight:
+        if done["F"] < m and done["F"] - done["W"] < stages - s:
             ready = 0.0 if s == 0 else forwarded.get((s - 1, done["F"]))
             if ready is not None:
                 found.append((max(clock[s], ready), 1, "F"))

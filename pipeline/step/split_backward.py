@@ -15,9 +15,11 @@ one autograd graph of the stage's forward::
   ``a1``), records the gradient reaching it.
 - W runs ``autograd.grad`` from the anchors, with their recorded
   gradients, to the weights of their branches only, so that no input-path
-  work is done twice: each anchor computes just its weight outputs. It
-  returns the weights' gradients; the stage sums them and accumulates each
-  weight once per step (``gradients.py``), as ``B`` does.
+  work is done twice: each anchor computes just its weight outputs. A group
+  none of whose weights has hooks accumulates into ``.grad`` as it goes, as
+  ``B`` does (no copy of the weights' gradients waits for the step's end);
+  the others' gradients are returned, and the stage sums them and
+  accumulates each weight once per step (``gradients.py``).
 
 The weights are every leaf the outputs reach other than the inputs: the
 partition's parameters, and any other tensor that requires grad (a
@@ -43,9 +45,9 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import Tensor
-from torch.autograd.graph import GradientEdge, Node
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
-from pipeline.step.gradients import gradient_node
+from pipeline.step.gradients import Root, gradient_node
 
 __all__ = ["WeightWork", "backward_input"]
 
@@ -73,9 +75,11 @@ class WeightWork:
         self._recorded = recorded
 
     def run(self, hold: Callable[[list[Tensor]], bool]) -> tuple[list[Tensor], list[Tensor | None]]:
-        """The weights and their gradients (None where unused); frees what W used of the graph.
+        """The weights to sum and their gradients (None where unused); frees what W used.
 
-        ``hold`` is given each group's weights before their gradients are computed.
+        ``hold`` is given each group's weights before their gradients are
+        computed, and says whether they must be summed: if not, they are
+        accumulated into ``.grad`` at once, and not returned.
         """
         groups, recorded = self._groups, self._recorded
         self._groups, self._recorded = [], {}
@@ -99,18 +103,21 @@ class WeightWork:
                 for anchor in group.anchors
                 if anchor in recorded
             ]
-            hold(group.weights)
+            summed = hold(group.weights)
             try:
-                found += torch.autograd.grad(roots, group.weights, grads, allow_unused=True)
+                if summed:
+                    found += torch.autograd.grad(roots, group.weights, grads, allow_unused=True)
+                    weights += group.weights
+                else:
+                    torch.autograd.backward(roots, grads, inputs=group.weights)
             finally:
                 for handle in handles:
                     handle.remove()
-            weights += group.weights
         return weights, found
 
 
 def backward_input(
-    outputs: Sequence[Tensor], grads: Sequence[Tensor | None], inputs: Sequence[Tensor]
+    outputs: Sequence[Root], grads: Sequence[Tensor | None], inputs: Sequence[Tensor]
 ) -> tuple[list[Tensor | None], WeightWork]:
     """I: the gradients of ``inputs`` (None where unused); and the W still to do.
 
@@ -128,7 +135,8 @@ def backward_input(
     handles = [anchor.register_prehook(_recording(recorded, anchor)) for anchor in anchors]
     try:
         found = (
-            torch.autograd.grad(outputs, wanted, grads, retain_graph=True, allow_unused=True)
+            # Tensors and edges mixed, which torch takes, though its hints name one or the other.
+            torch.autograd.grad(outputs, wanted, grads, retain_graph=True, allow_unused=True)  # type: ignore[arg-type]
             if wanted
             else ()
         )
@@ -197,7 +205,7 @@ def _branch_weights(
 
 
 def _groups(
-    outputs: Sequence[Tensor],
+    outputs: Sequence[Root],
     grads: Sequence[Tensor | None],
     graph: dict[Node, list[Node]],
     input_path: set[Node],
@@ -213,12 +221,12 @@ def _groups(
         if reached:
             roots.append((node, reached))
     for output, grad in zip(outputs, grads, strict=True):
-        edge = torch.autograd.graph.get_gradient_edge(output)
+        edge = output if isinstance(output, GradientEdge) else get_gradient_edge(output)
         if edge.node in input_path:
             continue
         reached = _branch_weights([edge.node], graph, input_path, weights)
         if reached:
-            seed = torch.ones_like(output) if grad is None else grad
+            seed = grad if grad is not None else _ones_like(output)
             roots.append(((edge, seed), reached))
     merged = _merge(roots)
     groups = []
@@ -261,6 +269,12 @@ def _merge(
     for k, root in enumerate(roots):
         grouped[find(k)].append(root)
     return list(grouped.values())
+
+
+def _ones_like(output: Root) -> Tensor:
+    """The seed of a scalar loss (a tensor: only outputs mailed on are edges)."""
+    assert isinstance(output, Tensor), "an output without a gradient is the loss, a tensor"
+    return torch.ones_like(output)
 
 
 def _recording(recorded: dict[Node, Grads], node: Node) -> Callable[[Grads], None]:

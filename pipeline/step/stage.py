@@ -6,8 +6,12 @@ works on an autograd graph of its own, on the stage's worker:
 - ``F``: take micro-batch ``i`` (the scattered input on stage 0, else the
   previous stage's output from the mailbox), make its tensors leaves that
   require grad, run the partition, and mail the output (detached) to the
-  next stage; the last stage computes the micro-batch's loss instead. A
-  checkpointed forward runs without grad and keeps only its inputs.
+  next stage; the last stage computes the micro-batch's loss instead. Once
+  mailed, an output is kept as the autograd edge its backward starts from,
+  not as a tensor: its storage goes as soon as the receiver (or the wire) is
+  done with it, as Megatron's ``deallocate_pipeline_outputs`` frees it, and
+  whatever the graph saved of it stays. A checkpointed forward runs without
+  grad and keeps only its inputs.
 - ``B``: recompute if checkpointed (same random draws, same buffers, same
   autocast), run backward from the outputs with the gradients the next stage
   mailed back (from the loss on the last stage, scaled by the step's
@@ -45,6 +49,7 @@ from typing import Any, cast
 
 import torch
 from torch import Tensor
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from pipeline.runtime.microbatch import Batch
 from pipeline.runtime.partitions import Hook, PartitionRuntime, protected
@@ -57,7 +62,7 @@ from pipeline.skip.layout import SkipLayout
 from pipeline.skip.tracker import SkipKey, SkipTracker, use_tracker
 from pipeline.step.actions import Action
 from pipeline.step.activations import ActivationMeter
-from pipeline.step.gradients import StepGradients, backward_to_leaves
+from pipeline.step.gradients import Root, StepGradients, backward_to_leaves
 from pipeline.step.losses import LossFn, Scale, scaled
 from pipeline.step.mail import Message, Transport
 from pipeline.step.reports import Timed
@@ -124,10 +129,11 @@ class _Stashed:
     # What the inputs came from: the caller's tensors on stage 0 (the input's
     # gradient continues there), else the message (kept alive until backward).
     sources: list[Any]
-    outputs: list[Any] = field(default_factory=list)
+    # Where backward starts: the outputs and the outgoing skips, as ``_root`` keeps them.
+    outputs: list[Root | None] = field(default_factory=list)
     loss: Tensor | None = None
     skips_in: dict[SkipKey, Tensor] = field(default_factory=dict)
-    skips_out: dict[SkipKey, Tensor] = field(default_factory=dict)
+    skips_out: dict[SkipKey, Root | None] = field(default_factory=dict)
     recomputation: Recomputation | None = None
     weight_work: WeightWork | None = None
 
@@ -151,15 +157,23 @@ class StageRun:
         # and recomputation (a stage's actions run one at a time, on one thread).
         self.timed: list[Timed] = []
         self._waited = self._recomputed = 0.0
-        self.meter = (
-            ActivationMeter(context.runtime.partitions[j].parameters())
-            if context.measure_memory
-            else None
-        )
+        self.meter = ActivationMeter(self._not_kept()) if context.measure_memory else None
         # Its thread holds grad mode and no autograd device threads for all
         # its actions (``StepRun``), so an action on the CPU, with nothing
         # else of the caller's state to apply, enters nothing.
         self._plain = context.state.only_grad_mode(self.device)
+
+    def _not_kept(self) -> list[Tensor]:
+        """What the meter leaves out: the parameters, and the caller's input and target.
+
+        Stage 0's micro-batches (the last stage's targets) are views of what
+        the caller holds anyway: the step keeps no copy of it, and a layer
+        saving one would otherwise count the whole batch's storage.
+        """
+        context = self.context
+        caller = [x for batch in (*context.batches, *context.targets) for x in batch.leaves]
+        parameters = context.runtime.partitions[self.j].parameters()
+        return [*parameters, *(x for x in caller if isinstance(x, Tensor))]
 
     def act(self, action: Action) -> None:
         """Run ``action`` (one of this stage's) on its micro-batch, timed."""
@@ -204,13 +218,14 @@ class StageRun:
                 output = self._checkpointed_forward(stashed)
             else:
                 output = self._call(i, stashed, recomputing=False)
-                stashed.outputs = output.leaves
             if self.last:
                 if self.context.loss_fn is not None:
                     stashed.loss = self._loss(i, output)
                 self._keep_result(i, stashed.loss, output)
         if not self.last:
             self._send_output(i, stashed, output)
+            stashed.outputs = [_root(x) for x in output.leaves]
+        stashed.skips_out = {key: _root(x) for key, x in stashed.skips_out.items()}
 
     def _inputs(self, i: int) -> tuple[Batch, list[Any]]:
         """Micro-batch ``i`` as leaves of this stage's graph; and what they came from."""
@@ -318,11 +333,11 @@ class StageRun:
         assert stashed.recomputation is not None, "a checkpointed forward made it"
         with stashed.recomputation.replaying():
             output = self._call(i, stashed, recomputing=True)
-            stashed.outputs = output.leaves
+            stashed.outputs = [_root(x) for x in output.leaves]
             if self.last:
                 stashed.loss = self._loss(i, output)
 
-    def _roots(self, i: int, stashed: _Stashed) -> tuple[list[Tensor], list[Tensor | None]]:
+    def _roots(self, i: int, stashed: _Stashed) -> tuple[list[Root], list[Tensor | None]]:
         """What this stage's backward starts from: the loss, or outputs and outgoing skips."""
         if self.last:
             assert stashed.loss is not None
@@ -330,11 +345,11 @@ class StageRun:
             return [stashed.loss if scaler is None else scaler.scale(stashed.loss)], [None]
         grads = self._receive(("grad", self.j, i), self.j + 1, i).leaves
         pairs = list(zip(stashed.outputs, grads, strict=True))
-        for key, tensor in stashed.skips_out.items():
+        for key, root in stashed.skips_out.items():
             popping = self.context.skip_layout.route(key).target
             received = self._receive(self._skip_mail("skip-grad", key, i), popping, i)
-            pairs.append((tensor, received.leaves[0]))
-        kept = [(o, g) for o, g in pairs if _needs_grad(o) and g is not None]
+            pairs.append((_root(root), received.leaves[0]))
+        kept = [(o, g) for o, g in pairs if o is not None and g is not None]
         return [o for o, _ in kept], [g for _, g in kept]
 
     def _send_input_grads(self, i: int, stashed: _Stashed, grads: list[Tensor | None]) -> None:
@@ -464,6 +479,19 @@ class _StageTracker(SkipTracker):
 
 
 _NOTHING = contextlib.nullcontext()
+
+
+def _root(x: Any) -> Root | None:
+    """Where a backward from ``x`` starts (None if it needs no gradient): a leaf, or its edge.
+
+    The edge (``grad_fn``, output number) holds the graph but not ``x``'s
+    storage, which its owner may then free.
+    """
+    if isinstance(x, GradientEdge):
+        return x
+    if not _needs_grad(x):
+        return None
+    return x if x.grad_fn is None else get_gradient_edge(x)
 
 
 def _leaf(x: Tensor) -> Tensor:

@@ -35,7 +35,7 @@ def test_peak_micro_batches_held_equal_the_simulation(schedule: str) -> None:
         "gpipe": [8, 8, 8, 8],
         "1f1b": [4, 3, 2, 1],
         "interleaved": [4, 3, 2, 1],
-        "zb-h1": [5, 4, 3, 1],
+        "zb-h1": [4, 3, 2, 1],
     }[schedule]
     assert report.peak_in_flight == expected
 
@@ -110,12 +110,8 @@ def test_built_in_programs_are_valid_and_hold_what_their_schedule_promises(
     elif schedule == "1f1b":
         assert simulation.peak_in_flight == one_f_one_b
         assert simulation.mean_idle_fraction == pytest.approx(gpipe_idle)
-    elif schedule == "interleaved":
+    else:  # interleaved, and zb-h1 at 1F1B's memory (a graph waiting for W counts)
         assert simulation.peak_in_flight == one_f_one_b
-        assert simulation.mean_idle_fraction < gpipe_idle
-    else:  # zb-h1: 1F1B's micro-batches, plus graphs waiting for their weight gradient
-        for s, peak in enumerate(simulation.peak_in_flight):
-            assert one_f_one_b[s] <= peak <= one_f_one_b[s] + n - 1 - s
         assert simulation.mean_idle_fraction < gpipe_idle
 
 

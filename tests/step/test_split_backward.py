@@ -100,10 +100,11 @@ def outputs_of(module: nn.Module, x: Tensor) -> list[Tensor]:
     return [o for o in (out if isinstance(out, tuple) else (out,)) if o.requires_grad]
 
 
+@pytest.mark.parametrize("summed", [True, False], ids=["summed", "into .grad"])
 @pytest.mark.parametrize("input_requires_grad", [True, False], ids=["input grad", "no input grad"])
 @pytest.mark.parametrize("name", list(MODELS))
 def test_input_then_weight_gradients_equal_one_backward(
-    name: str, input_requires_grad: bool
+    name: str, input_requires_grad: bool, summed: bool
 ) -> None:
     torch.manual_seed(0)
     module = MODELS[name]().double()
@@ -116,9 +117,13 @@ def test_input_then_weight_gradients_equal_one_backward(
 
     outputs = outputs_of(module, x)
     input_grads, work = backward_input(outputs, grads, [x])
-    weights, weight_grads = work.run(lambda _: None)
-    assert all(p.grad is None for p in params), "I and W leave .grad to the stage"
-    by_weight = {id(w): g for w, g in zip(weights, weight_grads, strict=True)}
+    weights, weight_grads = work.run(lambda _: summed)
+    if summed:
+        assert all(p.grad is None for p in params), "summed: I and W leave .grad to the stage"
+        by_weight = {id(w): g for w, g in zip(weights, weight_grads, strict=True)}
+    else:
+        assert weights == [], "nothing to sum: W accumulated into .grad"
+        by_weight = {id(p): p.grad for p in params if p.grad is not None}
     assert set(by_weight) <= {id(p) for p in params}
     for p, e in zip(params, expected[: len(params)], strict=True):
         found = by_weight.get(id(p))
@@ -139,7 +144,7 @@ def test_a_scalar_loss_needs_no_gradient_and_unused_inputs_get_none() -> None:
     unused = torch.randn(2, dtype=torch.double, requires_grad=True)
     loss = module(x).square().sum()
     grads, work = backward_input([loss], [None], [x, unused])
-    weights, weight_grads = work.run(lambda _: None)
+    weights, weight_grads = work.run(lambda _: True)
     reference = nn.Linear(4, 4).double()
     reference.load_state_dict(module.state_dict())
     xr = x.detach().requires_grad_()

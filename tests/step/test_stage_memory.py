@@ -1,0 +1,86 @@
+"""What a stage keeps: its activations within the schedule's bound, its outputs freed once sent."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from pipeline import Pipe
+from tests.step.step_models import MODES, SCHEDULES, assert_same, grads
+
+ROWS, WIDTH, M, STAGES = 4, 16, 8, 4
+# One micro-batch's tensors of ROWS x WIDTH saved per stage of ``gelu_stages``: a
+# Linear saves its input (on stage 0 a view of the caller's batch, not counted),
+# GELU its input, and the last stage's MSE loss its input (the target is the caller's).
+SAVED_PER_STAGE = [1, 2, 2, 3]
+UNIT = ROWS * WIDTH * 8  # bytes, in float64
+
+
+def gelu_stages() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        *[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.GELU()) for _ in range(STAGES)]
+    )
+
+
+def batch() -> tuple[Tensor, Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    return tuple(torch.randn(ROWS * M, WIDTH, dtype=torch.double, generator=gen) for _ in range(2))  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+def test_each_stage_saves_at_most_its_micro_batches_in_flight_times_one_micro_batch(
+    schedule: str,
+) -> None:
+    pipe = Pipe(gelu_stages().double(), [1] * STAGES, devices=["cpu"] * STAGES, chunks=M,
+                checkpoint="never")  # fmt: skip
+    x, y = batch()
+    pipe.step(x, y, F.mse_loss, schedule=schedule, measure_memory=True)
+    report = pipe.last_step
+    assert report is not None
+    for s, partition in enumerate(report.partitions):
+        held = M if schedule == "gpipe" else min(STAGES - s, M)
+        bound = SAVED_PER_STAGE[s] * UNIT * held
+        measured = partition.peak_activation_bytes
+        assert measured is not None
+        # The caller's batch is not counted, nor more micro-batches than the bound's.
+        assert 0.95 * bound <= measured <= 1.05 * bound, (s, measured, bound)
+
+
+def output_watch(module: nn.Module, freed: list[bool]) -> None:
+    """On each forward of ``module`` with grad: once backward reaches its output, note
+    whether that output (the tensor) was let go by then."""
+
+    def forward_hook(_: nn.Module, __: Any, output: Tensor) -> None:
+        if not output.requires_grad:
+            return  # a checkpointed forward: nothing kept
+        ref = weakref.ref(output)
+        output.register_hook(lambda grad: freed.append(ref() is None))
+
+    module.register_forward_hook(forward_hook)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_outputs_are_let_go_once_sent_and_gradients_equal_the_plain_models(
+    schedule: str, mode: str
+) -> None:
+    model = gelu_stages().double()
+    x, y = batch()
+    F.mse_loss(model(x), y).backward()
+    expected = grads(model)
+    model.zero_grad(set_to_none=True)
+    freed: list[bool] = []
+    for stage in list(model)[:-1]:
+        output_watch(stage, freed)
+    pipe = Pipe(model, [1] * STAGES, devices=["cpu"] * STAGES, chunks=M, checkpoint=mode)
+    pipe.step(x, y, F.mse_loss, schedule=SCHEDULES[schedule]())
+    assert_same(grads(model), expected, f"{schedule}, checkpoint={mode}")
+    # Every forward with grad of the first stages (checkpointed ones recompute in backward).
+    assert len(freed) >= M
+    assert all(freed), "a stage kept its output tensor until its backward"
