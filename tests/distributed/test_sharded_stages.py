@@ -35,7 +35,7 @@ NAMES = [
 
 @pytest.fixture(scope="module")
 def four_processes(group_runner: GroupRunner) -> Outcomes:
-    return group_runner(NAMES, script=SCENARIOS, world_size=4, pg_timeout_s=60, wall_timeout_s=240)
+    return group_runner(NAMES, script=SCENARIOS, world_size=4, pg_timeout_s=60, wall_timeout_s=360)
 
 
 @pytest.mark.parametrize("name", NAMES)
