@@ -153,12 +153,6 @@ def test_balance_profiles_the_pieces(positional_split) -> None:
     assert sum(balance_by_size(2, seq, (ids, None, mask), device="cpu")) == len(seq)
 
 
-def test_tied_weights_across_devices_are_refused(positional_split) -> None:
-    _, seq = positional_split
-    with pytest.raises(ValueError, match=r"lm_head.*partition 0.*partition 1.*same device"):
-        Pipe(seq, [2, 3], devices=["cpu", "meta"])
-
-
 @pytest.fixture(scope="module")
 def dropout_split():
     model = gpt2(embd_pdrop=0.3, resid_pdrop=0.3, attn_pdrop=0.3)
@@ -221,7 +215,8 @@ def test_dropout_is_replayed_by_recomputation_in_a_step(dropout_split, schedule:
 def test_a_cache_is_refused_with_what_to_do() -> None:
     model = gpt2(use_cache=True)
     ids, mask, _ = tokens(2, 6)
-    # What the user must learn: the block that got a cache object, and the fix. The keyword the
-    # cache travels under is transformers' own and changes between releases (past_key_values, cache).
+    # What the user must learn: the block that got a cache object, and the fix. The keyword
+    # the cache travels under is transformers' own and changes between releases
+    # (past_key_values, cache).
     with pytest.raises(ValueError, match=r"transformer\.h\.0 .* DynamicCache .*use_cache=False"):
         pipeline.split(model, (ids,), {"attention_mask": mask})
