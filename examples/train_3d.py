@@ -123,15 +123,17 @@ TP_PLAN = {
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--blocks", type=int, default=4)
-    parser.add_argument("--width", type=int, default=16)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=3, help="AdamW steps")
+    parser.add_argument("--blocks", type=int, default=4, help="decoder blocks")
+    parser.add_argument("--width", type=int, default=16, help="model width")
+    parser.add_argument("--heads", type=int, default=4, help="attention heads (even: tp=2)")
+    parser.add_argument("--vocab", type=int, default=32, help="vocabulary size")
     parser.add_argument("--length", type=int, default=8, help="tokens per sequence")
     parser.add_argument("--batch", type=int, default=8, help="sequences per step, all replicas")
-    parser.add_argument("--chunks", type=int, default=2)
-    parser.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "zb-h1"])
+    parser.add_argument("--chunks", type=int, default=2, help="micro-batches per step")
+    parser.add_argument(
+        "--schedule", default="1f1b", choices=["gpipe", "1f1b", "zb-h1"], help="pipeline schedule"
+    )
     return parser.parse_args(argv)
 
 
