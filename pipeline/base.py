@@ -13,9 +13,9 @@ from __future__ import annotations
 import itertools
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal, overload
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,7 @@ from pipeline.arguments import (
     PipeArguments,
     check_checkpoint,
 )
+from pipeline.calls import EvaluateCall, MicroBatches, StepCall
 from pipeline.runtime.batchnorm import DeferredBatchNorm, statistics_of_one_pass
 from pipeline.runtime.evaluation import evaluating, evaluation_seed
 from pipeline.runtime.grad_norm import clip_grad_norm
@@ -46,7 +47,6 @@ from pipeline.step.cache import ProgramCache
 from pipeline.step.held_hooks import check_supported
 from pipeline.step.losses import (
     LossDivisor,
-    LossFn,
     check_divisor,
     check_grad_scaler,
     loss_scales,
@@ -68,6 +68,8 @@ class PipeBase(nn.Module):
     A subclass's ``__init__`` calls, in order: ``_adopt_arguments``,
     ``_split``, ``_register_names`` (for the layers it keeps) and
     ``_start_runtime``; it sets ``partitions``, ``skip_layout`` and ``_finalizer``.
+    ``step`` and ``evaluate`` hold the public signatures (``pipeline/calls.py``)
+    and hand their call to the subclass's ``_train`` and ``_evaluate``.
     """
 
     # The class as errors name it, and how to evaluate instead of stepping.
@@ -191,6 +193,156 @@ class PipeBase(nn.Module):
 
     # Steps
 
+    def step(
+        self,
+        input: Value,
+        target: Value,
+        loss_fn: Callable[[Value, Value], torch.Tensor],
+        *,
+        kwargs: Mapping[str, Value] | None = None,
+        schedule: str | Schedule = "1f1b",
+        loss_reduction: LossReduction | None = None,
+        loss_divisor: LossDivisor | None = None,
+        return_outputs: bool = False,
+        grad_scaler: torch.amp.GradScaler | None = None,
+        measure_memory: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, Value]:
+        """Run a training step, forward and backward, as the explicit ``schedule``.
+
+        Equivalent to ``loss = loss_fn(model(input, **kwargs), target);
+        loss.backward()`` on the plain model: the gradients accumulate into
+        ``.grad`` (zero them as usual), each tensor's once per step, so its
+        hooks are called as one backward calls them (docs/schedules.md,
+        "Gradients and hooks"), and the loss is returned, detached, on the last device. The
+        backward runs on the workers too, so that it overlaps across
+        partitions, in the order ``schedule`` gives: ``"gpipe"``, ``"1f1b"``
+        (the default: each partition holds at most as many micro-batches as
+        there are partitions after it), ``"interleaved"``, ``"zb-h1"``, or a
+        ``pipeline.schedules.Schedule`` (``Programs([...])`` for programs of
+        your own, in torch's notation: ``"0F0 0F1 0B0 0B1"``).
+
+        ``loss_fn(output, target)`` gets one micro-batch's output and target
+        (scattered like the input) and returns its loss, reduced over the
+        micro-batch. With ``loss_reduction="mean"`` each micro-batch's loss
+        counts by its share of the rows, so the result is the mean over the
+        mini-batch even when the last micro-batch is smaller; with ``"sum"``
+        the losses are added, and with ``"sum"`` and ``loss_divisor=N`` the
+        sum is divided by ``N``: a mean over what you count in the batch,
+        such as the tokens ``ignore_index`` leaves. A loss module
+        (``nn.MSELoss(reduction="sum")``) gives its own reduction, the
+        default; ``"mean"`` otherwise. ``return_outputs=True`` also returns
+        the model's output (detached)::
+
+            loss = pipe.step(x, y, nn.functional.cross_entropy, schedule="1f1b")
+            optimizer.step()
+
+        ``input`` is what ``pipe(input)`` takes; ``kwargs``, a dict, holds
+        the first layer's keyword arguments, split like the input (tensors
+        along dim 0, other values given to every micro-batch): ``pipe.step(ids,
+        y, loss_fn, kwargs={"attention_mask": mask})`` is the step of
+        ``model(ids, attention_mask=mask)``. With ``kwargs``, ``input=None``
+        calls the first layer with the keywords alone.
+
+        With ``grad_scaler`` (a ``torch.amp.GradScaler``), each micro-batch's
+        backward starts from its scaled loss, as ``scaler.scale(loss).backward()``
+        does, and the unscaled loss is returned; then call
+        ``scaler.step(optimizer)`` and ``scaler.update()`` as usual.
+        ``measure_memory=True`` measures each partition's peak activation
+        memory into ``pipe.last_step`` (it costs a few microseconds per saved
+        tensor).
+
+        Interrupted (Ctrl-C, any exception in the caller), ``step`` raises once
+        the workers have ended the action they were in: after that, nothing
+        writes into ``.grad``, the parameters or the buffers. The gradients
+        may hold part of the interrupted step's, as after an interrupted
+        ``loss.backward()``: zero them before the next step.
+        """
+        return self._train(
+            StepCall(
+                input,
+                target,
+                loss_fn,
+                kwargs,
+                schedule,
+                loss_reduction,
+                loss_divisor,
+                return_outputs,
+                grad_scaler,
+                measure_memory,
+            )
+        )
+
+    def _train(self, call: StepCall) -> torch.Tensor | tuple[torch.Tensor, Value]:
+        """Run ``step``'s call: checked, then its programs here."""
+        raise NotImplementedError
+
+    @overload
+    def evaluate(self, input: Value, *, kwargs: Mapping[str, Value] | None = None) -> Value: ...
+
+    @overload
+    def evaluate(
+        self,
+        input: Value,
+        target: Value,
+        loss_fn: Callable[[Value, Value], torch.Tensor],
+        *,
+        kwargs: Mapping[str, Value] | None = None,
+        loss_reduction: LossReduction | None = None,
+        loss_divisor: LossDivisor | None = None,
+        return_outputs: Literal[False] = False,
+    ) -> torch.Tensor: ...
+
+    @overload
+    def evaluate(
+        self,
+        input: Value,
+        target: Value,
+        loss_fn: Callable[[Value, Value], torch.Tensor],
+        *,
+        kwargs: Mapping[str, Value] | None = None,
+        loss_reduction: LossReduction | None = None,
+        loss_divisor: LossDivisor | None = None,
+        return_outputs: Literal[True],
+    ) -> tuple[torch.Tensor, Value]: ...
+
+    def evaluate(
+        self,
+        input: Value,
+        target: Value | None = None,
+        loss_fn: Callable[[Value, Value], torch.Tensor] | None = None,
+        *,
+        kwargs: Mapping[str, Value] | None = None,
+        loss_reduction: LossReduction | None = None,
+        loss_divisor: LossDivisor | None = None,
+        return_outputs: bool = False,
+    ) -> Any:
+        """The plain model's outputs, or loss, in ``eval()`` mode under ``torch.no_grad()``.
+
+        ``pipe.evaluate(x)`` returns the output, on the last device;
+        ``pipe.evaluate(x, y, loss_fn)`` the loss, weighed over the
+        micro-batches as ``step`` weighs it (``loss_reduction``,
+        ``loss_divisor``), and with ``return_outputs=True`` the loss and the
+        output. The micro-batches overlap across partitions, forward only::
+
+            val_loss = pipe.evaluate(x, y, nn.functional.cross_entropy)
+
+        ``kwargs`` are the first layer's keyword arguments, as ``step`` takes them.
+
+        It leaves the pipe as it found it: every submodule's train/eval mode
+        (mixed modes too), ``.grad``, running statistics, and the default
+        random generators (a layer that draws even in eval mode draws fresh
+        numbers on each call, reproducible under ``torch.manual_seed``).
+        """
+        return self._evaluate(
+            EvaluateCall(
+                input, target, loss_fn, kwargs, loss_reduction, loss_divisor, return_outputs
+            )
+        )
+
+    def _evaluate(self, call: EvaluateCall) -> Any:
+        """Run ``evaluate``'s call: checked, then its forward programs here."""
+        raise NotImplementedError
+
     def _check_open(self) -> None:
         if not self._finalizer.alive:
             raise RuntimeError(
@@ -265,21 +417,15 @@ class PipeBase(nn.Module):
 
     def _step_run(
         self,
-        programs: list[Program],
-        batches: list[Batch],
-        targets: list[Batch],
-        rows: list[int],
-        loss_fn: LossFn,
+        call: StepCall,
         loss_reduction: LossReduction,
+        programs: list[Program],
+        split: MicroBatches,
         hooks: list[Hook],
-        keep_outputs: bool,
         threads: list[list[int]],
         *,
         transport: Transport | None = None,
         stages: Iterable[int] | None = None,
-        loss_divisor: LossDivisor | None = None,
-        grad_scaler: torch.amp.GradScaler | None = None,
-        measure_memory: bool = False,
         at_end: Iterable[torch.Tensor] = (),
     ) -> StepRun:
         """One step's run: this pipe's partitions and skips, loss scales, checkpointed tasks.
@@ -287,36 +433,34 @@ class PipeBase(nn.Module):
         ``threads[t]`` lists the stages thread ``t`` runs: which generators
         each thread owns follows (``pipeline/runtime/ownership.py``).
         """
-        if grad_scaler is not None:
+        if call.grad_scaler is not None:
             # Its scale is made on first use: here, on the loss's device, not by a worker.
-            grad_scaler.scale(torch.zeros((), device=self._runtime.devices[-1]))
+            call.grad_scaler.scale(torch.zeros((), device=self._runtime.devices[-1]))
+        m = len(split.rows)
         return StepRun(
             self._runtime,
             self.skip_layout,
-            batches,
-            targets,
-            loss_fn,
-            loss_scales(rows, loss_reduction, loss_divisor),
-            checkpointed_tasks(programs, len(rows), self.checkpoint, self.training),
+            split.batches,
+            split.targets,
+            call.loss_fn,
+            loss_scales(split.rows, loss_reduction, call.loss_divisor),
+            checkpointed_tasks(programs, m, self.checkpoint, self.training),
             hooks,
-            keep_outputs,
+            call.return_outputs,
             self._runtime.randomness(threads),
             any(a.kind == "W" for program in programs for a in program),
             transport=transport,
             stages=stages,
-            grad_scaler=grad_scaler,
-            measure_memory=measure_memory,
+            grad_scaler=call.grad_scaler,
+            measure_memory=call.measure_memory,
             at_end=at_end,
         )
 
     def _evaluation_run(
         self,
-        batches: list[Batch],
-        targets: list[Batch],
-        rows: list[int],
-        loss_fn: LossFn | None,
+        call: EvaluateCall,
         loss_reduction: LossReduction | None,
-        loss_divisor: LossDivisor | None,
+        split: MicroBatches,
         keep_outputs: bool,
         threads: list[list[int]],
         *,
@@ -330,10 +474,10 @@ class PipeBase(nn.Module):
         return StepRun(
             self._runtime,
             self.skip_layout,
-            batches,
-            targets,
-            loss_fn,
-            loss_scales(rows, loss_reduction or "mean", loss_divisor),
+            split.batches,
+            split.targets,
+            call.loss_fn,
+            loss_scales(split.rows, loss_reduction or "mean", call.loss_divisor),
             set(),
             [],
             keep_outputs,

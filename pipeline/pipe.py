@@ -5,8 +5,8 @@ from __future__ import annotations
 import operator
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Literal, overload
+from collections.abc import Iterator, Sequence
+from typing import Any, overload
 
 import torch
 from torch import nn
@@ -23,6 +23,7 @@ from pipeline.arguments import (
     resolve_devices,
 )
 from pipeline.base import PipeBase
+from pipeline.calls import EvaluateCall, MicroBatches, StepCall
 from pipeline.clock.driver import ClockDriver
 from pipeline.runtime.batchnorm import DeferredBatchNorm
 from pipeline.runtime.borrowed import find_loans
@@ -38,7 +39,6 @@ from pipeline.runtime.worker import (
 )
 from pipeline.skip.layout import inspect_skip_layout
 from pipeline.step.actions import Program
-from pipeline.step.losses import LossDivisor
 from pipeline.step.reports import StepReport
 from pipeline.step.runner import StepRun, forward_programs, program_threads
 from pipeline.step.schedules import Schedule, resolve_schedule
@@ -198,85 +198,20 @@ class Pipe(PipeBase):
             self._driver.run(batches, stop, hooks, rows)
         return gather(batches)
 
-    def step(
-        self,
-        input: Value,
-        target: Value,
-        loss_fn: Callable[[Value, Value], torch.Tensor],
-        *,
-        kwargs: Mapping[str, Value] | None = None,
-        schedule: str | Schedule = "1f1b",
-        loss_reduction: LossReduction | None = None,
-        loss_divisor: LossDivisor | None = None,
-        return_outputs: bool = False,
-        grad_scaler: torch.amp.GradScaler | None = None,
-        measure_memory: bool = False,
-    ) -> torch.Tensor | tuple[torch.Tensor, Value]:
-        """Run a training step, forward and backward, as the explicit ``schedule``.
-
-        Equivalent to ``loss = loss_fn(model(input, **kwargs), target);
-        loss.backward()`` on the plain model: the gradients accumulate into
-        ``.grad`` (zero them as usual), each tensor's once per step, so its
-        hooks are called as one backward calls them (docs/schedules.md,
-        "Gradients and hooks"), and the loss is returned, detached, on the last device. The
-        backward runs on the workers too, so that it overlaps across
-        partitions, in the order ``schedule`` gives: ``"gpipe"``, ``"1f1b"``
-        (the default: each partition holds at most as many micro-batches as
-        there are partitions after it), ``"interleaved"``, ``"zb-h1"``, or a
-        ``pipeline.schedules.Schedule`` (``Programs([...])`` for programs of
-        your own, in torch's notation: ``"0F0 0F1 0B0 0B1"``).
-
-        ``loss_fn(output, target)`` gets one micro-batch's output and target
-        (scattered like the input) and returns its loss, reduced over the
-        micro-batch. With ``loss_reduction="mean"`` each micro-batch's loss
-        counts by its share of the rows, so the result is the mean over the
-        mini-batch even when the last micro-batch is smaller; with ``"sum"``
-        the losses are added, and with ``"sum"`` and ``loss_divisor=N`` the
-        sum is divided by ``N``: a mean over what you count in the batch,
-        such as the tokens ``ignore_index`` leaves. A loss module
-        (``nn.MSELoss(reduction="sum")``) gives its own reduction, the
-        default; ``"mean"`` otherwise. ``return_outputs=True`` also returns
-        the model's output (detached)::
-
-            loss = pipe.step(x, y, nn.functional.cross_entropy, schedule="1f1b")
-            optimizer.step()
-
-        ``input`` is what ``pipe(input)`` takes; ``kwargs``, a dict, holds
-        the first layer's keyword arguments, split like the input (tensors
-        along dim 0, other values given to every micro-batch): ``pipe.step(ids,
-        y, loss_fn, kwargs={"attention_mask": mask})`` is the step of
-        ``model(ids, attention_mask=mask)``. With ``kwargs``, ``input=None``
-        calls the first layer with the keywords alone.
-
-        With ``grad_scaler`` (a ``torch.amp.GradScaler``), each micro-batch's
-        backward starts from its scaled loss, as ``scaler.scale(loss).backward()``
-        does, and the unscaled loss is returned; then call
-        ``scaler.step(optimizer)`` and ``scaler.update()`` as usual.
-        ``measure_memory=True`` measures each partition's peak activation
-        memory into ``pipe.last_step`` (it costs a few microseconds per saved
-        tensor).
-
-        Interrupted (Ctrl-C, any exception in the caller), ``step`` raises once
-        the workers have ended the action they were in: after that, nothing
-        writes into ``.grad``, the parameters or the buffers. The gradients
-        may hold part of the interrupted step's, as after an interrupted
-        ``loss.backward()``: zero them before the next step.
-        """
-        reduction = self._check_step(loss_fn, loss_reduction, loss_divisor, grad_scaler)
-        chosen = resolve_schedule(schedule)
-        warn_if_workers_unseen(stacklevel=2)
-        value = self._input_of(input, kwargs)
+    def _train(self, call: StepCall) -> torch.Tensor | tuple[torch.Tensor, Value]:
+        reduction = self._check_step(
+            call.loss_fn, call.loss_reduction, call.loss_divisor, call.grad_scaler
+        )
+        chosen = resolve_schedule(call.schedule)
+        warn_if_workers_unseen(stacklevel=3)  # _train, PipeBase.step, the caller
+        value = self._input_of(call.input, call.kwargs)
         with self._runtime.lock:
             return self._step(
                 self._scatter_input(value),
-                self._scatter_target(target),
-                loss_fn,
+                self._scatter_target(call.target),
+                call,
                 chosen,
                 reduction,
-                return_outputs,
-                loss_divisor,
-                grad_scaler,
-                measure_memory,
             )
 
     def _check_step(
@@ -313,13 +248,9 @@ class Pipe(PipeBase):
         self,
         batches: list[Batch],
         targets: list[Batch],
-        loss_fn: Callable[[Value, Value], torch.Tensor],
+        call: StepCall,
         schedule: Schedule,
         loss_reduction: LossReduction,
-        return_outputs: bool,
-        loss_divisor: LossDivisor | None,
-        grad_scaler: torch.amp.GradScaler | None,
-        measure_memory: bool,
     ) -> torch.Tensor | tuple[torch.Tensor, Value]:
         n = len(self.partitions)
         workers = schedule.workers(n)
@@ -328,23 +259,13 @@ class Pipe(PipeBase):
                 f"{schedule!r} needs {workers} workers, but the Pipe has {n} partitions (one "
                 "worker each)"
             )
-        rows = _rows_of(batches, targets)
-        self._check_token_loss(batches, loss_reduction, loss_divisor)
+        split = MicroBatches(batches, targets, _rows_of(batches, targets))
+        self._check_token_loss(batches, loss_reduction, call.loss_divisor)
         programs, simulation = self._programs(schedule, len(batches))
         threads = program_threads(programs, self._thread_of)
+        hooks = list(self._completion_hooks.values())
         run = self._step_run(
-            programs,
-            batches,
-            targets,
-            rows,
-            loss_fn,
-            loss_reduction,
-            list(self._completion_hooks.values()),
-            return_outputs,
-            [sorted({a.stage for k in ks for a in programs[k]}) for ks in threads.values()],
-            loss_divisor=loss_divisor,
-            grad_scaler=grad_scaler,
-            measure_memory=measure_memory,
+            call, loss_reduction, programs, split, hooks, _thread_stages(programs, threads)
         )
         begin_explicit_step(simulation.mean_idle_fraction)
         with self._one_pass(), run.holding_hooks():
@@ -352,7 +273,7 @@ class Pipe(PipeBase):
             run.finish()
         self.last_step = StepReport(schedule, simulation, self._measured(run, programs))
         loss = run.loss()
-        if return_outputs:
+        if call.return_outputs:
             return loss, gather(run.outputs)
         return loss
 
@@ -369,92 +290,35 @@ class Pipe(PipeBase):
         """
         run.run(programs, self._workers, threads, simulation)
 
-    @overload
-    def evaluate(self, input: Value, *, kwargs: Mapping[str, Value] | None = None) -> Value: ...
-
-    @overload
-    def evaluate(
-        self,
-        input: Value,
-        target: Value,
-        loss_fn: Callable[[Value, Value], torch.Tensor],
-        *,
-        kwargs: Mapping[str, Value] | None = None,
-        loss_reduction: LossReduction | None = None,
-        loss_divisor: LossDivisor | None = None,
-        return_outputs: Literal[False] = False,
-    ) -> torch.Tensor: ...
-
-    @overload
-    def evaluate(
-        self,
-        input: Value,
-        target: Value,
-        loss_fn: Callable[[Value, Value], torch.Tensor],
-        *,
-        kwargs: Mapping[str, Value] | None = None,
-        loss_reduction: LossReduction | None = None,
-        loss_divisor: LossDivisor | None = None,
-        return_outputs: Literal[True],
-    ) -> tuple[torch.Tensor, Value]: ...
-
-    def evaluate(
-        self,
-        input: Value,
-        target: Value | None = None,
-        loss_fn: Callable[[Value, Value], torch.Tensor] | None = None,
-        *,
-        kwargs: Mapping[str, Value] | None = None,
-        loss_reduction: LossReduction | None = None,
-        loss_divisor: LossDivisor | None = None,
-        return_outputs: bool = False,
-    ) -> Any:
-        """The plain model's outputs, or loss, in ``eval()`` mode under ``torch.no_grad()``.
-
-        ``pipe.evaluate(x)`` returns the output, on the last device;
-        ``pipe.evaluate(x, y, loss_fn)`` the loss, weighed over the
-        micro-batches as ``step`` weighs it (``loss_reduction``,
-        ``loss_divisor``), and with ``return_outputs=True`` the loss and the
-        output. The micro-batches overlap across partitions, forward only::
-
-            val_loss = pipe.evaluate(x, y, nn.functional.cross_entropy)
-
-        ``kwargs`` are the first layer's keyword arguments, as ``step`` takes them.
-
-        It leaves the pipe as it found it: every submodule's train/eval mode
-        (mixed modes too), ``.grad``, running statistics, and the default
-        random generators (a layer that draws even in eval mode draws fresh
-        numbers on each call, reproducible under ``torch.manual_seed``).
-        """
+    def _evaluate(self, call: EvaluateCall) -> Any:
         self._check_call("evaluate")
-        reduction = self._check_evaluate_arguments(target, loss_fn, loss_reduction, loss_divisor)
-        if loss_fn is not None and target is None:
+        reduction = self._check_evaluate_arguments(
+            call.target, call.loss_fn, call.loss_reduction, call.loss_divisor
+        )
+        if call.loss_fn is not None and call.target is None:
             raise TypeError("Pipe.evaluate got a loss_fn but no target: pass both, or neither")
-        warn_if_workers_unseen(stacklevel=2)
+        warn_if_workers_unseen(stacklevel=3)  # _evaluate, PipeBase.evaluate, the caller
         with self._runtime.lock:
-            batches = self._scatter_input(self._input_of(input, kwargs))
-            targets = self._scatter_target(target) if loss_fn is not None else []
+            batches = self._scatter_input(self._input_of(call.input, call.kwargs))
+            targets = self._scatter_target(call.target) if call.loss_fn is not None else []
             rows = _rows_of(batches, targets) if targets else [b.rows() for b in batches]
-            self._check_token_loss(batches, reduction, loss_divisor)
+            self._check_token_loss(batches, reduction, call.loss_divisor)
             n = len(self.partitions)
             programs = forward_programs(len(batches), n, n)
             threads = program_threads(programs, self._thread_of)
             begin_explicit_step()
             with self._evaluating():
                 run = self._evaluation_run(
-                    batches,
-                    targets,
-                    rows,
-                    loss_fn,
+                    call,
                     reduction,
-                    loss_divisor,
-                    return_outputs or loss_fn is None,
-                    [sorted({a.stage for k in ks for a in programs[k]}) for ks in threads.values()],
+                    MicroBatches(batches, targets, rows),
+                    call.return_outputs or call.loss_fn is None,
+                    _thread_stages(programs, threads),
                 )
                 self._run_programs(run, programs, threads)
-        if loss_fn is None:
+        if call.loss_fn is None:
             return gather(run.outputs)
-        if return_outputs:
+        if call.return_outputs:
             return run.loss(), gather(run.outputs)
         return run.loss()
 
@@ -572,6 +436,11 @@ def _refuse_sharded(pipe: Pipe, method: str) -> None:
             "pipeline.distributed.DistributedPipe instead (docs/distributed_pipe.md, 'Sharded "
             "stages'), or replicate the Pipe with pipeline.DataParallel"
         )
+
+
+def _thread_stages(programs: list[Program], threads: dict[int, list[int]]) -> list[list[int]]:
+    """The stages each worker thread runs: those of the programs ``threads`` gives it."""
+    return [sorted({a.stage for k in ks for a in programs[k]}) for ks in threads.values()]
 
 
 def _rows_of(batches: list[Batch], targets: list[Batch]) -> list[int]:

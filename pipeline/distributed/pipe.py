@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -37,6 +37,7 @@ from torch import Tensor, nn
 
 from pipeline.arguments import CallStyle, CheckpointMode, LossReduction, PipeArguments
 from pipeline.base import PipeBase
+from pipeline.calls import EvaluateCall, MicroBatches, StepCall, redocumented
 from pipeline.distributed.groups import give_back, message_groups, retire
 from pipeline.distributed.meta import Init, materialized, meta_resets
 from pipeline.distributed.p2p import P2PTransport
@@ -125,7 +126,7 @@ class DistributedPipe(PipeBase):
         self.group = resolve_group(group)
         self.size = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
-        arguments, pipelines = self._agree_to_build(
+        arguments, refusal = self._checked_alone(
             module,
             balance,
             chunks,
@@ -137,37 +138,14 @@ class DistributedPipe(PipeBase):
             max_message_bytes,
             init,
         )
+        pipelines = self._agree_to_build(module, arguments, refusal)
+        assert arguments is not None, "built with no refusal and no disagreement"
         self._adopt_arguments(arguments)
-        n = len(self.balance)
-        self.owner = [s % self.size for s in range(n)]
-        self.local_stages = [s for s in range(n) if self.owner[s] == self.rank]
-        every = self._split(module, arguments.deferred_batch_norm)
-        self.skip_layout = inspect_skip_layout(every, [self.device] * n)
-        self._ties = TiedWeights(every, self.owner)
-        self.partitions = [
-            materialized(p, self.device, init, module)
-            if self.owner[s] == self.rank
-            else nn.Sequential()
-            for s, p in enumerate(every)
-        ]
-        self._register_names(module, [self.partitions[s] for s in self.local_stages])
-        self._start_runtime([self.device] * n, deferred_batch_norm=arguments.deferred_batch_norm)
-        self._ties.resolve(self.partitions, self.local_stages, pipelines, self.rank)
-        self._ties.synchronize()
-        peers = _peers(self.local_stages, self.owner, self.skip_layout)
-        self._transport = P2PTransport(
-            self.group,
-            message_groups(pipelines),
-            self.owner,
-            peers,
-            [self.device] * n,
-            timeout,
-            max_message_bytes,
-        )
-        self._finalizer = weakref.finalize(self, _closed, self._transport, self._ties)
+        self._build_stages(module, arguments.deferred_batch_norm, init, pipelines)
+        self._connect(pipelines, timeout, max_message_bytes)
         self.last_step: DistributedStepReport | None = None
 
-    def _agree_to_build(
+    def _checked_alone(
         self,
         module: nn.Sequential,
         balance: Sequence[int] | None,
@@ -179,15 +157,12 @@ class DistributedPipe(PipeBase):
         timeout: float,
         max_message_bytes: int,
         init: Init | None,
-    ) -> tuple[PipeArguments, list[list[int]]]:
-        """The arguments, once every process of the job agrees to build; and every pipeline.
+    ) -> tuple[PipeArguments | None, Exception | None]:
+        """The arguments as far as this process can check them alone, or its refusal.
 
-        What one process can check alone is checked first but raised only
-        after the comparison, in which the others would otherwise wait: every
-        process of the job raises, or none does, before anything is built.
+        The refusal is raised only after the comparison (``_agree_to_build``),
+        in which the others would otherwise wait.
         """
-        refusal: Exception | None = None
-        arguments: PipeArguments | None = None
         try:
             arguments = check_alone(
                 module, balance, chunks, checkpoint, call_style, deferred_batch_norm, self.size
@@ -205,7 +180,21 @@ class DistributedPipe(PipeBase):
                 raise TypeError(f"init must be callable(module), got {init!r}")
             meta_resets(module, init)  # every process refuses a model it could not materialise
         except Exception as error:
-            refusal, arguments = error, None
+            return None, error
+        return arguments, None
+
+    def _agree_to_build(
+        self,
+        module: nn.Sequential,
+        arguments: PipeArguments | None,
+        refusal: Exception | None,
+    ) -> list[list[int]]:
+        """Every pipeline of the job, once every process of the job agrees to build.
+
+        Every process of the job raises, or none does, before anything is
+        built: this one's ``refusal`` (what it checked alone), a disagreement
+        of the arguments, or another pipeline's refusal.
+        """
         # Every process compares, a refusing one too: the others wait for it.
         disagreed = disagreement(module, arguments, self.group)
         problem = refusal or disagreed
@@ -217,25 +206,50 @@ class DistributedPipe(PipeBase):
                 f"the pipeline of (global) ranks {stopped} refused its arguments (its processes' "
                 "errors say why); no pipeline of the job was built"
             )
-        assert arguments is not None, "built with no refusal and no disagreement"
-        return arguments, pipelines
+        return pipelines
+
+    def _build_stages(
+        self,
+        module: nn.Sequential,
+        deferred_batch_norm: bool,
+        init: Init | None,
+        pipelines: list[list[int]],
+    ) -> None:
+        """This process's stages, materialised on its device, tied weights made equal."""
+        n = len(self.balance)
+        self.owner = [s % self.size for s in range(n)]
+        self.local_stages = [s for s in range(n) if self.owner[s] == self.rank]
+        every = self._split(module, deferred_batch_norm)
+        self.skip_layout = inspect_skip_layout(every, [self.device] * n)
+        self._ties = TiedWeights(every, self.owner)
+        self.partitions = [
+            materialized(p, self.device, init, module)
+            if self.owner[s] == self.rank
+            else nn.Sequential()
+            for s, p in enumerate(every)
+        ]
+        self._register_names(module, [self.partitions[s] for s in self.local_stages])
+        self._start_runtime([self.device] * n, deferred_batch_norm=deferred_batch_norm)
+        self._ties.resolve(self.partitions, self.local_stages, pipelines, self.rank)
+        self._ties.synchronize()
+
+    def _connect(self, pipelines: list[list[int]], timeout: float, max_message_bytes: int) -> None:
+        """The transport to this process's peers, closed with the pipe."""
+        self._transport = P2PTransport(
+            self.group,
+            message_groups(pipelines),
+            self.owner,
+            _peers(self.local_stages, self.owner, self.skip_layout),
+            [self.device] * len(self.balance),
+            timeout,
+            max_message_bytes,
+        )
+        self._finalizer = weakref.finalize(self, _closed, self._transport, self._ties)
 
     # Training
 
-    def step(
-        self,
-        input: Value | None,
-        target: Value | None,
-        loss_fn: Callable[[Value, Value], Tensor],
-        *,
-        kwargs: Mapping[str, Value] | None = None,
-        schedule: str | Schedule = "1f1b",
-        loss_reduction: LossReduction | None = None,
-        loss_divisor: LossDivisor | None = None,
-        return_outputs: bool = False,
-        grad_scaler: torch.amp.GradScaler | None = None,
-        measure_memory: bool = False,
-    ) -> Tensor | tuple[Tensor, Value | None]:
+    step = redocumented(
+        PipeBase.step,
         """Run a training step over every process; see ``Pipe.step``.
 
         Every process of the group calls it. ``input`` (and ``kwargs``, the
@@ -248,49 +262,22 @@ class DistributedPipe(PipeBase):
         stage runs; give it on every process. A ``grad_scaler`` must be a
         ``ShardedGradScaler`` over a group holding the pipeline's processes,
         so that an inf found by one stage skips the optimizer step on all.
-        """
-        first, last = 0 in self.local_stages, len(self.balance) - 1 in self.local_stages
-        # A refusal is raised only after the agreement, which the other
-        # processes would otherwise wait in until their group's timeout.
-        refusal: Exception | None = None
-        chosen: Schedule | None = None
-        batches: list[Batch] = []
-        targets: list[Batch] = []
-        reduction: LossReduction | None = None
-        named: str | None = None
-        try:
-            chosen, reduction = self._check_step(
-                loss_fn, schedule, loss_reduction, loss_divisor, grad_scaler
-            )
-            named = self._schedule_name(chosen)
-            batches = self._scatter(self._input_of(input, kwargs), "input", needed=first)
-            targets = self._scatter(target, "target", needed=last)
-            self._check_token_loss(batches, reduction, loss_divisor)
-        except Exception as error:
-            refusal = error
-        choice = None
-        if named is not None:
-            choice = f"{named} {_loss_choice(reduction, loss_divisor)}"
-            choice += f", grad_scaler {_given(grad_scaler)}"
-            choice += f", {sharding_kind(self.partitions, self.local_stages)}"
-        rows = self._agree(batches, targets, choice, refusal)
-        assert chosen is not None and reduction is not None, "else every process raised"
-        programs, simulation = self._programs(chosen, len(rows))
+        """,
+    )
+
+    def _train(self, call: StepCall) -> Tensor | tuple[Tensor, Value | None]:
+        last = len(self.balance) - 1 in self.local_stages
+        chosen, reduction, split = self._agreed_step(call)
+        programs, simulation = self._programs(chosen, len(split.rows))
         run = self._step_run(
-            programs,
-            batches,
-            targets,
-            rows,
-            loss_fn,
+            call,
             reduction,
+            programs,
+            split,
             [self._stage_done],
-            return_outputs,
             [self.local_stages],
             transport=self._transport,
             stages=self.local_stages,
-            loss_divisor=loss_divisor,
-            grad_scaler=grad_scaler,
-            measure_memory=measure_memory,
             at_end=self._ties.parameters(),
         )
         with self._one_pass(), run.holding_hooks():
@@ -309,9 +296,38 @@ class DistributedPipe(PipeBase):
             received=self._transport.received(),
         )
         loss = self._loss_everywhere(run.loss() if last else None)
-        if not return_outputs:
+        if not call.return_outputs:
             return loss
         return loss, gather(run.outputs) if last else None
+
+    def _agreed_step(self, call: StepCall) -> tuple[Schedule, LossReduction, MicroBatches]:
+        """The step's schedule, reduction and micro-batches, once every process agrees."""
+        first, last = 0 in self.local_stages, len(self.balance) - 1 in self.local_stages
+        # A refusal is raised only after the agreement, which the other
+        # processes would otherwise wait in until their group's timeout.
+        refusal: Exception | None = None
+        chosen: Schedule | None = None
+        batches: list[Batch] = []
+        targets: list[Batch] = []
+        reduction: LossReduction | None = None
+        choice: str | None = None
+        try:
+            chosen, reduction = self._check_step(call)
+            choice = self._step_choice(chosen, reduction, call)
+            batches = self._scatter(self._input_of(call.input, call.kwargs), "input", needed=first)
+            targets = self._scatter(call.target, "target", needed=last)
+            self._check_token_loss(batches, reduction, call.loss_divisor)
+        except Exception as error:
+            refusal = error
+        rows = self._agree(batches, targets, choice, refusal)
+        assert chosen is not None and reduction is not None, "else every process raised"
+        return chosen, reduction, MicroBatches(batches, targets, rows)
+
+    def _step_choice(self, chosen: Schedule, reduction: LossReduction, call: StepCall) -> str:
+        """What every process must agree on of a step's arguments (``_agree``)."""
+        choice = f"{self._schedule_name(chosen)} {_loss_choice(reduction, call.loss_divisor)}"
+        choice += f", grad_scaler {_given(call.grad_scaler)}"
+        return choice + f", {sharding_kind(self.partitions, self.local_stages)}"
 
     def _placement(self) -> str:
         return f"stages={self.local_stages} of rank {self.rank}/{self.size}, device='{self.device}'"
@@ -332,23 +348,18 @@ class DistributedPipe(PipeBase):
         super()._check_open()
         self._transport.check_peers()
 
-    def _check_step(
-        self,
-        loss_fn: Any,
-        schedule: str | Schedule,
-        loss_reduction: Any,
-        loss_divisor: Any,
-        grad_scaler: Any,
-    ) -> tuple[Schedule, LossReduction]:
+    def _check_step(self, call: StepCall) -> tuple[Schedule, LossReduction]:
         """The step's schedule and reduction, once this process's own arguments pass.
 
         (As far as this process can tell: the agreement compares them.)
         """
         self._check_open()
-        reduction = self._check_step_arguments(loss_fn, loss_reduction, loss_divisor, grad_scaler)
-        self._check_scaler_agrees(grad_scaler)
+        reduction = self._check_step_arguments(
+            call.loss_fn, call.loss_reduction, call.loss_divisor, call.grad_scaler
+        )
+        self._check_scaler_agrees(call.grad_scaler)
         self._check_sharding()
-        chosen = resolve_schedule(schedule)
+        chosen = resolve_schedule(call.schedule)
         workers = chosen.workers(len(self.balance))
         if workers != self.size:
             raise ValueError(
@@ -422,15 +433,8 @@ class DistributedPipe(PipeBase):
         different schedules, or if the target and the input split differently.
         """
         m = self.chunks
-        # Every process's row has 2 + 2 (m + 1) entries, m being the chunks
-        # that every process agreed on when the pipe was built
-        # (stage_arguments.py): the rows cannot differ in length, which would
-        # make gloo abort a process.
-        row = [int(refusal is not None), 0 if choice is None else fingerprint(choice)]
-        for split in (batches, targets):
-            row += [len(split), *(b.rows() for b in split), *[0] * (m - len(split))]
         try:
-            rows = gather_rows(row, self.group)
+            rows = gather_rows(self._agreement_row(batches, targets, choice, refusal), self.group)
         except RuntimeError as error:
             raise self._transport.explain("the step's agreement", error) from error
         if refusal is not None:
@@ -458,6 +462,24 @@ class DistributedPipe(PipeBase):
             )
         return input_rows
 
+    def _agreement_row(
+        self,
+        batches: list[Batch],
+        targets: list[Batch],
+        choice: str | None,
+        refusal: Exception | None,
+    ) -> list[int]:
+        """This process's row of ``_agree``: refused, its choice's hash, both splits' sizes."""
+        m = self.chunks
+        # Every process's row has 2 + 2 (m + 1) entries, m being the chunks
+        # that every process agreed on when the pipe was built
+        # (stage_arguments.py): the rows cannot differ in length, which would
+        # make gloo abort a process.
+        row = [int(refusal is not None), 0 if choice is None else fingerprint(choice)]
+        for split in (batches, targets):
+            row += [len(split), *(b.rows() for b in split), *[0] * (m - len(split))]
+        return row
+
     def _stage_done(self, j: int) -> None:
         # A stage with tied weights is final only once their gradients are
         # summed over the processes that hold them, after the step.
@@ -477,17 +499,8 @@ class DistributedPipe(PipeBase):
 
     # Evaluation
 
-    def evaluate(
-        self,
-        input: Value | None,
-        target: Value | None = None,
-        loss_fn: Callable[[Value, Value], Tensor] | None = None,
-        *,
-        kwargs: Mapping[str, Value] | None = None,
-        loss_reduction: LossReduction | None = None,
-        loss_divisor: LossDivisor | None = None,
-        return_outputs: bool = False,
-    ) -> Any:
+    evaluate = redocumented(
+        PipeBase.evaluate,
         """The plain model's outputs or loss in ``eval()`` under no_grad; see ``Pipe.evaluate``.
 
         Every process of the group calls it, with the same ``loss_fn`` (or
@@ -498,36 +511,20 @@ class DistributedPipe(PipeBase):
         (without a ``loss_fn``, or with ``return_outputs=True``): each
         micro-batch's output travels from the last stage's process to the
         others as the stages' messages do.
-        """
-        first, last = 0 in self.local_stages, len(self.balance) - 1 in self.local_stages
-        refusal: Exception | None = None
-        batches: list[Batch] = []
-        targets: list[Batch] = []
-        reduction: LossReduction | None = None
-        wants_outputs = return_outputs or loss_fn is None
-        try:
-            reduction = self._check_evaluate_arguments(
-                target, loss_fn, loss_reduction, loss_divisor
-            )
-            self._check_sharding()
-            batches = self._scatter(self._input_of(input, kwargs), "input", needed=first)
-            targets = self._scatter(target, "target", needed=last and loss_fn is not None)
-            self._check_token_loss(batches, reduction, loss_divisor)
-        except Exception as error:
-            refusal = error
-        choice = "evaluate the outputs" if loss_fn is None else "evaluate the loss"
-        choice += f" ({_loss_choice(reduction, loss_divisor)}), outputs {wants_outputs}"
-        rows = self._agree(batches, targets, choice, refusal, with_target=loss_fn is not None)
-        programs = forward_programs(len(rows), len(self.balance), self.size)
+        """,
+    )
+
+    def _evaluate(self, call: EvaluateCall) -> Any:
+        last = len(self.balance) - 1 in self.local_stages
+        wants_outputs = call.return_outputs or call.loss_fn is None
+        reduction, split = self._agreed_evaluation(call)
+        programs = forward_programs(len(split.rows), len(self.balance), self.size)
         local = [self.partitions[s] for s in self.local_stages]
         with self._evaluating(), resharded_after(local):
             run = self._evaluation_run(
-                batches,
-                targets,
-                rows,
-                loss_fn,
+                call,
                 reduction,
-                loss_divisor,
+                split,
                 wants_outputs and last,
                 [self.local_stages],
                 transport=self._transport,
@@ -535,12 +532,36 @@ class DistributedPipe(PipeBase):
             )
             self._transport.begin_step()
             run.run_here(programs[self.rank])
-            outputs = self._outputs_everywhere(run, len(rows)) if wants_outputs else None
+            outputs = self._outputs_everywhere(run, len(split.rows)) if wants_outputs else None
             self._transport.end_step()
-        if loss_fn is None:
+        if call.loss_fn is None:
             return outputs
         loss = self._loss_everywhere(run.loss() if last else None)
-        return (loss, outputs) if return_outputs else loss
+        return (loss, outputs) if call.return_outputs else loss
+
+    def _agreed_evaluation(self, call: EvaluateCall) -> tuple[LossReduction | None, MicroBatches]:
+        """The evaluation's reduction and micro-batches, once every process agrees."""
+        first, last = 0 in self.local_stages, len(self.balance) - 1 in self.local_stages
+        with_loss = call.loss_fn is not None
+        refusal: Exception | None = None
+        batches: list[Batch] = []
+        targets: list[Batch] = []
+        reduction: LossReduction | None = None
+        try:
+            reduction = self._check_evaluate_arguments(
+                call.target, call.loss_fn, call.loss_reduction, call.loss_divisor
+            )
+            self._check_sharding()
+            batches = self._scatter(self._input_of(call.input, call.kwargs), "input", needed=first)
+            targets = self._scatter(call.target, "target", needed=last and with_loss)
+            self._check_token_loss(batches, reduction, call.loss_divisor)
+        except Exception as error:
+            refusal = error
+        choice = "evaluate the loss" if with_loss else "evaluate the outputs"
+        choice += f" ({_loss_choice(reduction, call.loss_divisor)}), outputs "
+        choice += str(call.return_outputs or not with_loss)
+        rows = self._agree(batches, targets, choice, refusal, with_target=with_loss)
+        return reduction, MicroBatches(batches, targets, rows)
 
     def _outputs_everywhere(self, run: StepRun, m: int) -> Value:
         """The model's output on every process, passed down the ranks from the last stage's.
