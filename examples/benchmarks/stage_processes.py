@@ -51,11 +51,11 @@ BLOCKS = 8
 PAIRS = (("gpipe", "ScheduleGPipe"), ("1f1b", "Schedule1F1B"))
 
 
-def mlp(width: int) -> nn.Sequential:
+def mlp(width: int, activation: type[nn.Module] = nn.ReLU) -> nn.Sequential:
     torch.manual_seed(0)
     layers: list[nn.Module] = []
     for _ in range(BLOCKS):
-        layers += [nn.Linear(width, width), nn.ReLU()]
+        layers += [nn.Linear(width, width), activation()]
     return nn.Sequential(*layers)
 
 
