@@ -16,6 +16,12 @@ is recorded here:
   ``split`` refuses it before any piece exists; an attribute other than a
   tensor is put back (torch.export puts parameters and buffers back).
 
+The same holds for the attributes of the objects that modules hold and
+the captured code reads (transformers' ``config``: ``self.config.
+output_hidden_states``): while a capture runs, the class of each such object
+records the reads of the capturing thread too, and the split model checks
+them at every call, by their path (``config.output_hidden_states``).
+
 Blocks run as themselves, so what their own code reads and assigns is
 followed as in eager mode: their fake runs at capture are not recorded
 (``paused``). Recording swaps ``nn.Module.__getattribute__``,
@@ -30,7 +36,8 @@ import enum
 import os
 import sys
 import threading
-from collections.abc import Iterator
+import types
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,6 +66,7 @@ _VALUES = (
     torch.memory_format,
 )
 _CONTAINERS = (tuple, list, dict, set, frozenset)
+_HEAP_TYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE
 _LIBRARIES = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__) + os.sep)
 
 
@@ -77,9 +85,12 @@ MISSING = _Missing()
 
 @dataclass(frozen=True)
 class Read:
-    """An attribute the captured code read: its value then (a tensor is compared by identity)."""
+    """An attribute the captured code read: its value then (a tensor is compared by identity).
 
-    module: nn.Module
+    ``owner``: a module, or an object a module holds (``Recorded.held``).
+    """
+
+    owner: Any
     attribute: str
     value: Any
 
@@ -102,6 +113,10 @@ class Recorded:
     writes: list[Write] = field(default_factory=list)
     # The value each written attribute had before its first write, to put back.
     before: dict[tuple[int, str], tuple[nn.Module, Any]] = field(default_factory=dict)
+    # The objects held by the modules whose attributes the code read, by id: their path.
+    held: dict[int, str] = field(default_factory=dict)
+    # Their classes, recording reads until the capture ends.
+    classes: list[type] = field(default_factory=list)
 
 
 def is_value(value: Any) -> bool:
@@ -140,6 +155,8 @@ def recording(modules: dict[nn.Module, str]) -> Iterator[Recorded]:
     finally:
         _state.recorded = None
         _install(-1)
+        for kind in recorded.classes:
+            _unwatch_class(kind)
         for (_, attribute), (module, value) in recorded.before.items():
             _restore(module, attribute, value)
 
@@ -179,17 +196,86 @@ def _get(module: nn.Module, attribute: str) -> Any:
     value = object.__getattribute__(module, attribute)
     recorded = _recorder(module, attribute)
     if recorded is not None and (id(module), attribute) not in recorded.reads:
-        kept = _kept(module, attribute, value)
-        if kept is not MISSING:
-            recorded.reads[id(module), attribute] = Read(module, attribute, kept)
+        name = recorded.modules[module]
+        _note_read(recorded, module, attribute, value, f"{name}.{attribute}" if name else attribute)
     return value
 
 
-def _kept(module: nn.Module, attribute: str, value: Any) -> Any:
+def _note_read(recorded: Recorded, owner: Any, attribute: str, value: Any, path: str) -> None:
+    """Record a read of ``owner.attribute`` (at ``path`` from the model) of ``value``."""
+    if _holdable(value):
+        _hold(recorded, value, path)
+        return
+    kept = _kept(owner, attribute, value)
+    if kept is not MISSING:
+        recorded.reads[id(owner), attribute] = Read(owner, attribute, kept)
+
+
+def _holdable(value: Any) -> bool:
+    """An object whose attributes are followed: neither value, module, tensor, type nor callable."""
+    return (
+        hasattr(value, "__dict__")
+        and not callable(value)
+        and not isinstance(value, nn.Module | Tensor | type | types.ModuleType)
+        and not is_value(value)
+        and bool(type(value).__flags__ & _HEAP_TYPE)  # a class of Python code, which can record
+    )
+
+
+def _hold(recorded: Recorded, value: Any, path: str) -> None:
+    """Follow the reads of ``value``'s attributes, named by its shortest path."""
+    known = recorded.held.get(id(value))
+    if known is None or len(path) < len(known):
+        recorded.held[id(value)] = path
+    if known is None and type(value) not in recorded.classes:
+        _watch_class(type(value))
+        recorded.classes.append(type(value))
+
+
+def _held_read(held: Any, attribute: str, value: Any) -> None:
+    recorded = _state.recorded
+    if recorded is None or _state.paused or attribute.startswith("__"):
+        return
+    path = recorded.held.get(id(held))
+    if path is not None and (id(held), attribute) not in recorded.reads:
+        _note_read(recorded, held, attribute, value, f"{path}.{attribute}")
+
+
+# Each class made to record, with how many captures need it and its own __getattribute__.
+_watched: dict[type, tuple[int, Callable[..., Any] | None]] = {}
+
+
+def _watch_class(kind: type) -> None:
+    with _install_lock:
+        count, own = _watched.get(kind, (0, kind.__dict__.get("__getattribute__")))
+        if count == 0:
+            original: Callable[[Any, str], Any] = kind.__getattribute__  # type: ignore[assignment]
+
+            def get(held: Any, attribute: str) -> Any:
+                value = original(held, attribute)
+                _held_read(held, attribute, value)
+                return value
+
+            kind.__getattribute__ = get  # type: ignore[method-assign,assignment]
+        _watched[kind] = (count + 1, own)
+
+
+def _unwatch_class(kind: type) -> None:
+    with _install_lock:
+        count, own = _watched.pop(kind)
+        if count > 1:
+            _watched[kind] = (count - 1, own)
+        elif own is None:
+            del kind.__getattribute__
+        else:
+            kind.__getattribute__ = own  # type: ignore[method-assign]
+
+
+def _kept(owner: Any, attribute: str, value: Any) -> Any:
     """What to compare later: a copy of a value, a plain tensor itself; else ``MISSING``."""
     if isinstance(value, Tensor):
         # Parameters and buffers are read from their modules at every call already.
-        return value if attribute in object.__getattribute__(module, "__dict__") else MISSING
+        return value if attribute in object.__getattribute__(owner, "__dict__") else MISSING
     return copy.deepcopy(value) if is_value(value) else MISSING
 
 

@@ -113,7 +113,7 @@ def split(
     ]
     followed = {(id(module), attribute) for one in built for module, attribute in one.follows}
     reads = [read for key, read in recorded.reads.items() if key not in followed]
-    watch = Watch(reads, names, captured_code)
+    watch = Watch(reads, names, captured_code, recorded.held)
     watched = {**dict((module, name) for name, module in captured_code), **blocks}
     watch.add_places(watched, watched)
     namespace = Namespace(f"split {type(model).__name__}")

@@ -7,7 +7,8 @@ their own attributes, modules replaced inside them), the mode, a dropout's
 after they change, before it computes anything:
 
 - an attribute that the captured code read (``attributes.py``) holds
-  another value, or another tensor;
+  another value, or another tensor, an attribute of a module or of an object
+  a module holds (``model.config.output_hidden_states``);
 - a module whose code is captured got hooks, or a global module hook was
   registered (``hooks.py``, the check ``split`` makes too);
 - a captured module or a block was replaced in (or removed from) its
@@ -41,8 +42,12 @@ class Watch:
         reads: Iterable[Read],
         names: dict[nn.Module, str],
         captured: list[tuple[str, nn.Module]],
+        held: dict[int, str],
     ) -> None:
-        self.reads = [(r.module, r.attribute, r.value, names[r.module]) for r in reads]
+        self.reads = [
+            (r.owner, r.attribute, r.value, _describe(r.owner, r.attribute, names, held))
+            for r in reads
+        ]
         self.captured = captured
         # (the parent's children, the key, the child there at split time, the child's name)
         self.places: list[tuple[dict[str, Any], str, nn.Module, str]] = []
@@ -56,12 +61,12 @@ class Watch:
 
     def check(self) -> None:
         """Raise ``RuntimeError`` if the model changed in a way the pieces cannot follow."""
-        for module, attribute, value, name in self.reads:
-            now = getattr(module, attribute, MISSING)
+        for owner, attribute, value, what in self.reads:
+            now = getattr(owner, attribute, MISSING)
             if now is not value and (
                 isinstance(value, Tensor) or type(now) is not type(value) or now != value
             ):
-                raise RuntimeError(_changed(describe_module(name, module), attribute, value, now))
+                raise RuntimeError(_changed(what, value, now, isinstance(owner, nn.Module)))
         for children, key, child, name in self.places:
             now = children.get(key)
             if now is not child:
@@ -74,16 +79,29 @@ class Watch:
         )
 
 
-def _changed(owner: str, attribute: str, value: Any, now: Any) -> str:
+def _describe(owner: Any, attribute: str, names: dict[nn.Module, str], held: dict[int, str]) -> str:
+    """``attribute 'p' of module 'drop' (Dropout)``, ``model.config.use_cache (GPT2Config)``."""
+    if isinstance(owner, nn.Module):
+        return f"attribute {attribute!r} of {describe_module(names[owner], owner)}"
+    return f"model.{held[id(owner)]}.{attribute} (of a {type(owner).__name__})"
+
+
+def _changed(what: str, value: Any, now: Any, of_module: bool) -> str:
     if isinstance(value, Tensor):
         return (
-            f"attribute {attribute!r} of {owner} is another tensor than at split time (a "
+            f"{what} is another tensor than at split time (a "
             "tensor that is neither parameter nor buffer, which the captured code holds as a "
             "constant): register it as a buffer (read at every call) or change it in place, or "
             f"{_AGAIN}"
         )
+    if not of_module:
+        return (
+            f"{what} is {now!r}, but the model was split with {value!r}, and the captured "
+            f"code holds that value as a constant: set it before splitting and {_AGAIN}, or "
+            "pass the setting as the call's argument where the model takes one"
+        )
     return (
-        f"attribute {attribute!r} of {owner} is {now!r}, but the model was split with "
+        f"{what} is {now!r}, but the model was split with "
         f"{value!r}, and the captured code holds that value as a constant: {_AGAIN}, or make "
         "it a tensor (a buffer, read at every call), or move the code that reads it into a "
         "module named in points (a point runs as itself)"

@@ -280,3 +280,20 @@ def test_an_unchanged_split_gpt2_runs_many_calls() -> None:
         out, expected = seq(ids, attention_mask=mask), plain(ids, attention_mask=mask)
         torch.testing.assert_close(out.logits, expected.logits, rtol=0, atol=1e-14)
     assert calls == [1, 1, 1, 1]
+
+
+def test_a_config_value_changed_after_the_split_is_refused() -> None:
+    model = gpt2()
+    ids, mask, _ = tokens(2, 5)
+    seq = pipeline.split(model, (ids,), {"attention_mask": mask})
+    plain = twin(model)
+    model.config.output_hidden_states = True
+    with pytest.raises(RuntimeError) as error:
+        seq(ids, attention_mask=mask)
+    assert "model.config.output_hidden_states (of a GPT2Config) is True" in str(error.value)
+    assert "split with False" in str(error.value)
+    model.config.output_hidden_states = False
+    expected = plain(ids, attention_mask=mask).logits
+    torch.testing.assert_close(seq(ids, attention_mask=mask).logits, expected)
+    # Capture put the config's class back as it was.
+    assert "__getattribute__" not in vars(type(model.config))
