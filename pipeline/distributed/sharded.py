@@ -18,6 +18,8 @@ not make equal to the plain model:
 - a weight tied across processes whose parameter ``fully_shard`` or
   ``parallelize_module`` replaced after the pipe was built: the pipe sums the
   gradients of the tensor it found at construction;
+- a module that a split model's captured code reads without calling it, in
+  a sharded stage: FSDP2's gathering and reduction follow module calls;
 - a torch whose FSDP2 lacks what the step reads of it.
 """
 
@@ -28,6 +30,7 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
+from pipeline.runtime.layers import modules_only_read
 from pipeline.runtime.lazy import instance_of
 from pipeline.step.sharded import fsdp_units, missing_internals
 
@@ -76,6 +79,7 @@ def _check_units(partitions: Sequence[nn.Module], units: dict[int, list[FSDPModu
         )
     _check_units_within_stages(partitions, units)
     _check_all_sharded(partitions, units)
+    _check_none_only_read(partitions, units)
 
 
 def _check_units_within_stages(
@@ -125,6 +129,29 @@ def _check_all_sharded(partitions: Sequence[nn.Module], units: dict[int, list[FS
                         "parameters of this process's stages are: its gradient would be this "
                         f"replica's alone, never averaged with the other replicas'; {_RECIPE}"
                     )
+
+
+def _check_none_only_read(
+    partitions: Sequence[nn.Module], units: dict[int, list[FSDPModule]]
+) -> None:
+    """No sharded stage has a trainable module that its split pieces' captured code only reads.
+
+    FSDP2 gathers and reduces a module's parameters around the module's own
+    calls; captured code reads the tensors without calling it, and such weights
+    trained wrong, silently (an embedding and a head under a root unit).
+    """
+    for s in units:
+        read = modules_only_read(partitions[s].children())
+        for name, module in partitions[s].named_modules():
+            trained = any(p.requires_grad for p in module.parameters(recurse=False))
+            if id(module) in read and trained:
+                raise ValueError(
+                    f"stage {s}'s module {name!r} ({type(module).__name__}) is read by the "
+                    "split model's captured code, not called, so FSDP2 cannot gather and "
+                    "reduce its parameters around a call: give pipeline.split a point at that "
+                    "module (points=[...]) so that it runs as itself, then shard it "
+                    "(docs/distributed_pipe.md, 'Sharded stages')"
+                )
 
 
 def _check_ties_kept(

@@ -31,7 +31,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from pipeline import DataParallel, Pipe
+from pipeline import DataParallel, Pipe, split
 from pipeline.arguments import CheckpointMode
 from pipeline.distributed import DistributedPipe, load_checkpoint, save_checkpoint
 from pipeline.schedules import Interleaved1F1B, Programs, Schedule
@@ -607,6 +607,41 @@ def data_parallel_over_fsdp_stages_is_refused_before_any_work() -> None:
         "HSDP mesh",
     )
     layout.pipe.close()
+
+
+class Tokens(nn.Module):
+    """Embedding, two blocks and a head: split by default, the embedding and head are glue."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(11, WIDTH)
+        self.blocks = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(2))
+        self.head = nn.Linear(WIDTH, 11)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        h = self.embed(ids)
+        for block in self.blocks:
+            h = torch.tanh(block(h))
+        return self.head(h)
+
+
+@scenario
+def a_module_only_read_by_a_split_models_code_is_refused_in_a_sharded_stage() -> None:
+    mesh = fsdp_mesh()
+    ids = torch.randint(0, 11, (ROWS, 3))
+    seq = split(Tokens().double(), (ids,))
+    pipe = DistributedPipe(seq, [2, 2], chunks=4, group=mesh["pp"].get_group())
+    for s in pipe.local_stages:
+        fully_shard(pipe.partitions[s], mesh=mesh["dp"])
+    loss = lambda out, t: F.cross_entropy(out.flatten(0, 1), t.flatten())  # noqa: E731
+    expect_error(
+        ValueError,
+        lambda: pipe.step(ids, ids, loss),
+        "read by the split model's captured code",
+        "give pipeline.split a point at that module",
+    )
+    assert all(p.grad is None for p in pipe.parameters())
+    pipe.close()
 
 
 if __name__ == "__main__":
