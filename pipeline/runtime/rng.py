@@ -110,8 +110,7 @@ class _Held:
         self._compiling: AbstractContextManager[Any] | None = None
 
     def __enter__(self) -> None:
-        convert_frame = sys.modules.get("torch._dynamo.convert_frame")
-        self._compiling = getattr(convert_frame, "compile_lock", None)
+        self._compiling = _compile_lock()
         if self._compiling is not None:
             self._compiling.__enter__()
         self._lock.acquire()
@@ -120,6 +119,23 @@ class _Held:
         self._lock.release()
         if self._compiling is not None:
             self._compiling.__exit__(None, None, None)
+
+
+def _compile_lock() -> AbstractContextManager[Any] | None:
+    """Dynamo's reentrant ``compile_lock`` once dynamo is loaded (None before: none compiles)."""
+    convert_frame = sys.modules.get("torch._dynamo.convert_frame")
+    return getattr(convert_frame, "compile_lock", None)
+
+
+@contextmanager
+def _no_compilation() -> Iterator[None]:
+    """No compilation on another thread meanwhile: it would rewind the generators (``_Held``)."""
+    lock = _compile_lock()
+    if lock is None:
+        yield
+        return
+    with lock:
+        yield
 
 
 def default_generator(device: torch.device) -> torch.Generator | None:
@@ -286,7 +302,7 @@ class TaskRandomness:
             return self._mode(replay=False)
         if self._checkpointed:
             return self._captured()
-        return _Acting(self)
+        return self._owned()
 
     def replaying(self) -> AbstractContextManager[None]:
         """Run the task again (recomputation): the same ops draw the same numbers."""
@@ -294,17 +310,22 @@ class TaskRandomness:
             return self._mode(replay=True)
         return self._replayed()
 
-    # Owned generators
+    # Owned generators: no lock of ours, so no compilation on another thread meanwhile,
+    # which would rewind them mid-task (a GPU's, while a CPU partition compiles).
+
+    @contextmanager
+    def _owned(self) -> Iterator[None]:
+        with _no_compilation(), _Acting(self):
+            yield
 
     @contextmanager
     def _captured(self) -> Iterator[None]:
-        start = [_state(g) for g in self._generators]
-        with _Acting(self):
-            yield
-        self._span = (
-            start,
-            [_key(state) for state in start] + [_key(_state(g)) for g in self._generators],
-        )
+        with _no_compilation():
+            start = [_state(g) for g in self._generators]
+            with _Acting(self):
+                yield
+            ended = [_key(_state(g)) for g in self._generators]
+        self._span = (start, [_key(state) for state in start] + ended)
 
     @contextmanager
     def _replayed(self) -> Iterator[None]:
@@ -317,7 +338,7 @@ class TaskRandomness:
                 found.append(generator.get_state())
                 generator.set_state(state)
         try:
-            with _Acting(self):
+            with _no_compilation(), _Acting(self):
                 yield
             for k, generator in enumerate(self._generators):
                 ended = _key(_state(generator))
