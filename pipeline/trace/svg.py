@@ -64,16 +64,23 @@ def render_svg(events: Sequence[Event], title: str = "", width: int = 900) -> st
     for j in range(rows):
         y = _TOP + j * (_ROW + _GAP)
         body.append(f"<text x='4' y='{y + _ROW / 2 + 4}'>partition {j}</text>")
+    waits = [e for e in events if e.kind == "wait"]
     boxes = sorted(events, key=lambda e: e.kind == "wait")  # waits drawn over their actions
     for e in boxes:
         if e.kind != "copy":
-            body.append(_box(e, origin, scale))
+            body.append(_box(e, origin, scale, _computing_from(e, waits)))
     body.extend(_axis(span, scale, _TOP + rows * (_ROW + _GAP)))
     body.append("</g></svg>")
     return "\n".join(body)
 
 
-def _box(e: Event, origin: float, scale: float) -> str:
+def _computing_from(e: Event, waits: list[Event]) -> float:
+    """When ``e`` starts computing: after the waits for its messages that open it."""
+    inside = [w.end for w in waits if w.partition == e.partition and e.start <= w.start < e.end]
+    return max([e.start, *inside])
+
+
+def _box(e: Event, origin: float, scale: float, computing: float) -> str:
     x = _LABEL_WIDTH + (e.start - origin) * scale
     w = max(e.duration * scale, 0.5)
     y = _TOP + e.partition * (_ROW + _GAP)
@@ -82,9 +89,11 @@ def _box(e: Event, origin: float, scale: float) -> str:
         f"<rect x='{x:.2f}' y='{y}' width='{w:.2f}' height='{_ROW}' "
         f"fill='{COLOURS[e.kind]}' stroke='white' stroke-width='0.5'>{tip}</rect>"
     )
-    if e.kind == "wait" or w < 14:
+    # The label goes on the part that computes, which no wait covers.
+    left = _LABEL_WIDTH + (computing - origin) * scale
+    if e.kind == "wait" or x + w - left < 14:
         return shape
-    middle = f"x='{x + w / 2:.2f}' y='{y + _ROW / 2 + 4}' text-anchor='middle'"
+    middle = f"x='{(left + x + w) / 2:.2f}' y='{y + _ROW / 2 + 4}' text-anchor='middle'"
     return shape + f"<text {middle} fill='white'>{e.microbatch}</text>"
 
 
