@@ -172,7 +172,7 @@ def run_test_steps() -> dict[str, Any]:
     """The device tier on CUDA, and the suite's CUDA-only tests."""
     tier = run_pytest(["tests/device"], TIER_TIMEOUT_S, {"PIPELINE_TEST_DEVICE": "cuda"})
     tier["distributed_pipe_nccl"] = (
-        "in the tier (tests/device/test_processes.py, nccl-rank)"
+        "in the tier (tests/device/test_device_processes.py, nccl-rank)"
         if torch.cuda.device_count() >= 2
         else "not run: NCCL needs a GPU per rank, this machine has one"
     )

@@ -1,6 +1,6 @@
 """DistributedPipe and DataParallel in a real process group, on the device tier's devices.
 
-Started by tests/device/test_processes.py through tests/gloo_groups.py's
+Started by tests/device/test_device_processes.py through tests/gloo_groups.py's
 ``run_group``. Every rank works on ``DEVICE_TIER_DEVICE``: ``cpu``; ``cuda:0``
 for every rank (gloo: messages and gradient buckets cross through the CPU);
 or ``rank``: the GPU init_process_group_from_env gave the rank (NCCL, a GPU
