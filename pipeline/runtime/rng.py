@@ -110,7 +110,8 @@ class _Held:
         self._compiling: AbstractContextManager[Any] | None = None
 
     def __enter__(self) -> None:
-        self._compiling = _compile_lock()
+        convert_frame = sys.modules.get("torch._dynamo.convert_frame")
+        self._compiling = getattr(convert_frame, "compile_lock", None)
         if self._compiling is not None:
             self._compiling.__enter__()
         self._lock.acquire()
@@ -119,23 +120,6 @@ class _Held:
         self._lock.release()
         if self._compiling is not None:
             self._compiling.__exit__(None, None, None)
-
-
-def _compile_lock() -> AbstractContextManager[Any] | None:
-    """Dynamo's reentrant ``compile_lock`` once dynamo is loaded (None before: none compiles)."""
-    convert_frame = sys.modules.get("torch._dynamo.convert_frame")
-    return getattr(convert_frame, "compile_lock", None)
-
-
-@contextmanager
-def _no_compilation() -> Iterator[None]:
-    """No compilation on another thread meanwhile: it would rewind the generators (``_Held``)."""
-    lock = _compile_lock()
-    if lock is None:
-        yield
-        return
-    with lock:
-        yield
 
 
 def default_generator(device: torch.device) -> torch.Generator | None:
@@ -302,7 +286,7 @@ class TaskRandomness:
             return self._mode(replay=False)
         if self._checkpointed:
             return self._captured()
-        return self._owned()
+        return _Acting(self)
 
     def replaying(self) -> AbstractContextManager[None]:
         """Run the task again (recomputation): the same ops draw the same numbers."""
@@ -310,22 +294,17 @@ class TaskRandomness:
             return self._mode(replay=True)
         return self._replayed()
 
-    # Owned generators: no lock of ours, so no compilation on another thread meanwhile,
-    # which would rewind them mid-task (a GPU's, while a CPU partition compiles).
-
-    @contextmanager
-    def _owned(self) -> Iterator[None]:
-        with _no_compilation(), _Acting(self):
-            yield
+    # Owned generators
 
     @contextmanager
     def _captured(self) -> Iterator[None]:
-        with _no_compilation():
-            start = [_state(g) for g in self._generators]
-            with _Acting(self):
-                yield
-            ended = [_key(_state(g)) for g in self._generators]
-        self._span = (start, [_key(state) for state in start] + ended)
+        start = [_state(g) for g in self._generators]
+        with _Acting(self):
+            yield
+        self._span = (
+            start,
+            [_key(state) for state in start] + [_key(_state(g)) for g in self._generators],
+        )
 
     @contextmanager
     def _replayed(self) -> Iterator[None]:
@@ -338,7 +317,7 @@ class TaskRandomness:
                 found.append(generator.get_state())
                 generator.set_state(state)
         try:
-            with _no_compilation(), _Acting(self):
+            with _Acting(self):
                 yield
             for k, generator in enumerate(self._generators):
                 ended = _key(_state(generator))
