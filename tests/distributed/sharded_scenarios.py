@@ -644,5 +644,36 @@ def a_module_only_read_by_a_split_models_code_is_refused_in_a_sharded_stage() ->
     pipe.close()
 
 
+@scenario
+def clip_grad_norm_over_sharded_stages_equals_the_plain_models() -> None:
+    # FSDP2 (each dp rank on half the batch) and tensor parallelism (the whole batch).
+    fsdp, tp = fsdp_mesh(), tp_mesh()
+    for mesh, model, shard, rows in (
+        (fsdp, blocks(4), lambda pipe: shard_layers(pipe, fsdp["dp"]), fsdp["dp"]),
+        (tp, mlps(4), split_layers, None),
+    ):
+        plain = copy.deepcopy(model)
+        pipe = DistributedPipe(copy.deepcopy(model), [2, 2], chunks=4, group=mesh["pp"].get_group())
+        shard(pipe)
+        gen = torch.Generator().manual_seed(9)  # the same batch on every process
+        x = torch.randn(2 * ROWS, WIDTH, dtype=torch.double, generator=gen)
+        y = torch.randn(2 * ROWS, WIDTH, dtype=torch.double, generator=gen)
+        if rows is None:
+            pipe.step(x, y, F.mse_loss)
+        else:
+            half = rows.get_local_rank()
+            pipe.step(x.chunk(2)[half], y.chunk(2)[half], F.mse_loss)
+        F.mse_loss(plain(x), y).backward()
+        for norm_type in (2.0, float("inf")):
+            expected = torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.05, norm_type)
+            norm = pipe.clip_grad_norm_(0.05, norm_type)
+            torch.testing.assert_close(norm, expected, rtol=1e-12, atol=0)
+        reference = dict(plain.named_parameters())
+        for name, param in pipe.named_parameters():
+            assert param.grad is not None, name
+            torch.testing.assert_close(full(param.grad), reference[name].grad, msg=name)
+        pipe.close()
+
+
 if __name__ == "__main__":
     main()

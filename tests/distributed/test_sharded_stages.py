@@ -29,6 +29,7 @@ NAMES = [
     "sharding_a_step_would_get_wrong_is_refused_by_every_process",
     "a_pipe_in_one_process_refuses_fsdp_units_before_any_work",
     "a_module_only_read_by_a_split_models_code_is_refused_in_a_sharded_stage",
+    "clip_grad_norm_over_sharded_stages_equals_the_plain_models",
     "sharded_stages_save_and_load_across_layouts",
     "data_parallel_over_fsdp_stages_is_refused_before_any_work",
 ]
