@@ -211,8 +211,9 @@ def test_checkpoint_may_be_an_enum_whose_str_is_a_mode() -> None:
     assert Pipe(mlp(), [6], devices=["cpu"], checkpoint=Mode.ALWAYS).checkpoint == "always"  # type: ignore[arg-type]
 
 
-def test_balance_and_devices_may_be_any_sequences_and_extra_devices_are_ignored() -> None:
-    pipe = Pipe(mlp(), (2, 4), devices=("cpu", "cpu", "cpu"))
+def test_balance_and_devices_may_be_any_sequences() -> None:
+    # Extra devices are refused (test_pipe.py), where the predecessors ignored them.
+    pipe = Pipe(mlp(), (2, 4), devices=("cpu", "cpu"))
     assert pipe.balance == [2, 4]
     assert pipe.devices == [torch.device("cpu")] * 2
 
