@@ -155,7 +155,6 @@ class StepGradients:
             for key in self._registered[j]:
                 self._holders[key] = self._holders.get(key, 0) + 1
         # Summed per stage, then added in stage order: never in the order threads end.
-        self._shared = {key for key, count in self._holders.items() if count > 1}
         self._stages = {j: GradientSums() for j in self._registered}
         # Stages that ended while a parameter they share with another still waits.
         self._unfinished: set[int] = set()
@@ -186,9 +185,7 @@ class StepGradients:
         model's gradient accumulation would.
         """
         holding = self.hooks.hold(tensors)
-        if holding or not (self._kept or self._shared):
-            return holding
-        return any(id(t) in self._kept or id(t) in self._shared for t in tensors)
+        return holding or (bool(self._kept) and any(id(t) in self._kept for t in tensors))
 
     def add(self, j: int, tensors: Sequence[Tensor], grads: Sequence[Tensor | None]) -> None:
         """Stage ``j`` computed ``grads`` for the leaves ``tensors`` (on its own thread)."""

@@ -202,8 +202,10 @@ def test_dropout_is_replayed_by_recomputation_in_a_step(dropout_split, schedule:
         pipe.close()
     (loss_a, grads_a), (loss_b, grads_b) = results
     assert torch.equal(loss_a, loss_b)
-    # The tied head's gradient too: its stages' parts are added in stage order, whichever
-    # partition's thread ends first.
+    # The tied head's gradient adds up the head's and the embedding's parts of every
+    # micro-batch as the partitions' threads finish them: the order, so the rounding, varies.
+    tied = "transformer.wte.weight"
+    torch.testing.assert_close(grads_a.pop(tied), grads_b.pop(tied), rtol=0, atol=1e-15)
     assert all(torch.equal(grads_a[name], grads_b[name]) for name in grads_a)
     # Dropout is on: another seed gives another loss.
     pipe = Pipe(copy.deepcopy(seq).train(), [2, 2, 1], devices=["cpu"] * 3, chunks=3)
