@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
+from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager
@@ -62,7 +63,7 @@ from pipeline.step.token_loss import TokenLoss
 __all__ = ["PipeBase"]
 
 
-class PipeBase(nn.Module):
+class PipeBase(nn.Module, ABC):
     """The common part of ``Pipe`` and ``DistributedPipe``; not built on its own.
 
     A subclass's ``__init__`` calls, in order: ``_adopt_arguments``,
@@ -102,9 +103,9 @@ class PipeBase(nn.Module):
             f"checkpoint={self.checkpoint!r}"
         )
 
+    @abstractmethod
     def _placement(self) -> str:
         """Where the partitions run, for ``extra_repr``."""
-        raise NotImplementedError
 
     @property
     def checkpoint(self) -> CheckpointMode:
@@ -272,9 +273,9 @@ class PipeBase(nn.Module):
             )
         )
 
+    @abstractmethod
     def _train(self, call: StepCall) -> torch.Tensor | tuple[torch.Tensor, Value]:
         """Run ``step``'s call: checked, then its programs here."""
-        raise NotImplementedError
 
     @overload
     def evaluate(self, input: Value, *, kwargs: Mapping[str, Value] | None = None) -> Value: ...
@@ -339,9 +340,9 @@ class PipeBase(nn.Module):
             )
         )
 
+    @abstractmethod
     def _evaluate(self, call: EvaluateCall) -> Any:
         """Run ``evaluate``'s call: checked, then its forward programs here."""
-        raise NotImplementedError
 
     def _check_open(self) -> None:
         if not self._finalizer.alive:
@@ -540,8 +541,9 @@ class PipeBase(nn.Module):
         """The processes whose gradients make up the norm (None: this one alone)."""
         return None
 
+    @abstractmethod
     def _norm_device(self) -> torch.device:
-        raise NotImplementedError
+        """The device the pipeline's gradient norm is computed on."""
 
     # Hooks and threads
 
