@@ -8,6 +8,12 @@ ops given no device (``torch.rand(n)``), from the CPU one::
     a CUDA (or other) device       that thread runs every partition on the device
     the CPU                        that thread runs every partition of the pipe
 
+and no other thread of the pipe holds a compiled layer: dynamo sets the
+default generators back to where it found them when it finishes compiling a
+frame (``preserve_global_state``), on its own thread, so a compilation on
+another thread can rewind an owned generator between two of the owner's
+draws (repeating its numbers). Seeded draws hold dynamo's compile lock.
+
 A partition whose thread owns its device's generator runs its tasks with
 nothing in the way, and its checkpointed tasks capture and replay the
 generators' states (``rng.py``). That covers a partition alone on its GPU, the
@@ -32,7 +38,6 @@ import torch
 from torch import nn
 
 from pipeline.runtime.rng import (
-    MODE_COMPILES,
     SEEDED,
     PartitionRandomness,
     default_generator,
@@ -58,6 +63,7 @@ def randomness_plans(
     [True, True]
     """
     thread_of = {j: t for t, partitions in enumerate(threads) for j in partitions}
+    compiling = {thread_of[j] for j in thread_of if compiled[j]}
     threads_of_device: dict[torch.device, set[int]] = {}
     for j, t in thread_of.items():
         threads_of_device.setdefault(devices[j], set()).add(t)
@@ -68,6 +74,7 @@ def randomness_plans(
             and len(threads_of_device[device]) == 1
             and (device.type != "cpu" or len(threads) == 1)
             and not holding_generator[j]
+            and compiling <= {thread_of[j]}
         )
         plans.append(
             PartitionRandomness(seeded=False, generators=_drawn_from(device))
@@ -104,12 +111,11 @@ def holds_generator(partition: nn.Module) -> bool:
 
 
 def holds_compiled(partition: nn.Module) -> bool:
-    """Whether ``partition`` holds a compiled layer that the seeding mode would run eagerly.
+    """Whether ``partition`` holds a layer compiled with ``torch.compile`` (module or method).
 
-    Only before torch 2.9; from 2.9 compiled code runs compiled under the mode.
+    >>> holds_compiled(nn.Sequential(nn.Linear(2, 2)))
+    False
     """
-    if MODE_COMPILES:
-        return False
     return any(
         getattr(module, "_compiled_call_impl", None) is not None
         or type(module).__name__ == "OptimizedModule"

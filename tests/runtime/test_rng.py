@@ -21,6 +21,7 @@ from torch._dynamo import convert_frame
 
 from pipeline import Pipe, is_checkpointing, is_recomputing
 from pipeline.runtime import rng
+from pipeline.runtime.ownership import holds_compiled, randomness_plans
 from tests.helpers import Rendezvous, grads
 
 MODES = ("always", "except_last", "never")
@@ -248,19 +249,31 @@ def test_recomputation_raises_when_another_thread_drew_from_an_owned_generator()
         out.sum().backward()
 
 
-@torch.library.custom_op(
-    "pipegrad_tests::noise", mutates_args=(), tags=torch.Tag.nondeterministic_seeded
-)
+# Defined through torch.library.Library, whose ``tags`` older torches (2.11)
+# take too; ``torch.library.custom_op(tags=...)`` is newer.
+_OPS = torch.library.Library("pipegrad_tests", "FRAGMENT")
+
+
+def seeded_op(name: str) -> Callable[[Callable[[Tensor, bool], Tensor]], Callable[..., Tensor]]:
+    """Registers ``fn(x, flag) -> Tensor`` as an op tagged ``nondeterministic_seeded``."""
+
+    def register(fn: Callable[[Tensor, bool], Tensor]) -> Callable[..., Tensor]:
+        _OPS.define(
+            f"{name}(Tensor x, bool flag) -> Tensor", tags=(torch.Tag.nondeterministic_seeded,)
+        )
+        _OPS.impl(name, fn, "CompositeExplicitAutograd")
+        torch.library.register_fake(f"pipegrad_tests::{name}", lambda x, flag: torch.empty_like(x))
+        return getattr(torch.ops.pipegrad_tests, name)  # type: ignore[no-any-return]
+
+    return register
+
+
+@seeded_op("noise")
 def noise(x: Tensor, stray: bool) -> Tensor:
     """Noise like ``x``; ``stray``: a draw not the op's own lands inside its seeded window."""
     if stray:
         torch.rand(1)
     return torch.rand_like(x)
-
-
-@noise.register_fake
-def _(x: Tensor, stray: bool) -> Tensor:
-    return torch.empty_like(x)
 
 
 class StrayDrawInForward(nn.Module):
@@ -284,11 +297,7 @@ def test_recomputation_raises_when_a_seeded_draw_was_disturbed() -> None:
 compile_started: list[bool] = []
 
 
-@torch.library.custom_op(
-    "pipegrad_tests::noise_beside_a_compile",
-    mutates_args=(),
-    tags=torch.Tag.nondeterministic_seeded,
-)
+@seeded_op("noise_beside_a_compile")
 def noise_beside_a_compile(x: Tensor, compiling: bool) -> Tensor:
     """Two draws of noise; ``compiling``: another thread tries to compile between them.
 
@@ -311,11 +320,6 @@ def noise_beside_a_compile(x: Tensor, compiling: bool) -> Tensor:
         other.start()
         other.join()
     return first + torch.rand_like(x)
-
-
-@noise_beside_a_compile.register_fake
-def _(x: Tensor, compiling: bool) -> Tensor:
-    return torch.empty_like(x)
 
 
 class NoiseBesideACompile(nn.Module):
@@ -508,3 +512,27 @@ def test_random_layers_behave_as_usual_outside_a_pipe() -> None:
     torch.manual_seed(3)
     b = nn.Dropout(0.5)(torch.ones(64))
     assert torch.equal(a, b)
+
+
+def test_a_layer_compiled_on_another_thread_makes_every_partition_seed_its_draws() -> None:
+    # Dynamo rewinds the default generators when a compilation ends, on the
+    # thread that compiled: an owner's draws on another thread would repeat
+    # (seen on a GPU: cuda:0 and the CPU in turn, compiled dropout).
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    devices, threads, holding = [gpu, cpu, gpu, cpu], [[0, 2], [1, 3]], [False] * 4
+
+    def seeded(compiled: list[bool]) -> list[bool]:
+        return [plan.seeded for plan in randomness_plans(devices, threads, holding, compiled)]
+
+    assert seeded([False] * 4) == [False, True, False, True]
+    assert seeded([False, True, False, False]) == [True] * 4
+    # A compilation on the owner's own thread ends before its next draw.
+    assert seeded([True, False, False, False]) == [False, True, False, True]
+
+
+def test_compiled_layers_are_found_whether_the_module_or_its_call_is_compiled() -> None:
+    method = nn.Linear(2, 2)
+    method.compile()
+    assert holds_compiled(nn.Sequential(nn.ReLU(), method))
+    assert holds_compiled(nn.Sequential(torch.compile(nn.Linear(2, 2))))
+    assert not holds_compiled(nn.Sequential(nn.Linear(2, 2)))
