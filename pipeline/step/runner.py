@@ -95,8 +95,10 @@ class StepRun:
         local = list(range(len(runtime)) if stages is None else stages)
         state = ThreadState.capture()
         if split_backward:
-            # A compiled node's backward runs in I with the graph kept for W:
-            # AOTAutograd must not donate its saved buffers to the first call.
+            # A compiled node on the input path without weights of its own
+            # runs in I with the graph kept for W (one with weights makes I a
+            # whole backward: split_backward.py): AOTAutograd must not donate
+            # its saved buffers to that call.
             # Set in the step's context only: it reaches the graphs compiled
             # in this step, and the caller keeps its own setting.
             state.context.run(setattr, torch._functorch.config, "donated_buffer", False)

@@ -35,7 +35,14 @@ Cases torch's own split has got wrong, and how this one handles them:
 - a weight reached from an output without crossing the input path, or no
   input needing a gradient at all: that output itself is a root of W;
 - weights shared by two layers of the stage: one ``AccumulateGrad`` node,
-  one gradient, the sum.
+  one gradient, the sum;
+- an anchor that is the node of a Python ``autograd.Function`` (a layer
+  compiled by ``torch.compile``: ``CompiledFunctionBackward``; a fused
+  kernel written by hand) computes its input and weight gradients in one
+  backward, which cannot be split, and running it twice is not safe:
+  inductor's compiled backward reuses the buffers it saved, so its second
+  run (W) returns other numbers, with no error. Such a stage's I is a whole
+  backward (``B``), and its W has nothing left to do.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import Tensor
+from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 from pipeline.step.gradients import Root, gradient_node
@@ -66,13 +74,18 @@ class _Group:
 
 
 class WeightWork:
-    """W, recorded by I: each group's anchors with their gradients, and its weights."""
+    """W, recorded by I: each group's anchors with their gradients, and its weights.
+
+    ``WeightWork()``: nothing left to do (I was a whole backward).
+    """
 
     __slots__ = ("_groups", "_recorded")
 
-    def __init__(self, groups: list[_Group], recorded: dict[Node, Grads]) -> None:
-        self._groups = groups
-        self._recorded = recorded
+    def __init__(
+        self, groups: list[_Group] | None = None, recorded: dict[Node, Grads] | None = None
+    ) -> None:
+        self._groups = groups or []
+        self._recorded = recorded or {}
 
     def run(self, hold: Callable[[list[Tensor]], bool]) -> tuple[list[Tensor], list[Tensor | None]]:
         """The weights to sum and their gradients (None where unused); frees what W used.
@@ -118,12 +131,13 @@ class WeightWork:
 
 def backward_input(
     outputs: Sequence[Root], grads: Sequence[Tensor | None], inputs: Sequence[Tensor]
-) -> tuple[list[Tensor | None], WeightWork]:
+) -> tuple[list[Tensor | None], WeightWork] | None:
     """I: the gradients of ``inputs`` (None where unused); and the W still to do.
 
     ``outputs`` and ``grads`` are the roots of the backward (a ``None``
     gradient for a scalar loss); W computes the gradients of every other
-    leaf the outputs reach (the weights).
+    leaf the outputs reach (the weights). None, with nothing computed, when
+    an anchor is a Python function's node: the caller runs a whole backward.
     """
     wanted = [x for x in inputs if x.requires_grad]
     graph = _successors(gradient_node(o) for o in outputs)
@@ -132,6 +146,8 @@ def backward_input(
     groups = _groups(outputs, grads, graph, input_path, weight_of)
     recorded: dict[Node, Grads] = {}
     anchors = [anchor for group in groups for anchor in group.anchors]
+    if any(isinstance(anchor, BackwardCFunction) for anchor in anchors):
+        return None
     handles = [anchor.register_prehook(_recording(recorded, anchor)) for anchor in anchors]
     try:
         found = (

@@ -313,14 +313,17 @@ class StageRun:
         # A skip that needs no gradient (integer labels) gets None back, not a target.
         skips = [key for key, leaf in stashed.skips_in.items() if _needs_grad(leaf)]
         targets = inputs + [stashed.skips_in[key] for key in skips]
-        if split:
-            found, stashed.weight_work = backward_input(roots, grads, targets)
+        halves = backward_input(roots, grads, targets) if split else None
+        if halves is not None:
+            found, stashed.weight_work = halves
         else:
             found, leaves, leaf_grads = backward_to_leaves(
                 roots, grads, targets, self.context.gradients.hold
             )
             if leaves:
                 self.context.gradients.add(self.j, leaves, leaf_grads)
+            if split:
+                stashed.weight_work = WeightWork()
         skip_grads = dict(zip(skips, found[len(inputs) :], strict=True))
         for key in stashed.skips_in:
             source = self.context.skip_layout.route(key).source

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
+from pipeline import Pipe
 from pipeline.step.split_backward import backward_input
+from tests.helpers import grads
 
 
 class WeightTwiceOnThePath(nn.Module):
@@ -116,7 +121,9 @@ def test_input_then_weight_gradients_equal_one_backward(
     expected = torch.autograd.grad(outputs, wanted, grads, allow_unused=True)
 
     outputs = outputs_of(module, x)
-    input_grads, work = backward_input(outputs, grads, [x])
+    halves = backward_input(outputs, grads, [x])
+    assert halves is not None
+    input_grads, work = halves
     weights, weight_grads = work.run(lambda _: summed)
     if summed:
         assert all(p.grad is None for p in params), "summed: I and W leave .grad to the stage"
@@ -143,7 +150,9 @@ def test_a_scalar_loss_needs_no_gradient_and_unused_inputs_get_none() -> None:
     x = torch.randn(3, 4, dtype=torch.double, requires_grad=True)
     unused = torch.randn(2, dtype=torch.double, requires_grad=True)
     loss = module(x).square().sum()
-    grads, work = backward_input([loss], [None], [x, unused])
+    halves = backward_input([loss], [None], [x, unused])
+    assert halves is not None
+    grads, work = halves
     weights, weight_grads = work.run(lambda _: True)
     reference = nn.Linear(4, 4).double()
     reference.load_state_dict(module.state_dict())
@@ -153,3 +162,54 @@ def test_a_scalar_loss_needs_no_gradient_and_unused_inputs_get_none() -> None:
     assert grads[1] is None
     found = dict(zip(map(id, weights), weight_grads, strict=True))
     torch.testing.assert_close(found[id(module.weight)], reference.weight.grad)
+
+
+class ConsumingLinear(torch.autograd.Function):
+    """``x @ w.T`` whose backward reuses the buffer it kept, as inductor's compiled backward may.
+
+    A second run of its backward returns other numbers, with no error: the
+    buffer is kept outside ``save_for_backward``, so no version check sees it.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, w: Tensor) -> Tensor:
+        ctx.x, ctx.w = x.detach().clone(), w.detach()
+        return x @ w.T
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, Tensor]:
+        gx, gw = g @ ctx.w, g.T @ ctx.x
+        ctx.x.zero_()
+        return gx, gw
+
+
+class Fused(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.tanh(ConsumingLinear.apply(x, self.weight))
+
+
+def test_a_python_function_computing_weight_gradients_is_not_split() -> None:
+    x = torch.randn(4, 8, requires_grad=True)
+    out = Fused()(x)
+    assert backward_input([out], [torch.ones_like(out)], [x]) is None
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+def test_zb_h1_runs_such_a_functions_backward_once_and_gives_the_plain_models_gradients(
+    checkpoint: str,
+) -> None:
+    # Found on a GPU, then on the CPU: zb-h1 over layers compiled by inductor
+    # (CompiledFunctionBackward) gave other weight gradients, silently.
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(8, 8), Fused(), nn.Linear(8, 8), Fused()).double()
+    x, y = torch.randn(8, 8, dtype=torch.double), torch.randn(8, 8, dtype=torch.double)
+    F.mse_loss(plain(x), y).backward()
+    pipe = Pipe(copy.deepcopy(plain), [2, 2], devices=["cpu"] * 2, chunks=2, checkpoint=checkpoint)  # type: ignore[arg-type]
+    pipe.zero_grad()
+    pipe.step(x, y, F.mse_loss, schedule="zb-h1")
+    for name, grad in grads(pipe).items():
+        torch.testing.assert_close(grad, dict(plain.named_parameters())[name].grad, msg=name)
