@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import itertools
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pipeline.step.actions import Action, Kind, Program
 
-__all__ = ["COSTS", "ProgramError", "Simulation", "validate"]
+__all__ = ["COSTS", "ProgramError", "Simulation", "play", "validate"]
 
 COSTS: dict[Kind, float] = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
 
@@ -84,7 +84,7 @@ def validate(programs: list[Program], m: int, stages: int) -> Simulation:
     worker_of = _check_actions(programs, m, stages)
     _check_counts(programs, m, stages)
     _check_order(programs)
-    start, end = _play(programs, stages)
+    start, end = play(programs, stages)
     makespan = max(end.values(), default=0.0)
     busy = [sum(COSTS[a.kind] for a in program) for program in programs]
     idle = [1.0 - b / makespan if makespan else 0.0 for b in busy]
@@ -202,8 +202,23 @@ def _dependencies(action: Action, stages: int) -> list[Action | tuple[int, str, 
     return [(s + 1, "grad", i)]
 
 
-def _play(programs: list[Program], stages: int) -> tuple[dict[Action, float], dict[Action, float]]:
-    """Start and end time of every action, running each program in order."""
+def play(
+    programs: list[Program], stages: int, cost: Callable[[Action], float] | None = None
+) -> tuple[dict[Action, float], dict[Action, float]]:
+    """Start and end time of every action, running each program in order.
+
+    ``cost(action)`` is the action's duration: by default ``COSTS`` of its
+    kind (what ``validate`` plays); the planner (``pipeline/plan/``) gives
+    each stage's measured times instead. An action starts when its worker is
+    free and what it needs has ended; waits cost nothing else.
+
+    >>> from pipeline.step.actions import parse_program
+    >>> programs = [parse_program("0F0 0B0"), parse_program("1F0 1B0")]
+    >>> start, end = play(programs, 2, lambda a: 3.0 if a.stage == 1 else 1.0)
+    >>> end[Action(0, "B", 0)]
+    8.0
+    """
+    duration = cost if cost is not None else _unit_cost
     start: dict[Action, float] = {}
     end: dict[Action, float] = {}
     grad_ready: dict[tuple[int, str, int], float] = {}
@@ -222,7 +237,7 @@ def _play(programs: list[Program], stages: int) -> tuple[dict[Action, float], di
                 if any(r is None for r in ready):
                     break
                 start[action] = max([clock[w], *(r for r in ready if r is not None)])
-                end[action] = clock[w] = start[action] + COSTS[action.kind]
+                end[action] = clock[w] = start[action] + duration(action)
                 if action.kind in ("B", "I"):
                     grad_ready[action.stage, "grad", action.microbatch] = end[action]
                 next_action[w] += 1
@@ -239,6 +254,10 @@ def _play(programs: list[Program], stages: int) -> tuple[dict[Action, float], di
                 f"run yet ({', '.join(waiting)})"
             )
     return start, end
+
+
+def _unit_cost(action: Action) -> float:
+    return COSTS[action.kind]
 
 
 def _peak_in_flight(program: Program) -> int:

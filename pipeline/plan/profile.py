@@ -1,0 +1,265 @@
+"""What the planner measures of a model, once per micro-batch size: times, saved bytes, boundaries.
+
+Two passes over the layers of the ``nn.Sequential``, on copies, so that the
+model, its gradients and the random generators are left as they were:
+
+- **memory** (``saved_storages``): one forward of the whole model chained as
+  a pipe chains its stages (each layer fed the previous layer's output, not
+  a copy), then the loss, under ``saved_tensors_hooks`` that note every
+  storage autograd saves, once, with the layers that saved it. Left out, as
+  the step's own meter (``pipeline/step/activations.py``) leaves them out:
+  parameters, and the caller's input and target (the micro-batches are
+  views of them). A storage saved by two adjacent layers (Tanh saves its
+  output, the next Linear its input) is one storage; cut between them it is
+  counted on both stages, as each stage's meter counts it. The tensors that
+  leave each layer (what crosses a cut there) are noted too.
+- **time** (``layer_times``): each layer alone on a fresh copy of its input
+  (``balance.layerwise``), its forward, its whole backward and its input
+  gradient alone (``autograd.grad`` to the inputs: what a zero-bubble ``I``
+  computes; ``W`` is taken as the rest), each the median of a few runs;
+  the loss is timed as one more layer.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from balance.layerwise import (
+    Value,
+    _Spread,
+    backward_layer,
+    fresh_inputs,
+    run_layer,
+    tensors_in,
+    walk_layers,
+)
+from pipeline.runtime.microbatch import to_device
+from pipeline.runtime.partitions import PositionalSequential
+
+__all__ = ["LayerTimes", "Saved", "layer_times", "saved_storages"]
+
+LossFn = Callable[[Any, Any], Tensor]
+
+
+@dataclass(frozen=True)
+class Saved:
+    """The storages of one micro-batch, as a pipe's stages see them.
+
+    ``storages[k]`` is the size in bytes of storage ``k``; ``saved_by[k]``
+    the layers that saved it for backward (``len(layers)`` stands for the
+    loss), empty for a storage that only crosses a cut; ``outputs[i]`` the
+    storages of what layer ``i`` returns (stage ``j + 1``'s received input
+    when a cut follows layer ``i``).
+    """
+
+    storages: tuple[int, ...]
+    saved_by: tuple[frozenset[int], ...]
+    outputs: tuple[tuple[int, ...], ...]
+
+    def saved_bytes(self, first: int, stop: int, loss: bool) -> int:
+        """Bytes saved by layers ``first`` to ``stop - 1`` (and the loss): each storage once."""
+        layers = set(range(first, stop))
+        if loss:
+            layers.add(len(self.outputs))
+        return sum(
+            size
+            for size, by in zip(self.storages, self.saved_by, strict=True)
+            if not by.isdisjoint(layers)
+        )
+
+    def input_bytes(self, first: int, stop: int, loss: bool, kept: bool) -> int:
+        """Bytes of stage ``first..stop``'s received input held beside what it saved.
+
+        ``kept``: the whole input (a checkpointed task keeps it and saves
+        nothing until its backward); else only what its layers did not save.
+        Stage 0's input is the caller's: nothing.
+        """
+        if first == 0:
+            return 0
+        layers = set(range(first, stop)) | ({len(self.outputs)} if loss else set())
+        return sum(
+            self.storages[k]
+            for k in set(self.outputs[first - 1])
+            if kept or self.saved_by[k].isdisjoint(layers)
+        )
+
+
+@dataclass(frozen=True)
+class LayerTimes:
+    """Median seconds per layer for one micro-batch; index ``len(layers)`` is the loss.
+
+    ``weight`` is ``backward - input_grad`` (at least 0): zero-bubble's W.
+    """
+
+    forward: tuple[float, ...]
+    backward: tuple[float, ...]
+    input_grad: tuple[float, ...]
+
+    @property
+    def weight(self) -> tuple[float, ...]:
+        return tuple(max(b - i, 0.0) for b, i in zip(self.backward, self.input_grad, strict=True))
+
+
+def saved_storages(
+    model: nn.Sequential, sample: Value, target: Value, loss_fn: LossFn, device: torch.device
+) -> Saved:
+    """The storages one micro-batch (``sample``, ``target``) leaves through the model's layers."""
+    layers = copy.deepcopy(model).to(device).train()
+    excluded = {t.untyped_storage().data_ptr() for t in layers.parameters()}
+    sample, target = to_device(sample, device), to_device(target, device)
+    excluded |= {t.untyped_storage().data_ptr() for t in [*tensors_in(sample), *tensors_in(target)]}
+    keys: dict[int, int] = {}
+    sizes: list[int] = []
+    savers: list[set[int]] = []
+    current = [0]
+    # Everything noted stays alive until the end (the graph holds the saved
+    # tensors, ``kept`` the outputs), so no address is reused meanwhile.
+    kept: list[Any] = []
+
+    def key_of(tensor: Tensor) -> int:
+        storage = tensor.untyped_storage()
+        pointer = storage.data_ptr()
+        if pointer not in keys:
+            keys[pointer] = len(sizes)
+            sizes.append(storage.nbytes())
+            savers.append(set())
+        return keys[pointer]
+
+    def pack(tensor: Tensor) -> Tensor:
+        if tensor.untyped_storage().data_ptr() not in excluded:
+            savers[key_of(tensor)].add(current[0])
+        return tensor
+
+    outputs: list[tuple[int, ...]] = []
+    positional = isinstance(model, PositionalSequential)
+    with (
+        _own_random_state(device),
+        torch.inference_mode(False),
+        torch.enable_grad(),
+        torch.autograd.graph.saved_tensors_hooks(pack, _same),
+    ):
+        value = sample
+        for index, layer in enumerate(layers):
+            current[0] = index
+            value = run_layer(index, _Spread(layer) if positional else layer, value)
+            kept.append(value)
+            outputs.append(
+                tuple(key_of(t) for t in tensors_in(value) if t.untyped_storage().data_ptr()
+                      not in excluded)
+            )  # fmt: skip
+        current[0] = len(layers)
+        kept.append(loss_fn(value, target))
+    return Saved(tuple(sizes), tuple(frozenset(s) for s in savers), tuple(outputs))
+
+
+def layer_times(
+    model: nn.Sequential,
+    sample: Value,
+    target: Value,
+    loss_fn: LossFn,
+    device: torch.device,
+    repeats: int,
+) -> LayerTimes:
+    """Median forward, backward and input-gradient seconds of each layer and of the loss."""
+    count = len(model) + 1
+    forward: list[list[float]] = [[] for _ in range(count)]
+    backward: list[list[float]] = [[] for _ in range(count)]
+    input_grad: list[list[float]] = [[] for _ in range(count)]
+    last: list[Value] = [None]
+
+    def timed(index: int, layer: nn.Module, inputs: Value) -> Value:
+        call: Callable[[Value], Value] = lambda value: run_layer(index, layer, value)  # noqa: E731
+        outputs = _time_layer(call, inputs, device, repeats, index, layer,
+                              (forward[index], backward[index], input_grad[index]))  # fmt: skip
+        last[0] = outputs
+        return outputs
+
+    with _own_random_state(device):
+        walk_layers(model, sample, device, timed)
+        loss_target = to_device(target, device)
+
+        def loss(value: Value) -> Value:
+            return loss_fn(value, loss_target)
+
+        with torch.enable_grad():
+            _time_layer(loss, fresh_inputs(last[0], device), device, repeats, len(model), None,
+                        (forward[-1], backward[-1], input_grad[-1]))  # fmt: skip
+    return LayerTimes(
+        tuple(map(statistics.median, forward)),
+        tuple(map(statistics.median, backward)),
+        tuple(map(statistics.median, input_grad)),
+    )
+
+
+def _time_layer(
+    call: Callable[[Value], Value],
+    inputs: Value,
+    device: torch.device,
+    repeats: int,
+    index: int,
+    layer: nn.Module | None,
+    into: tuple[list[float], list[float], list[float]],
+) -> Value:
+    """Time ``call`` on copies of ``inputs``: forward, backward, input gradient; one warm-up."""
+    outputs: Value = None
+    for run in range(repeats + 1):
+        value = fresh_inputs(inputs, device)
+        outputs, forward = _timed(device, call, value)
+        _, backward = _timed(device, _backward, index, layer, outputs)
+        value = fresh_inputs(inputs, device)
+        _, input_grad = _timed(device, _input_grad, value, call(value))
+        if run:
+            for times, seconds in zip(into, (forward, backward, input_grad), strict=True):
+                times.append(seconds)
+    return outputs
+
+
+def _timed(device: torch.device, function: Callable[..., Any], *args: Any) -> tuple[Any, float]:
+    """``function(*args)`` and its seconds, the device's queued work included."""
+    _synchronize(device)
+    start = time.perf_counter()
+    result = function(*args)
+    _synchronize(device)
+    return result, time.perf_counter() - start
+
+
+def _backward(index: int, layer: nn.Module | None, outputs: Value) -> None:
+    if layer is not None:
+        backward_layer(index, layer, outputs)
+    elif isinstance(outputs, Tensor) and outputs.requires_grad:
+        outputs.backward()
+
+
+def _input_grad(inputs: Value, outputs: Value) -> None:
+    """The gradient of the inputs alone, as zero-bubble's I asks autograd for it."""
+    wanted = [t for t in tensors_in(inputs) if t.requires_grad]
+    roots = [t for t in tensors_in(outputs) if t.requires_grad]
+    if wanted and roots:
+        torch.autograd.grad(roots, wanted, [torch.ones_like(t) for t in roots], allow_unused=True)
+
+
+def _synchronize(device: torch.device) -> None:
+    # Kernels run asynchronously on accelerators: wait, so that the clock measures the work.
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+
+
+def _own_random_state(device: torch.device) -> AbstractContextManager[object]:
+    """The caller's generators left as they were, whatever profiling draws (dropout)."""
+    if device.type == "cpu":
+        return torch.random.fork_rng(devices=[])
+    index = torch.accelerator.current_device_index() if device.index is None else device.index
+    return torch.random.fork_rng(devices=[index], device_type=device.type)
+
+
+def _same(tensor: Tensor) -> Tensor:
+    return tensor

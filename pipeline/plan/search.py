@@ -1,0 +1,183 @@
+"""The search: every schedule, micro-batch count and checkpoint mode, each with its best balance.
+
+For each configuration the programs are made and validated once; the
+balance comes from ``partition.fitting_balance`` with each stage's
+predicted memory against its budget (a device's limit, split evenly among
+the stages it holds), and the compute-only cut is tried too (it may fit
+where the even split of a shared device's budget was too strict). Each
+balance tried becomes a ``Candidate``: its predicted step time (``timing``)
+and each stage's memory (``memory``), summed per device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from itertools import accumulate, pairwise
+
+import torch
+
+from pipeline.plan.memory import LayerParameters, StageMemory, stage_memory, stage_programs
+from pipeline.plan.partition import fitting_balance
+from pipeline.plan.profile import LayerTimes, Saved
+from pipeline.plan.timing import predicted_seconds, stage_costs
+from pipeline.step.actions import Program
+from pipeline.step.runner import checkpointed_tasks
+from pipeline.step.schedules import resolve_schedule
+from pipeline.step.simulate import validate
+
+__all__ = ["Candidate", "Profiled", "candidates"]
+
+# The profile of one micro-batch size: rows -> (saved storages, layer times).
+Profiled = Callable[[int], tuple[Saved, LayerTimes]]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One configuration with its balance, and what the model predicts of it.
+
+    ``devices[j]`` is stage ``j``'s device; ``memory[j]`` its peak by term;
+    ``device_bytes`` the sum of the peaks of each device's stages (a bound:
+    their peaks need not coincide); ``seconds`` the predicted step time.
+    """
+
+    schedule: str
+    chunks: int
+    checkpoint: str
+    balance: tuple[int, ...]
+    devices: tuple[torch.device, ...]
+    seconds: float
+    memory: tuple[StageMemory, ...]
+    limit: int
+
+    @property
+    def device_bytes(self) -> dict[str, int]:
+        totals: dict[str, int] = {}
+        for device, stage in zip(self.devices, self.memory, strict=True):
+            totals[str(device)] = totals.get(str(device), 0) + stage.total
+        return totals
+
+    @property
+    def overflow(self) -> dict[str, int]:
+        """Bytes over the limit, per device that overflows."""
+        return {d: b - self.limit for d, b in self.device_bytes.items() if b > self.limit}
+
+    @property
+    def fits(self) -> bool:
+        return not self.overflow
+
+    def describe(self) -> str:
+        """``1f1b, 4 chunks, except_last, balance [3, 3]``."""
+        return (
+            f"{self.schedule}, {self.chunks} chunks, {self.checkpoint}, "
+            f"balance {list(self.balance)}"
+        )
+
+
+def candidates(
+    layers: int,
+    devices: list[torch.device],
+    batch_size: int,
+    limit: int,
+    chunks: tuple[int, ...],
+    schedules: tuple[str, ...],
+    checkpoints: tuple[str, ...],
+    profiled: Profiled,
+    parameters: LayerParameters,
+    overhead: float,
+) -> list[Candidate]:
+    """Every configuration's candidates; an interleaved one only where it can run."""
+    found: list[Candidate] = []
+    for name in schedules:
+        virtual = 2 if name == "interleaved" else 1
+        stages = len(devices) * virtual
+        stage_devices = tuple(devices * virtual)
+        share = [limit // stage_devices.count(d) for d in stage_devices]
+        for m in chunks:
+            if stages > layers or (virtual > 1 and m % len(devices)):
+                continue  # the interleaved schedule cannot run here (schedules.py)
+            saved, times = profiled(batch_size // m)
+            programs = resolve_schedule(name).programs(m, stages)
+            validate(programs, m, stages)
+            for mode in checkpoints:
+                checkpointed = checkpointed_tasks(programs, m, mode, training=True)  # type: ignore[arg-type]
+                found += _balanced(
+                    _Configuration(name, m, mode, stage_devices, share, limit, overhead),
+                    programs,
+                    checkpointed,
+                    saved,
+                    times,
+                    parameters,
+                    layers,
+                )
+    return found
+
+
+@dataclass(frozen=True)
+class _Configuration:
+    """A schedule, a micro-batch count and a checkpoint mode, on stages' devices and budgets."""
+
+    schedule: str
+    chunks: int
+    checkpoint: str
+    devices: tuple[torch.device, ...]
+    share: list[int]
+    limit: int
+    overhead: float
+
+
+def _balanced(
+    config: _Configuration,
+    programs: list[Program],
+    checkpointed: set[tuple[int, int]],
+    saved: Saved,
+    times: LayerTimes,
+    parameters: LayerParameters,
+    layers: int,
+) -> list[Candidate]:
+    """The configuration with its balance that fits (if any) and its compute-only balance."""
+    stages, m = len(config.devices), config.chunks
+    own = stage_programs(programs, stages)
+    recomputed = [sum((i, j) in checkpointed for i in range(m)) / m for j in range(stages)]
+    memo: dict[tuple[int, int, int], StageMemory] = {}
+
+    def memory(j: int, a: int, b: int) -> StageMemory:
+        if (j, a, b) not in memo:
+            memo[j, a, b] = stage_memory(own[j], checkpointed, saved, parameters, a, b)
+        return memo[j, a, b]
+
+    def cost(j: int, a: int, b: int) -> float:
+        c = stage_costs(times, a, b)
+        return c.forward * (1 + recomputed[j]) + c.backward
+
+    def fits(j: int, a: int, b: int) -> bool:
+        return memory(j, a, b).total <= config.share[j]
+
+    cuts = {
+        tuple(cut)
+        for cut in (
+            fitting_balance(layers, stages, cost, fits),
+            fitting_balance(layers, stages, cost, lambda j, a, b: True),
+        )
+        if cut is not None
+    }
+    found = []
+    for cut in sorted(cuts):
+        bounds = [0, *accumulate(cut)]
+        spans = list(pairwise(bounds))
+        seconds = predicted_seconds(
+            programs, [stage_costs(times, a, b) for a, b in spans], checkpointed, config.overhead
+        )
+        found.append(
+            Candidate(
+                schedule=config.schedule,
+                chunks=m,
+                checkpoint=config.checkpoint,
+                balance=cut,
+                devices=config.devices,
+                seconds=seconds,
+                memory=tuple(memory(j, a, b) for j, (a, b) in enumerate(spans)),
+                limit=config.limit,
+            )
+        )
+    return found
