@@ -8,6 +8,7 @@ from pipeline.data_parallel import DataParallel
 from pipeline.distributed import DistributedPipe
 from pipeline.migration import from_partitioned_state_dict
 from pipeline.pipe import BalanceError, Pipe, PositionalSequential
+from pipeline.plan import plan
 from pipeline.runtime.batchnorm import DeferredBatchNorm
 from pipeline.runtime.microbatch import NoChunk
 from pipeline.runtime.phase import is_checkpointing, is_recomputing
@@ -26,6 +27,7 @@ __all__ = [
     "from_partitioned_state_dict",
     "is_checkpointing",
     "is_recomputing",
+    "plan",
     "profile",
     "skip",
     "split",

@@ -17,10 +17,9 @@ from torch import Tensor, nn
 from pipeline.plan.checks import CHECKPOINTS, SCHEDULES, check_plan_arguments
 from pipeline.plan.memory import layer_parameters
 from pipeline.plan.profile import LayerTimes, Saved, layer_times, saved_storages
-from pipeline.plan.result import Plan, PlanCheck, PlanError
+from pipeline.plan.result import Plan, PlanCheck, PlanError, choose
 from pipeline.plan.search import Candidate, candidates
 from pipeline.runtime.microbatch import Arguments, scatter
-from pipeline.step.reports import _bytes
 
 __all__ = ["Candidate", "Plan", "PlanCheck", "PlanError", "plan"]
 
@@ -113,28 +112,4 @@ def plan(
         layer_parameters(sequential, int(optimizer_bytes_per_param)),
         action_overhead,
     )
-    fitting = [c for c in found if c.fits]
-    if not fitting:
-        raise PlanError(_nothing_fits(found, limit))
-    chosen = min(fitting, key=lambda c: (c.seconds, max(c.device_bytes.values())))
-    return Plan(sequential, chosen, found)
-
-
-def _nothing_fits(found: list[Candidate], limit: int) -> str:
-    """The message of ``PlanError``: the least-memory configuration, its overflowing devices."""
-    cheapest = min(found, key=lambda c: max(c.overflow.values()))
-    over = "; ".join(
-        f"device {d} needs {_bytes(cheapest.device_bytes[d])}, over by {_bytes(b)} ({b} bytes)"
-        for d, b in cheapest.overflow.items()
-    )
-    terms = ", ".join(
-        f"stage {j}: {_bytes(s.total)} (activations {_bytes(s.activations)}, inputs "
-        f"{_bytes(s.inputs)}, parameters {_bytes(s.parameters)}, gradients "
-        f"{_bytes(s.gradients)}, optimizer {_bytes(s.optimizer)})"
-        for j, s in enumerate(cheapest.memory)
-    )
-    return (
-        f"no configuration fits memory_limit={limit} bytes ({_bytes(limit)}) per device. The "
-        f"one needing the least memory, {cheapest.describe()}: {over}. By stage: {terms}. "
-        "Raise the limit, add devices, or try more micro-batches (chunks)"
-    )
+    return choose(sequential, found, limit)

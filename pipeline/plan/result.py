@@ -16,7 +16,7 @@ from pipeline.pipe import Pipe
 from pipeline.plan.search import Candidate
 from pipeline.step.reports import _bytes
 
-__all__ = ["Plan", "PlanCheck", "PlanError"]
+__all__ = ["Plan", "PlanCheck", "PlanError", "choose"]
 
 RUNNER_UPS = 8
 
@@ -192,3 +192,41 @@ class Plan:
             memory,
             why,
         ]
+
+
+def choose(model: nn.Sequential, found: list[Candidate], limit: int) -> Plan:
+    """The plan of the fastest candidate that fits (the least memory among equals).
+
+    Raises ``PlanError`` when none fits, naming the devices that overflow
+    under the candidate that needs the least memory, and by how much.
+    """
+    if not found:
+        raise PlanError(
+            "no configuration can run: the interleaved schedule needs twice as many layers as "
+            "devices and chunks that are multiples of the devices; add other schedules or chunks"
+        )
+    fitting = [c for c in found if c.fits]
+    if not fitting:
+        raise PlanError(_nothing_fits(found, limit))
+    chosen = min(fitting, key=lambda c: (c.seconds, max(c.device_bytes.values())))
+    return Plan(model, chosen, found)
+
+
+def _nothing_fits(found: list[Candidate], limit: int) -> str:
+    """The message of ``PlanError``: the least-memory configuration, its overflowing devices."""
+    cheapest = min(found, key=lambda c: max(c.overflow.values()))
+    over = "; ".join(
+        f"device {d} needs {_bytes(cheapest.device_bytes[d])}, over by {_bytes(b)} ({b} bytes)"
+        for d, b in cheapest.overflow.items()
+    )
+    terms = ", ".join(
+        f"stage {j}: {_bytes(s.total)} (activations {_bytes(s.activations)}, inputs "
+        f"{_bytes(s.inputs)}, parameters {_bytes(s.parameters)}, gradients "
+        f"{_bytes(s.gradients)}, optimizer {_bytes(s.optimizer)})"
+        for j, s in enumerate(cheapest.memory)
+    )
+    return (
+        f"no configuration fits memory_limit={limit} bytes ({_bytes(limit)}) per device. The "
+        f"one needing the least memory, {cheapest.describe()}: {over}. By stage: {terms}. "
+        "Raise the limit, add devices, or try more micro-batches (chunks)"
+    )

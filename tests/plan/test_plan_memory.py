@@ -1,0 +1,71 @@
+"""The memory model's activation term is what a step's meter measures, to the byte."""
+
+from __future__ import annotations
+
+import pytest
+import torch.nn.functional as F
+from torch import nn
+
+import pipeline
+from pipeline.plan.memory import held_peaks
+from pipeline.step.actions import parse_program
+from tests.plan.plan_models import batch, gelu_mlp, one_thread
+
+pytestmark = pytest.mark.usefixtures(one_thread.__name__)
+
+MODES = ["never", "except_last", "always"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+def test_predicted_activations_equal_the_measured_peak_of_each_stage(
+    schedule: str, mode: str
+) -> None:
+    x, y = batch()
+    plan = pipeline.plan(
+        gelu_mlp(), x, y, F.mse_loss, devices=["cpu"] * 3, batch_size=len(x),
+        memory_limit=2**30, chunks=[4], schedules=[schedule], checkpoints=[mode], repeats=1,
+    )  # fmt: skip
+    pipe = plan.pipe()
+    pipe.step(x, y, F.mse_loss, schedule=plan.schedule, measure_memory=True)
+    check = plan.check(pipe)
+    assert check.measured_activations == check.predicted_activations
+    assert all(bytes_ > 0 for bytes_ in check.predicted_activations)
+
+
+def test_a_stage_that_receives_an_input_it_does_not_save_holds_it_beside() -> None:
+    # Stage 1 starts with a Linear, which saves its input: nothing beside. Cut
+    # after the Linear instead, GELU saves its input too; cut after GELU's
+    # output, which Linear saves: the received input is always saved here,
+    # so the inputs term is what checkpointing keeps (the whole input).
+    x, y = batch()
+    plan = pipeline.plan(
+        gelu_mlp(), x, y, F.mse_loss, devices=["cpu"] * 2, batch_size=len(x),
+        memory_limit=2**30, chunks=[2], schedules=["gpipe"], checkpoints=["always"], repeats=1,
+    )  # fmt: skip
+    second = plan.chosen.memory[1]
+    one_input = (len(x) // 2) * x.size(1) * 8
+    # GPipe holds both micro-batches' inputs; the recomputed one's is saved, the other kept.
+    assert second.inputs == one_input
+    assert plan.chosen.memory[0].inputs == 0  # stage 0's input is the caller's
+
+
+def test_held_peaks_count_a_zero_bubble_graph_until_its_weight_gradient() -> None:
+    program = parse_program("0F0 0F1 0I0 0F2 0W0 0I1 0W1 0I2 0W2")
+    assert held_peaks(program, set(), 10, 0, 0) == (30, 30)
+
+
+def test_parameters_gradients_and_optimizer_state_are_counted_once_per_parameter() -> None:
+    x, y = batch()
+    model = gelu_mlp(depth=2)
+    tied = nn.Sequential(model[0], nn.Linear(16, 16).double(), model[1])
+    tied[1].weight = tied[0][0].weight  # one parameter in two layers
+    plan = pipeline.plan(
+        tied, x, y, F.mse_loss, devices=["cpu"], batch_size=len(x), memory_limit=2**30,
+        chunks=[1], schedules=["1f1b"], checkpoints=["never"], optimizer_bytes_per_param=8,
+        repeats=1,
+    )  # fmt: skip
+    (stage,) = plan.chosen.memory
+    elements = sum(p.numel() for p in tied.parameters())  # each parameter once
+    assert stage.parameters == stage.gradients == elements * 8
+    assert stage.optimizer == elements * 8
