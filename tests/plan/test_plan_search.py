@@ -1,0 +1,163 @@
+"""The search chooses the fastest configuration that fits; refusals name what was wrong."""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import pipeline
+from pipeline.plan import Candidate, PlanError
+from pipeline.plan.memory import layer_parameters
+from pipeline.plan.profile import LayerTimes, Saved, saved_storages
+from pipeline.plan.result import Plan, choose
+from pipeline.plan.search import candidates
+from tests.plan.plan_models import ROWS, batch, gelu_mlp, one_thread
+
+pytestmark = pytest.mark.usefixtures(one_thread.__name__)
+
+CPU = torch.device("cpu")
+
+
+def searched(
+    devices: list[torch.device],
+    limit: int,
+    schedules: tuple[str, ...] = ("gpipe", "1f1b", "zb-h1"),
+    optimizer_bytes: int = 8,
+    depth: int = 6,
+    rows: int = ROWS,
+) -> tuple[nn.Sequential, list[Candidate]]:
+    """Every candidate for the MLP of ``depth`` layers, with measured memory and made-up times.
+
+    Each layer's forward takes 1 s, its backward 2 s (input and weight
+    gradients 1 s each), the loss nothing: the search is then deterministic.
+    """
+    model = gelu_mlp(depth)
+    x, y = batch(rows)
+    layers = len(model)
+    times = LayerTimes((1.0,) * layers + (0.0,), (2.0,) * layers + (0.0,), (1.0,) * layers + (0.0,))
+    saved: dict[int, Saved] = {}
+
+    def profiled(rows: int) -> tuple[Saved, LayerTimes]:
+        if rows not in saved:
+            saved[rows] = saved_storages(model, x[:rows], y[:rows], F.mse_loss, CPU)
+        return saved[rows], times
+
+    found = candidates(
+        layers, devices, rows, limit, (1, 2, 4, 8), schedules, ("never", "except_last", "always"),
+        profiled, layer_parameters(model, optimizer_bytes), overhead=0.0,
+    )  # fmt: skip
+    return model, found
+
+
+def test_a_tight_limit_picks_a_configuration_that_fits_a_loose_one_a_faster_one() -> None:
+    model, found = searched([CPU, CPU], limit=2**40)
+    loose = choose(model, found, 2**40)
+    needs = loose.predicted_memory["cpu"]
+    model, found = searched([CPU, CPU], limit=needs - 1)
+    tight = choose(model, found, needs - 1)
+    assert max(tight.predicted_memory.values()) <= needs - 1
+    assert tight.predicted_seconds > loose.predicted_seconds
+    lost = [why for c, why in tight.runner_ups if c.describe() == loose.chosen.describe()]
+    assert lost in ([], ["over the limit on cpu by 1 B"])
+    assert not [c for c in found if c.fits and c.seconds < tight.predicted_seconds]
+
+
+def test_the_balance_moves_layers_off_a_stage_that_holds_more_micro_batches() -> None:
+    # 1F1B's first stage of four holds four micro-batches, the last one: cut for
+    # compute alone ([2, 2, 2, 2]) the first stage overflows, so it gets fewer layers.
+    devices = [torch.device(f"cuda:{k}") for k in range(4)]
+    options = {"schedules": ("1f1b",), "optimizer_bytes": 0, "depth": 8, "rows": 256}
+    _, found = searched(devices, limit=2**40, **options)  # type: ignore[arg-type]
+    even = next(c for c in found if (c.chunks, c.checkpoint) == (8, "never"))
+    assert even.balance == (2, 2, 2, 2)
+    limit = max(stage.total for stage in even.memory) - 1
+    _, found = searched(devices, limit=limit, **options)  # type: ignore[arg-type]
+    config = [c for c in found if (c.chunks, c.checkpoint) == (8, "never")]
+    assert [c.fits for c in config if c.balance == (2, 2, 2, 2)] == [False]
+    (fitting,) = [c for c in config if c.fits]
+    assert fitting.balance[0] == 1 and fitting.balance[-1] > 2
+    assert all(stage.total <= limit for stage in fitting.memory)
+
+
+def test_when_nothing_fits_the_error_names_the_device_and_the_overflow() -> None:
+    model, found = searched([CPU, CPU], limit=1000)
+    cheapest = min(max(c.device_bytes.values()) for c in found)
+    over = cheapest - 1000
+    with pytest.raises(PlanError, match=rf"device cpu needs .*, over by .* \({over} bytes\)"):
+        choose(model, found, 1000)
+
+
+def test_the_table_shows_the_choice_and_why_each_runner_up_lost() -> None:
+    model, found = searched([CPU, CPU], limit=2**40)
+    plan = choose(model, found, 2**40)
+    lines = str(plan).splitlines()
+    assert lines[0] == "Plan (memory limit 1024.0 GiB per device)"
+    assert lines[2].startswith("chosen") and lines[2].endswith("fastest that fits")
+    assert len(lines) == 3 + len(plan.runner_ups)
+    assert all(re.search(r"slower by \d+\.\d%$", line) for line in lines[3:])
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "message"),
+    [
+        ({"memory_limit": 0}, ValueError, "memory_limit must be positive"),
+        ({"memory_limit": -5}, ValueError, "memory_limit must be positive"),
+        ({"memory_limit": True}, TypeError, "memory_limit must be a whole number"),
+        ({"chunks": [3, 4]}, ValueError, r"chunks \[3\] do not divide batch_size=32"),
+        ({"batch_size": 16}, ValueError, "batch_size=16 but the sample input has 32 rows"),
+        ({"schedules": ["pipedream"]}, ValueError, "schedules must be a non-empty list"),
+        ({"checkpoints": []}, ValueError, "checkpoints must be a non-empty list"),
+        ({"devices": ["cpu"] * 7}, ValueError, "7 devices but the model has 6 layers"),
+        ({"devices": "cpu"}, TypeError, "devices must be a non-empty list"),
+        ({"optimizer_bytes_per_param": -1}, ValueError, "optimizer_bytes_per_param must be"),
+    ],
+)
+def test_bad_arguments_are_refused_before_any_work(
+    change: dict[str, object], error: type[Exception], message: str
+) -> None:
+    x, y = batch()
+    arguments: dict[str, object] = {"devices": ["cpu", "cpu"], "batch_size": 32,
+                                    "memory_limit": 2**30}  # fmt: skip
+    arguments.update(change)
+    with pytest.raises(error, match=message):
+        pipeline.plan(gelu_mlp(), x, y, F.mse_loss, **arguments)  # type: ignore[arg-type]
+
+
+def test_a_model_that_is_not_sequential_is_refused() -> None:
+    x, y = batch()
+    with pytest.raises(TypeError, match=r"pipeline.split\(model"):
+        pipeline.plan(nn.Linear(16, 16), x, y, F.mse_loss, devices=["cpu"], batch_size=32,  # type: ignore[arg-type]
+                      memory_limit=2**30)  # fmt: skip
+
+
+def test_the_planned_pipe_trains_to_the_plain_models_gradients() -> None:
+    x, y = batch()
+    model = gelu_mlp()
+    plain = copy.deepcopy(model)
+    F.mse_loss(plain(x), y).backward()
+    plan = pipeline.plan(model, x, y, F.mse_loss, devices=["cpu", "cpu"], batch_size=len(x),
+                         memory_limit=2**30, chunks=[4], repeats=1)  # fmt: skip
+    pipe = plan.pipe()
+    assert (pipe.balance, pipe.chunks, pipe.checkpoint) == (plan.balance, 4, plan.checkpoint)
+    pipe.step(x, y, F.mse_loss, schedule=plan.schedule)
+    for planned, expected in zip(pipe.parameters(), plain.parameters(), strict=True):
+        assert planned.grad is not None and expected.grad is not None
+        torch.testing.assert_close(planned.grad, expected.grad, rtol=0, atol=1e-12)
+
+
+def test_check_refuses_a_pipe_of_another_configuration() -> None:
+    model, found = searched([CPU, CPU], limit=2**40)
+    plan: Plan = choose(model, found, 2**40)
+    other = pipeline.Pipe(copy.deepcopy(model), plan.balance, devices=["cpu", "cpu"],
+                          chunks=plan.chunks * 2, checkpoint=plan.checkpoint)  # type: ignore[arg-type]  # fmt: skip
+    with pytest.raises(ValueError, match="has run no step yet"):
+        plan.check(other)
+    x, y = batch()
+    other.step(x, y, F.mse_loss, schedule=plan.schedule)
+    with pytest.raises(ValueError, match=rf"chunks {plan.chunks * 2} \(planned {plan.chunks}\)"):
+        plan.check(other)
