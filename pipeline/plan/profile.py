@@ -33,21 +33,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from balance.layerwise import (
-    Value,
-    _Spread,
-    backward_layer,
-    fresh_inputs,
-    run_layer,
-    tensors_in,
-    walk_layers,
-)
 from pipeline.runtime.microbatch import to_device
 from pipeline.runtime.partitions import PositionalSequential
 
 __all__ = ["LayerTimes", "Saved", "layer_times", "saved_storages"]
 
 LossFn = Callable[[Any, Any], Tensor]
+Value = Any  # what flows between layers: a tensor, or structures holding tensors
 
 
 @dataclass(frozen=True)
@@ -113,6 +105,9 @@ def saved_storages(
     model: nn.Sequential, sample: Value, target: Value, loss_fn: LossFn, device: torch.device
 ) -> Saved:
     """The storages one micro-batch (``sample``, ``target``) leaves through the model's layers."""
+    # Here, not at the top: balance imports pipeline, whose __init__ imports this module.
+    from balance.layerwise import _Spread, run_layer, tensors_in
+
     layers = copy.deepcopy(model).to(device).train()
     excluded = {t.untyped_storage().data_ptr() for t in layers.parameters()}
     sample, target = to_device(sample, device), to_device(target, device)
@@ -170,6 +165,8 @@ def layer_times(
     repeats: int,
 ) -> LayerTimes:
     """Median forward, backward and input-gradient seconds of each layer and of the loss."""
+    from balance.layerwise import fresh_inputs, run_layer, walk_layers  # as in saved_storages
+
     count = len(model) + 1
     forward: list[list[float]] = [[] for _ in range(count)]
     backward: list[list[float]] = [[] for _ in range(count)]
@@ -210,6 +207,8 @@ def _time_layer(
     into: tuple[list[float], list[float], list[float]],
 ) -> Value:
     """Time ``call`` on copies of ``inputs``: forward, backward, input gradient; one warm-up."""
+    from balance.layerwise import fresh_inputs  # as in saved_storages
+
     outputs: Value = None
     for run in range(repeats + 1):
         value = fresh_inputs(inputs, device)
@@ -233,6 +232,8 @@ def _timed(device: torch.device, function: Callable[..., Any], *args: Any) -> tu
 
 
 def _backward(index: int, layer: nn.Module | None, outputs: Value) -> None:
+    from balance.layerwise import backward_layer  # as in saved_storages
+
     if layer is not None:
         backward_layer(index, layer, outputs)
     elif isinstance(outputs, Tensor) and outputs.requires_grad:
@@ -241,6 +242,8 @@ def _backward(index: int, layer: nn.Module | None, outputs: Value) -> None:
 
 def _input_grad(inputs: Value, outputs: Value) -> None:
     """The gradient of the inputs alone, as zero-bubble's I asks autograd for it."""
+    from balance.layerwise import tensors_in  # as in saved_storages
+
     wanted = [t for t in tensors_in(inputs) if t.requires_grad]
     roots = [t for t in tensors_in(outputs) if t.requires_grad]
     if wanted and roots:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -161,3 +163,12 @@ def test_check_refuses_a_pipe_of_another_configuration() -> None:
     other.step(x, y, F.mse_loss, schedule=plan.schedule)
     with pytest.raises(ValueError, match=rf"chunks {plan.chunks * 2} \(planned {plan.chunks}\)"):
         plan.check(other)
+
+
+def test_balance_can_be_imported_before_pipeline() -> None:
+    # balance imports pipeline, whose __init__ imports the planner, which uses balance.
+    code = "import balance, pipeline; print(pipeline.plan.__name__)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "plan"
