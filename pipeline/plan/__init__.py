@@ -15,6 +15,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from pipeline.plan.checks import CHECKPOINTS, SCHEDULES, check_plan_arguments
+from pipeline.plan.contention import cpu_contention
 from pipeline.plan.memory import layer_parameters
 from pipeline.plan.profile import LayerTimes, Saved, layer_times, saved_storages
 from pipeline.plan.result import Plan, PlanCheck, PlanError, choose
@@ -44,6 +45,7 @@ def plan(
     optimizer_bytes_per_param: int = 0,
     repeats: int = 5,
     action_overhead: float = ACTION_OVERHEAD,
+    contention: float | None = None,
 ) -> Plan:
     """The fastest predicted Pipe configuration whose predicted peak fits ``memory_limit``.
 
@@ -59,7 +61,11 @@ def plan(
     ``checkpoints`` gets its balance for time and memory together, a
     predicted step time and a predicted peak per device; the fastest that
     fits is chosen. ``optimizer_bytes_per_param``: the optimizer's state per
-    trained element (8 for AdamW in float32). The model: docs/plan.md.
+    trained element (8 for AdamW in float32). ``contention``: how much
+    slower CPU stages run when all the pipe's CPU workers run at once
+    (None: measured now, on the model; 1.0: each its own idle core).
+    ``action_overhead``: seconds the library adds per action. The model:
+    docs/plan.md.
 
     Example::
 
@@ -90,16 +96,23 @@ def plan(
     )
     profiles: dict[int, tuple[Saved, LayerTimes]] = {}
 
+    def first(m: int) -> tuple[Any, Any]:
+        """The first of ``m`` micro-batches of the input and the target, as a step splits them."""
+        return scatter(value, m)[0].value, scatter(target, m)[0].value
+
     def profiled(rows: int) -> tuple[Saved, LayerTimes]:
         if rows not in profiles:
-            m = size // rows
-            micro, aim = scatter(value, m)[0].value, scatter(target, m)[0].value
+            micro, aim = first(size // rows)
             profiles[rows] = (
                 saved_storages(sequential, micro, aim, loss_fn, resolved[0]),
                 layer_times(sequential, micro, aim, loss_fn, resolved[0], repeats),
             )
         return profiles[rows]
 
+    if contention is None:
+        workers = sum(d.type == "cpu" for d in resolved)
+        micro, aim = first(counts[len(counts) // 2])
+        contention = cpu_contention(sequential, micro, aim, loss_fn, workers, repeats)
     found = candidates(
         len(sequential),
         resolved,
@@ -111,5 +124,6 @@ def plan(
         profiled,
         layer_parameters(sequential, int(optimizer_bytes_per_param)),
         action_overhead,
+        contention,
     )
-    return choose(sequential, found, limit)
+    return choose(sequential, found, limit, contention)

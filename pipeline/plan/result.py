@@ -64,13 +64,21 @@ class Plan:
     ``checkpoint``, ``devices`` (one per partition), ``predicted_seconds``,
     ``predicted_memory`` (bytes per device), ``chosen`` (its ``Candidate``,
     with each stage's memory by term) and ``runner_ups`` (the next
-    candidates, each with why it lost).
+    candidates, each with why it lost), ``contention`` (the factor CPU
+    stages' costs were scaled by).
     """
 
-    def __init__(self, model: nn.Sequential, chosen: Candidate, others: list[Candidate]) -> None:
+    def __init__(
+        self,
+        model: nn.Sequential,
+        chosen: Candidate,
+        others: list[Candidate],
+        contention: float = 1.0,
+    ) -> None:
         self.model = model
         self.chosen = chosen
         self.candidates = others
+        self.contention = contention
 
     @property
     def balance(self) -> list[int]:
@@ -174,7 +182,8 @@ class Plan:
         widths = [max(len(r[c]) for r in rows) for c in range(len(head))]
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)) for r in rows]
         limit = f"memory limit {_bytes(self.chosen.limit)} per device"
-        return "\n".join([f"Plan ({limit})", *(line.rstrip() for line in lines)])
+        factor = f"CPU contention x{self.contention:.2f}"
+        return "\n".join([f"Plan ({limit}, {factor})", *(line.rstrip() for line in lines)])
 
     def __repr__(self) -> str:
         return f"Plan({self.chosen.describe()}, predicted {self.predicted_seconds * 1e3:.2f} ms)"
@@ -194,7 +203,9 @@ class Plan:
         ]
 
 
-def choose(model: nn.Sequential, found: list[Candidate], limit: int) -> Plan:
+def choose(
+    model: nn.Sequential, found: list[Candidate], limit: int, contention: float = 1.0
+) -> Plan:
     """The plan of the fastest candidate that fits (the least memory among equals).
 
     Raises ``PlanError`` when none fits, naming the devices that overflow
@@ -209,7 +220,7 @@ def choose(model: nn.Sequential, found: list[Candidate], limit: int) -> Plan:
     if not fitting:
         raise PlanError(_nothing_fits(found, limit))
     chosen = min(fitting, key=lambda c: (c.seconds, max(c.device_bytes.values())))
-    return Plan(model, chosen, found)
+    return Plan(model, chosen, found, contention)
 
 
 def _nothing_fits(found: list[Candidate], limit: int) -> str:

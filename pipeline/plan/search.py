@@ -85,14 +85,19 @@ def candidates(
     profiled: Profiled,
     parameters: LayerParameters,
     overhead: float,
+    contention: float = 1.0,
 ) -> list[Candidate]:
-    """Every configuration's candidates; an interleaved one only where it can run."""
+    """Every configuration's candidates; an interleaved one only where it can run.
+
+    ``contention`` scales the costs of CPU stages (``contention.py``).
+    """
     found: list[Candidate] = []
     for name in schedules:
         virtual = 2 if name == "interleaved" else 1
         stages = len(devices) * virtual
         stage_devices = tuple(devices * virtual)
         share = [limit // stage_devices.count(d) for d in stage_devices]
+        factor = [contention if d.type == "cpu" else 1.0 for d in stage_devices]
         for m in chunks:
             if stages > layers or (virtual > 1 and m % len(devices)):
                 continue  # the interleaved schedule cannot run here (schedules.py)
@@ -102,7 +107,7 @@ def candidates(
             for mode in checkpoints:
                 checkpointed = checkpointed_tasks(programs, m, mode, training=True)  # type: ignore[arg-type]
                 found += _balanced(
-                    _Configuration(name, m, mode, stage_devices, share, limit, overhead),
+                    _Configuration(name, m, mode, stage_devices, share, factor, limit, overhead),
                     programs,
                     checkpointed,
                     saved,
@@ -122,6 +127,7 @@ class _Configuration:
     checkpoint: str
     devices: tuple[torch.device, ...]
     share: list[int]
+    factor: list[float]
     limit: int
     overhead: float
 
@@ -147,7 +153,7 @@ def _balanced(
         return memo[j, a, b]
 
     def cost(j: int, a: int, b: int) -> float:
-        c = stage_costs(times, a, b)
+        c = stage_costs(times, a, b, config.factor[j])
         return c.forward * (1 + recomputed[j]) + c.backward
 
     def fits(j: int, a: int, b: int) -> bool:
@@ -166,7 +172,10 @@ def _balanced(
         bounds = [0, *accumulate(cut)]
         spans = list(pairwise(bounds))
         seconds = predicted_seconds(
-            programs, [stage_costs(times, a, b) for a, b in spans], checkpointed, config.overhead
+            programs,
+            [stage_costs(times, a, b, config.factor[j]) for j, (a, b) in enumerate(spans)],
+            checkpointed,
+            config.overhead,
         )
         found.append(
             Candidate(

@@ -1,7 +1,8 @@
 """The planner's time model: a schedule's programs played with each stage's measured costs.
 
 A stage's forward costs the sum of its layers' forward times (the loss's
-too on the last stage), its backward the sum of their backward times plus
+too on the last stage; on a CPU stage times the contention of the CPU's
+workers, ``contention.py``), its backward the sum of their backward times plus
 the forward again where the task is checkpointed (the recomputation runs
 inside it); zero-bubble's ``I`` and ``W`` cost the input-gradient time and
 the rest. Each action also costs ``overhead`` seconds (the library's own
@@ -32,14 +33,17 @@ class StageCosts:
     weight: float
 
 
-def stage_costs(times: LayerTimes, first: int, stop: int) -> StageCosts:
-    """The costs of the stage of layers ``first..stop`` (and the loss if it is the last)."""
+def stage_costs(times: LayerTimes, first: int, stop: int, factor: float = 1.0) -> StageCosts:
+    """The costs of the stage of layers ``first..stop`` (and the loss if it is the last).
+
+    ``factor`` scales them: the CPU's contention (``contention.py``) on a CPU stage.
+    """
     end = stop + 1 if stop == len(times.forward) - 1 else stop
     return StageCosts(
-        sum(times.forward[first:end]),
-        sum(times.backward[first:end]),
-        sum(times.input_grad[first:end]),
-        sum(times.weight[first:end]),
+        factor * sum(times.forward[first:end]),
+        factor * sum(times.backward[first:end]),
+        factor * sum(times.input_grad[first:end]),
+        factor * sum(times.weight[first:end]),
     )
 
 
