@@ -31,14 +31,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
 from pipe_common import print_json, round_times, start_single_threaded
 
 import pipeline
 from pipeline.plan import Candidate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/: gpt
-import gpt  # noqa: E402
+import gpt
 
 MiB = 2**20
 
@@ -46,12 +45,24 @@ MiB = 2**20
 def options(quick: bool) -> dict[str, Any]:
     """The model's size and the grid: small and short with ``--quick``."""
     if quick:
-        return {"width": 32, "heads": 2, "layers": 2, "context": 16, "batch": 8,
-                "chunks": [2, 4], "schedules": ["gpipe", "1f1b"],
-                "checkpoints": ["never", "always"], "rounds": 3, "repeats": 2}  # fmt: skip
-    return {"width": 64, "heads": 4, "layers": 4, "context": 64, "batch": 16,
-            "chunks": [1, 2, 4, 8], "schedules": ["gpipe", "1f1b", "interleaved", "zb-h1"],
-            "checkpoints": ["never", "except_last", "always"], "rounds": 7, "repeats": 5}  # fmt: skip
+        model = {"width": 32, "heads": 2, "layers": 2, "context": 16, "batch": 8}
+        grid = {"chunks": [2], "schedules": ["gpipe", "1f1b"], "checkpoints": ["never", "always"]}
+        return {**model, **grid, "rounds": 2, "repeats": 1}
+    model = {"width": 64, "heads": 4, "layers": 4, "context": 64, "batch": 16}
+    grid = {
+        "chunks": [1, 2, 4, 8],
+        "schedules": ["gpipe", "1f1b", "interleaved", "zb-h1"],
+        "checkpoints": ["never", "except_last", "always"],
+    }
+    return {**model, **grid, "rounds": 7, "repeats": 5}
+
+
+def built(model: Any, c: Candidate) -> pipeline.Pipe:
+    """Candidate ``c`` as a Pipe over a copy of ``model``."""
+    devices = [str(d) for d in c.devices]
+    checkpoint: Any = c.checkpoint
+    return pipeline.Pipe(copy.deepcopy(model), list(c.balance), devices=devices,
+                         chunks=c.chunks, checkpoint=checkpoint)  # fmt: skip
 
 
 def measured_activations(pipe: pipeline.Pipe, x: Any, y: Any, schedule: str) -> list[int]:
@@ -83,12 +94,9 @@ def main(argv: list[str] | None = None) -> None:
     )  # fmt: skip
     print(plan, flush=True)
     grid: list[Candidate] = plan.candidates
-    pipes = [
-        pipeline.Pipe(copy.deepcopy(model), list(c.balance), devices=[str(d) for d in c.devices],
-                      chunks=c.chunks, checkpoint=c.checkpoint)  # type: ignore[arg-type]  # fmt: skip
-        for c in grid
-    ]
-    activations = [measured_activations(p, x, y, c.schedule) for p, c in zip(pipes, grid, strict=True)]
+    pipes = [built(model, c) for c in grid]
+    pairs = list(zip(pipes, grid, strict=True))
+    activations = [measured_activations(p, x, y, c.schedule) for p, c in pairs]
 
     def stepper(pipe: pipeline.Pipe, schedule: str) -> Any:
         def run() -> None:
@@ -97,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
 
         return run
 
-    runs = {str(k): stepper(p, c.schedule) for k, (p, c) in enumerate(zip(pipes, grid, strict=True))}
+    runs = {str(k): stepper(p, c.schedule) for k, (p, c) in enumerate(pairs)}
     times = round_times(runs, o["rounds"])
     measured = [statistics.median(times[str(k)]) for k in range(len(grid))]
     rows = []

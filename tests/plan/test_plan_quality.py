@@ -1,0 +1,39 @@
+"""examples/benchmarks/plan_quality.py --quick: the grid measured, activations as predicted."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.plan.plan_models import one_thread
+
+pytestmark = pytest.mark.usefixtures(one_thread.__name__)
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "examples" / "benchmarks"
+
+
+def test_quick_run_measures_every_configuration_and_its_activations_are_the_predicted(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    monkeypatch.syspath_prepend(str(BENCHMARKS.parent))
+    spec = importlib.util.spec_from_file_location("plan_quality", BENCHMARKS / "plan_quality.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main(["--quick"])
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["benchmark"] == "plan_quality" and result["quick"] is True
+    rows = result["rows"]
+    configurations = {row["configuration"].split(", balance")[0] for row in rows}
+    assert configurations == {
+        f"{s}, 2 chunks, {mode}" for s in ("gpipe", "1f1b") for mode in ("never", "always")
+    }
+    assert result["chosen"] in {row["configuration"] for row in rows}
+    for row in rows:
+        assert row["measured_activations"] == row["predicted_activations"], row
+        assert row["measured_ms"] > 0 and row["predicted_ms"] > 0
+    assert result["chosen_over_best_measured"] > 0
