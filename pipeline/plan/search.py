@@ -89,7 +89,8 @@ def candidates(
 ) -> list[Candidate]:
     """Every configuration's candidates; an interleaved one only where it can run.
 
-    ``contention`` scales the costs of CPU stages (``contention.py``).
+    ``contention``: how much slower CPU stages run while all compute
+    (``contention.py``); the balance takes it as a scale of their costs.
     """
     found: list[Candidate] = []
     for name in schedules:
@@ -173,9 +174,10 @@ def _balanced(
         spans = list(pairwise(bounds))
         seconds = predicted_seconds(
             programs,
-            [stage_costs(times, a, b, config.factor[j]) for j, (a, b) in enumerate(spans)],
+            [stage_costs(times, a, b) for a, b in spans],
             checkpointed,
             config.overhead,
+            config.factor,
         )
         found.append(
             Candidate(

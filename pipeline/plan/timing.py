@@ -1,15 +1,16 @@
 """The planner's time model: a schedule's programs played with each stage's measured costs.
 
 A stage's forward costs the sum of its layers' forward times (the loss's
-too on the last stage; on a CPU stage times the contention of the CPU's
-workers, ``contention.py``), its backward the sum of their backward times plus
+too on the last stage), its backward the sum of their backward times plus
 the forward again where the task is checkpointed (the recomputation runs
 inside it); zero-bubble's ``I`` and ``W`` cost the input-gradient time and
 the rest. Each action also costs ``overhead`` seconds (the library's own
 work per action: mail, leaves, timing). The programs are played by
 ``pipeline.step.simulate.play``: an action starts when its worker is free
 and its input has arrived, and communication costs nothing (one process,
-one memory): the predicted step time is the last action's end.
+one memory): the predicted step time is the last action's end. On CPU,
+an action runs slower while other workers compute (``contention.py``): a
+second play slows each action by the share of the first play's overlap.
 """
 
 from __future__ import annotations
@@ -52,8 +53,24 @@ def predicted_seconds(
     costs: list[StageCosts],
     checkpointed: set[tuple[int, int]],
     overhead: float,
+    contention: list[float] | None = None,
 ) -> float:
-    """The step's predicted seconds: ``programs`` played with ``costs[s]`` for stage ``s``."""
+    """The step's predicted seconds: ``programs`` played with ``costs[s]`` for stage ``s``.
+
+    ``contention[s]`` (CPU stages; 1 elsewhere) is how much slower stage
+    ``s`` runs while every other worker computes too: the programs are
+    played once as they are, then again with each action slowed in
+    proportion to the other workers busy while it ran in the first play.
+
+    >>> from pipeline.step.actions import parse_program
+    >>> programs = [parse_program("0F0 0F1 0B0 0B1"), parse_program("1F0 1B0 1F1 1B1")]
+    >>> one = StageCosts(1.0, 2.0, 1.0, 1.0)
+    >>> predicted_seconds(programs, [one, one], set(), 0.0)
+    9.0
+    >>> predicted_seconds(programs, [one, one], set(), 0.0, [2.0, 2.0]) > 9.0
+    True
+    """
+    worker = {a.stage: w for w, program in enumerate(programs) for a in program}
 
     def cost(action: Action) -> float:
         stage = costs[action.stage]
@@ -66,5 +83,34 @@ def predicted_seconds(
         }[action.kind]
         return seconds + overhead
 
-    _, end = play(programs, len(costs), cost)
+    start, end = play(programs, len(costs), cost)
+    if contention is not None and len(programs) > 1 and any(c != 1.0 for c in contention):
+        others = _others_busy(start, end, worker, len(programs))
+        slowed = {
+            a: cost(a) * (1 + (contention[a.stage] - 1) * others[a] / (len(programs) - 1))
+            for a in start
+        }
+        start, end = play(programs, len(costs), slowed.__getitem__)
     return max(end.values(), default=0.0)
+
+
+def _others_busy(
+    start: dict[Action, float], end: dict[Action, float], worker: dict[int, int], workers: int
+) -> dict[Action, float]:
+    """For each action, how many other workers ran an action meanwhile, on average over it."""
+    spans: list[list[tuple[float, float]]] = [[] for _ in range(workers)]
+    for action, begin in start.items():
+        spans[worker[action.stage]].append((begin, end[action]))
+    busy: dict[Action, float] = {}
+    for action, begin in start.items():
+        finish = end[action]
+        length = finish - begin
+        mine = worker[action.stage]
+        shared = sum(
+            max(0.0, min(finish, b) - max(begin, a))
+            for w in range(workers)
+            if w != mine
+            for a, b in spans[w]
+        )
+        busy[action] = shared / length if length > 0 else 0.0
+    return busy
