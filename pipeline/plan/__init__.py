@@ -17,16 +17,13 @@ from torch import Tensor, nn
 from pipeline.plan.checks import CHECKPOINTS, SCHEDULES, check_plan_arguments
 from pipeline.plan.contention import cpu_contention
 from pipeline.plan.memory import layer_parameters
+from pipeline.plan.overhead import action_overhead as measured_overhead
 from pipeline.plan.profile import LayerTimes, Saved, layer_times, saved_storages
 from pipeline.plan.result import Plan, PlanCheck, PlanError, choose
 from pipeline.plan.search import Candidate, candidates
 from pipeline.runtime.microbatch import Arguments, scatter
 
 __all__ = ["Candidate", "Plan", "PlanCheck", "PlanError", "plan"]
-
-# The library's own work per action (mail, leaves, timing), from docs/benchmarks.md's
-# "Pipe overhead" on a 2-core CPU: tens of microseconds.
-ACTION_OVERHEAD = 50e-6
 
 
 def plan(
@@ -44,7 +41,7 @@ def plan(
     checkpoints: Sequence[str] = CHECKPOINTS,
     optimizer_bytes_per_param: int = 0,
     repeats: int = 5,
-    action_overhead: float = ACTION_OVERHEAD,
+    action_overhead: float | None = None,
     contention: float | None = None,
 ) -> Plan:
     """The fastest predicted Pipe configuration whose predicted peak fits ``memory_limit``.
@@ -64,7 +61,8 @@ def plan(
     trained element (8 for AdamW in float32). ``contention``: how much
     slower CPU stages run when all the pipe's CPU workers run at once
     (None: measured now, on the model; 1.0: each its own idle core).
-    ``action_overhead``: seconds the library adds per action. The model:
+    ``action_overhead``: seconds the library adds per action (None:
+    measured now, with a pipe of tiny layers on ``devices``). The model:
     docs/plan.md.
 
     Example::
@@ -113,6 +111,8 @@ def plan(
         workers = sum(d.type == "cpu" for d in resolved)
         micro, aim = first(counts[len(counts) // 2])
         contention = cpu_contention(sequential, micro, aim, loss_fn, workers, repeats)
+    if action_overhead is None:
+        action_overhead = measured_overhead(resolved, 8, repeats)
     found = candidates(
         len(sequential),
         resolved,
@@ -126,4 +126,4 @@ def plan(
         action_overhead,
         contention,
     )
-    return choose(sequential, found, limit, contention)
+    return choose(sequential, found, limit, contention, action_overhead)

@@ -64,8 +64,9 @@ class Plan:
     ``checkpoint``, ``devices`` (one per partition), ``predicted_seconds``,
     ``predicted_memory`` (bytes per device), ``chosen`` (its ``Candidate``,
     with each stage's memory by term) and ``runner_ups`` (the next
-    candidates, each with why it lost), ``contention`` (the factor CPU
-    stages' costs were scaled by).
+    candidates, each with why it lost), ``contention`` (how much slower a
+    CPU stage was taken to run beside the others) and ``action_overhead``
+    (the seconds added per action).
     """
 
     def __init__(
@@ -74,11 +75,13 @@ class Plan:
         chosen: Candidate,
         others: list[Candidate],
         contention: float = 1.0,
+        action_overhead: float = 0.0,
     ) -> None:
         self.model = model
         self.chosen = chosen
         self.candidates = others
         self.contention = contention
+        self.action_overhead = action_overhead
 
     @property
     def balance(self) -> list[int]:
@@ -183,7 +186,9 @@ class Plan:
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)) for r in rows]
         limit = f"memory limit {_bytes(self.chosen.limit)} per device"
         factor = f"CPU contention x{self.contention:.2f}"
-        return "\n".join([f"Plan ({limit}, {factor})", *(line.rstrip() for line in lines)])
+        overhead = f"{self.action_overhead * 1e6:.0f} us per action"
+        title = f"Plan ({limit}, {factor}, {overhead})"
+        return "\n".join([title, *(line.rstrip() for line in lines)])
 
     def __repr__(self) -> str:
         return f"Plan({self.chosen.describe()}, predicted {self.predicted_seconds * 1e3:.2f} ms)"
@@ -204,7 +209,11 @@ class Plan:
 
 
 def choose(
-    model: nn.Sequential, found: list[Candidate], limit: int, contention: float = 1.0
+    model: nn.Sequential,
+    found: list[Candidate],
+    limit: int,
+    contention: float = 1.0,
+    action_overhead: float = 0.0,
 ) -> Plan:
     """The plan of the fastest candidate that fits (the least memory among equals).
 
@@ -220,7 +229,7 @@ def choose(
     if not fitting:
         raise PlanError(_nothing_fits(found, limit))
     chosen = min(fitting, key=lambda c: (c.seconds, max(c.device_bytes.values())))
-    return Plan(model, chosen, found, contention)
+    return Plan(model, chosen, found, contention, action_overhead)
 
 
 def _nothing_fits(found: list[Candidate], limit: int) -> str:

@@ -98,7 +98,9 @@ def test_the_table_shows_the_choice_and_why_each_runner_up_lost() -> None:
     model, found = searched([CPU, CPU], limit=2**40)
     plan = choose(model, found, 2**40)
     lines = str(plan).splitlines()
-    assert lines[0] == "Plan (memory limit 1024.0 GiB per device, CPU contention x1.00)"
+    assert lines[0] == (
+        "Plan (memory limit 1024.0 GiB per device, CPU contention x1.00, 0 us per action)"
+    )
     assert lines[2].startswith("chosen") and lines[2].endswith("fastest that fits")
     assert len(lines) == 3 + len(plan.runner_ups)
     assert all(re.search(r"slower by \d+\.\d%$", line) for line in lines[3:])
