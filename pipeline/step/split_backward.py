@@ -36,6 +36,11 @@ Cases torch's own split has got wrong, and how this one handles them:
   input needing a gradient at all: that output itself is a root of W;
 - weights shared by two layers of the stage: one ``AccumulateGrad`` node,
   one gradient, the sum;
+- a weight reached from an anchor's branch and also, down the input path,
+  from a lower anchor's (T5's relative position bias, made once and used by
+  every block): W from the upper anchor walks the path down to the lower
+  one, through whatever anchors lie between, which may be another group's;
+  each group keeps the graph for the next, and it goes with the groups;
 - an anchor that is the node of a Python ``autograd.Function`` (a layer
   compiled by ``torch.compile``: ``CompiledFunctionBackward``; a fused
   kernel written by hand) computes its input and weight gradients in one
@@ -117,12 +122,17 @@ class WeightWork:
                 if anchor in recorded
             ]
             summed = hold(group.weights)
+            # Kept for the next groups: a weight reached from an anchor and, down the
+            # input path, from a lower one (T5's position bias) has W walk the path
+            # between, whose anchors may be another group's. Freed with the groups.
             try:
                 if summed:
-                    found += torch.autograd.grad(roots, group.weights, grads, allow_unused=True)
+                    found += torch.autograd.grad(
+                        roots, group.weights, grads, allow_unused=True, retain_graph=True
+                    )
                     weights += group.weights
                 else:
-                    torch.autograd.backward(roots, grads, inputs=group.weights)
+                    torch.autograd.backward(roots, grads, inputs=group.weights, retain_graph=True)
             finally:
                 for handle in handles:
                     handle.remove()

@@ -87,6 +87,23 @@ class OutputWithoutGradient(nn.Module):
         return y, (y > 0).float().detach()
 
 
+class AroundAnotherGroup(nn.Module):
+    """A weight reached from two anchors, with another group's anchor on the path between.
+
+    As T5's relative position bias, computed once and used by every block:
+    W from the upper anchor walks down the input path, through the norm.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(8))
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        bias = self.table * 2
+        return self.norm(x * bias) * bias
+
+
 MODELS: dict[str, Callable[[], nn.Module]] = {
     "mlp": lambda: nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)),
     "block": lambda: nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)),
@@ -97,6 +114,7 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "view as output": ViewOutput,
     "tied weights": TiedLayers,
     "output without gradient": OutputWithoutGradient,
+    "weight reached around another group": AroundAnotherGroup,
 }
 
 
