@@ -33,3 +33,21 @@ def test_hf_gpt2_gives_every_option_a_help_text(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.syspath_prepend(str(EXAMPLES))
     parser = parser_of(importlib.import_module("hf_gpt2").main, monkeypatch)
     assert [action.option_strings for action in parser._actions if not action.help] == []
+
+
+def test_hf_t5_with_its_defaults_trains_like_the_plain_model(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    hf_t5 = importlib.import_module("hf_t5")
+    assert hf_t5.main([]) == 0
+    printed = capsys.readouterr().out
+    assert "2 + 2 blocks" in printed and "split into 6 pieces" in printed
+    assert "(balance_by_time)" in printed and "plain model" in printed
+    assert "(tolerance 1e-08)" in printed and "loss fell from" in printed
+
+
+def test_hf_t5_gives_every_option_a_help_text(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    parser = parser_of(importlib.import_module("hf_t5").main, monkeypatch)
+    assert [action.option_strings for action in parser._actions if not action.help] == []

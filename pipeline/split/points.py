@@ -1,8 +1,12 @@
 """Split points: the modules where pieces start, and the blocks kept whole.
 
-By default the blocks are the children of the model's largest repeated
-``nn.ModuleList`` or ``nn.Sequential`` (GPT-2's ``transformer.h``, Llama's
-``model.layers``): one piece per block, plus what comes before and after.
+By default the blocks are the children of the model's stacks: the repeated
+``nn.ModuleList`` or ``nn.Sequential`` holding the most parameters (GPT-2's
+``transformer.h``, Llama's ``model.layers``), and every other one holding at
+least a quarter as many (an encoder-decoder model's second stack: T5's
+``decoder.block``, BART's ``model.decoder.layers``): one piece per block,
+plus what comes before, between and after. A repeated list inside another
+(a mixture of experts' ``experts`` inside its layers) is part of its block.
 Given ``points``, a piece starts at each of them; the default blocks that
 neither contain nor sit inside a point are still kept whole (called as
 themselves), within the pieces.
@@ -21,24 +25,37 @@ __all__ = ["default_blocks", "kept_whole", "resolve_points"]
 
 
 def default_blocks(model: nn.Module) -> list[str]:
-    """The names of the children of the largest repeated ModuleList or Sequential ([] if none).
+    """The names of the children of the model's stacks, in the model's order ([] if none).
 
-    Repeated: two children or more, all of one class. Largest: the most
-    children, then the most parameters.
+    A stack is a repeated ModuleList or Sequential (two children or more,
+    all of one class) inside no other (a block's own list of experts is
+    part of the block). Those holding at least a quarter of the parameters
+    of the largest (an encoder's and a decoder's; not a list of small heads)
+    are taken.
     """
-    best: tuple[int, int] = (1, -1)
-    found: list[str] = []
+    repeated: dict[str, int] = {}
     for name, module in model.named_modules():
-        if not isinstance(module, nn.ModuleList | nn.Sequential):
-            continue
-        children = list(module.named_children())
-        if len({type(child) for _, child in children}) != 1:
-            continue
-        size = (len(children), sum(p.numel() for p in module.parameters()))
-        if size > best:
-            best = size
-            found = [f"{name}.{child}" if name else child for child, _ in children]
-    return found
+        children = list(module.children())
+        if (
+            isinstance(module, nn.ModuleList | nn.Sequential)
+            and len(children) > 1
+            and len({type(child) for child in children}) == 1
+        ):
+            repeated[name] = sum(p.numel() for p in module.parameters())
+    stacks = {
+        name: size
+        for name, size in repeated.items()
+        if not any(_inside(name, outer) for outer in repeated)
+    }
+    if not stacks:
+        return []
+    most = max(stacks.values())
+    return [
+        f"{stack}.{child}" if stack else child
+        for stack, size in stacks.items()  # in the model's order
+        if 4 * size >= most
+        for child, _ in model.get_submodule(stack).named_children()
+    ]
 
 
 def resolve_points(model: nn.Module, points: Sequence[str] | None) -> tuple[list[str], bool]:
@@ -85,6 +102,11 @@ def kept_whole(model: nn.Module, points: list[str]) -> dict[nn.Module, str]:
         if not any(_nested(block, point) for point in points):
             whole[block] = None
     return {model.get_submodule(name): name for name in whole}
+
+
+def _inside(name: str, outer: str) -> bool:
+    """Whether module ``name`` sits inside module ``outer`` ('' is the model)."""
+    return name != outer and (outer == "" or name.startswith(outer + "."))
 
 
 def _nested(a: str, b: str) -> bool:

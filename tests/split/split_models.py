@@ -81,6 +81,46 @@ def llama() -> nn.Module:
     return transformers.LlamaForCausalLM(settings).double()
 
 
+def t5() -> nn.Module:
+    """A tiny T5: an encoder and a decoder of 2 blocks each, relative position biases, tied head."""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    settings = transformers.T5Config(
+        d_model=16,
+        d_kv=8,
+        d_ff=32,
+        num_layers=2,
+        num_heads=2,
+        vocab_size=VOCAB,
+        dropout_rate=0.0,
+        decoder_start_token_id=0,
+        use_cache=False,
+    )
+    return transformers.T5ForConditionalGeneration(settings).double()
+
+
+def bart() -> nn.Module:
+    """A tiny BART: stacks of 2 encoder and 3 decoder layers, of two classes."""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    settings = transformers.BartConfig(
+        d_model=16,
+        encoder_layers=2,
+        decoder_layers=3,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=32,
+        decoder_ffn_dim=32,
+        vocab_size=VOCAB,
+        max_position_embeddings=32,
+        dropout=0.0,
+        attention_dropout=0.0,
+        activation_dropout=0.0,
+        use_cache=False,
+    )
+    return transformers.BartForConditionalGeneration(settings).double()
+
+
 def tokens(batch: int, length: int, padded: int = 0) -> tuple[Tensor, Tensor, Tensor]:
     """Token ids, an attention mask with ``padded`` left-padded positions in row 0, targets."""
     ids = torch.randint(0, VOCAB, (batch, length))
