@@ -41,6 +41,7 @@ __all__ = [
     "NoChunk",
     "Value",
     "check_input",
+    "check_rows",
     "gather",
     "scatter",
     "to_device",
@@ -310,13 +311,28 @@ def _gather_column(column: list[Any], position: int) -> Any:
     return first
 
 
+def check_rows(leaves: Sequence[Any]) -> None:
+    """Raise ValueError if a tensor among one micro-batch's output ``leaves`` has no rows.
+
+    ``gather`` would refuse it at the end; a step checks each output as the
+    last stage makes it, before any backward has written a gradient.
+    """
+    for position, leaf in enumerate(leaves):
+        if isinstance(leaf, Tensor) and leaf.dim() == 0:
+            raise _without_rows(position)
+
+
+def _without_rows(position: int) -> ValueError:
+    return ValueError(
+        f"the last partition returned a 0-dim tensor (output leaf {position}); the outputs of "
+        "the micro-batches are concatenated along dim 0, so return one value per row (e.g. a "
+        "per-sample loss, reduced after the Pipe) instead of a reduced scalar"
+    )
+
+
 def _check_concatenable(column: list[Tensor], position: int) -> None:
     if column[0].dim() == 0:
-        raise ValueError(
-            f"the last partition returned a 0-dim tensor (output leaf {position}); the outputs "
-            "of the micro-batches are concatenated along dim 0, so return one value per row "
-            "(e.g. a per-sample loss, reduced after the Pipe) instead of a reduced scalar"
-        )
+        raise _without_rows(position)
     shapes = [tuple(t.shape[1:]) for t in column]
     if any(shape != shapes[0] for shape in shapes) or any(t.dim() == 0 for t in column):
         listed = ", ".join(f"micro-batch {i}: {tuple(t.shape)}" for i, t in enumerate(column))

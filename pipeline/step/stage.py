@@ -51,7 +51,7 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from pipeline.runtime.microbatch import Batch
+from pipeline.runtime.microbatch import Batch, check_rows
 from pipeline.runtime.partitions import Hook, PartitionRuntime, protected
 from pipeline.runtime.recompute import Recomputation
 from pipeline.runtime.rng import BaseSeed, PartitionRandomness, TaskRandomness
@@ -377,6 +377,7 @@ class StageRun:
         if loss is not None:
             self.losses[i] = loss.detach()
         if self.context.keep_outputs:
+            check_rows(output.leaves)
             self.outputs[i] = Batch.of(
                 [x.detach() if isinstance(x, Tensor) else x for x in output.leaves], output.spec
             )

@@ -291,6 +291,31 @@ def test_gradients_accumulate_like_backward_and_outputs_come_back_on_request() -
     assert not output.requires_grad and loss.shape == ()
 
 
+class WithScalar(nn.Module):
+    """Returns its input and a reduced scalar, as a transformers output with its ``loss``."""
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        return x, x.square().mean()
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+def test_outputs_that_cannot_be_gathered_are_refused_before_any_gradient(schedule: str) -> None:
+    # Found with transformers' own loss: the refusal came at the step's end,
+    # every gradient already written.
+    model = nn.Sequential(block(), block(), WithScalar()).double()
+    pipe = Pipe(model, [1, 2], devices=["cpu"] * 2, chunks=3)
+    x = torch.randn(6, WIDTH, dtype=torch.double)
+
+    def loss_fn(output: tuple[Tensor, Tensor], target: Tensor) -> Tensor:
+        return output[1] + F.mse_loss(output[0], target)
+
+    with pytest.raises(ValueError, match=r"0-dim tensor \(output leaf 1\).*one value per row"):
+        pipe.step(x, x, loss_fn, schedule=schedule, return_outputs=True)
+    assert all(p.grad is None for p in model.parameters())
+    loss = pipe.step(x, x, loss_fn, schedule=schedule)  # without the outputs, it trains
+    assert loss.shape == () and all(p.grad is not None for p in model.parameters())
+
+
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
 def test_skips_on_one_thread_without_grad_equal_the_plain_model(mode: str) -> None:
     # The fences (skip portals among them) run on the worker in the caller's
