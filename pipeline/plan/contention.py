@@ -4,16 +4,17 @@ Layers are profiled one at a time, on one thread (``profile.py``). A Pipe
 over CPU partitions runs a worker thread per partition, and those threads
 share the machine's cores with each other and with whatever else runs
 there: on a 2-core machine that other jobs load, each thread can run two or
-three times slower than alone. The factor measured here, the median wall
-time of ``workers`` threads each running one forward and backward of the
-model at once over the median time of one thread alone (at least 1),
-scales every CPU stage's cost in the time model (``timing.py``). It is the
+three times slower than alone. The factor measured here, the time a thread
+takes for forward and backward passes of the model while ``workers``
+threads run them at once over the time it takes alone (at least 1), slows
+CPU stages in the time model (``timing.py``). It is the
 load of the moment it is measured; docs/plan.md says what that leaves out.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 import statistics
 import threading
 import time
@@ -36,7 +37,12 @@ def cpu_contention(
     workers: int,
     repeats: int,
 ) -> float:
-    """Wall time of ``workers`` concurrent training passes over that of one pass alone (>= 1)."""
+    """How much longer a training pass takes while ``workers`` threads each run one (>= 1).
+
+    Each thread times its own passes, started together at a barrier, so
+    that starting threads is not counted; the passes are repeated for about
+    20 ms so that a small model is timed over more than the clock's noise.
+    """
     if workers < 2:
         return 1.0
     copies = [copy.deepcopy(model).train() for _ in range(workers)]
@@ -45,21 +51,35 @@ def cpu_contention(
         output = sample.call(copies[k]) if isinstance(sample, Arguments) else copies[k](sample)
         loss_fn(output, target).backward()
 
-    def together() -> None:
-        threads = [threading.Thread(target=work, args=(k,)) for k in range(workers)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-
     with torch.random.fork_rng(devices=[]), torch.enable_grad():
-        work(0)  # warm-up
-        alone = statistics.median(_seconds(lambda: work(0)) for _ in range(repeats))
-        both = statistics.median(_seconds(together) for _ in range(repeats))
-    return max(1.0, both / alone) if alone > 0 else 1.0
+        once = min(_seconds(work, 0, 1) for _ in range(2))  # the first one warms up
+        passes = max(1, math.ceil(0.02 / max(once, 1e-6)))
+        alone = statistics.median(_seconds(work, 0, passes) for _ in range(repeats))
+        together = statistics.median(
+            statistics.median(_concurrent(work, workers, passes)) for _ in range(repeats)
+        )
+    return max(1.0, together / alone) if alone > 0 else 1.0
 
 
-def _seconds(function: Callable[[], None]) -> float:
+def _concurrent(work: Callable[[int], None], workers: int, passes: int) -> list[float]:
+    """Each thread's seconds for ``passes`` of ``work``, all started at one barrier."""
+    barrier = threading.Barrier(workers)
+    seconds = [0.0] * workers
+
+    def run(k: int) -> None:
+        barrier.wait()
+        seconds[k] = _seconds(work, k, passes)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(workers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return seconds
+
+
+def _seconds(work: Callable[[int], None], k: int, passes: int) -> float:
     start = time.perf_counter()
-    function()
+    for _ in range(passes):
+        work(k)
     return time.perf_counter() - start
