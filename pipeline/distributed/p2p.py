@@ -15,8 +15,10 @@ together, so the next message arrives while this one is filed (one wake-up
 of the listener per message, not one per part). An action
 takes what it needs by key, waiting at most ``timeout`` seconds. Messages
 are therefore matched by key, not by order, and no schedule can make two
-processes wait for each other's receives. Sends are asynchronous; the step
-waits for them at its end.
+processes wait for each other's receives. Sends are asynchronous: a
+message's sends are waited for when the next message to the same peer is
+posted (the peer's listener has taken it by then), which lets go of what they
+read (a stage's output, kept for nothing else), and at the step's end.
 
 Faults: an action that fails tells every peer (an ``abort`` message), whose
 waiting actions then fail at once, naming the process and its action; a
@@ -140,7 +142,8 @@ class P2PTransport:
         self._received_lock = threading.Lock()
         self._mailboxes = Mailboxes(timeout)
         self._send_locks = {peer: threading.Lock() for peer in self.peers}
-        self._pending: list[tuple[dist.Work, torch.Tensor]] = []
+        # Sends posted and not yet waited for, by peer: the tensors they read stay alive.
+        self._pending: dict[int, list[tuple[dist.Work, torch.Tensor]]] = {}
         self._pending_lock = threading.Lock()
         self._closing = False
         self._stops_sent: set[int] = set()
@@ -173,12 +176,18 @@ class P2PTransport:
         except RuntimeError as error:
             raise PeerError(f"a send of step {self.step} did not complete: {error}") from error
 
-    def _wait_for_sends(self, seconds: float) -> None:
-        """Wait for the sends posted so far, ``seconds`` at most for all of them."""
+    def _wait_for_sends(self, seconds: float, peers: Iterable[int] | None = None) -> None:
+        """Wait for the sends posted so far (to ``peers``; all), ``seconds`` at most for all.
+
+        Their tensors are let go of as they complete: a stage's output, kept
+        only for its send, is freed then, not at the step's end.
+        """
         with self._pending_lock:
-            pending, self._pending = self._pending, []
+            chosen = list(self._pending) if peers is None else list(peers)
+            pending = [send for peer in chosen for send in self._pending.pop(peer, [])]
         deadline = time.monotonic() + seconds
-        for work, _ in pending:
+        while pending:
+            work, _ = pending.pop(0)
             # gloo reads a zero timeout as none at all: never pass one.
             work.wait(timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
 
@@ -336,11 +345,19 @@ class P2PTransport:
             parts.append(torch.frombuffer(bytearray(separate), dtype=torch.uint8))
         parts += [_raw_bytes(t) for t in tensors]
         with self._send_locks[peer]:
+            if kind == DATA:
+                # The peer's listener has taken the earlier messages by now
+                # (it posts their receives as their envelopes come): their
+                # tensors, stage outputs among them, need not live longer.
+                try:
+                    self._wait_for_sends(self.timeout, [peer])
+                except RuntimeError as error:
+                    raise PeerError(f"a send to rank {peer} did not complete: {error}") from error
             for part in parts:
                 on_wire = part.to(self.wire)
                 work = self._wire(self.me, peer).send([on_wire], self._wire_rank[peer], _TAG)
                 with self._pending_lock:
-                    self._pending.append((work, on_wire))
+                    self._pending.setdefault(peer, []).append((work, on_wire))
 
     def _listen(self, peer: int) -> None:
         try:

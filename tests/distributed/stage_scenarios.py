@@ -781,6 +781,30 @@ def a_grad_scaler_must_agree_on_infs_across_processes() -> None:
 
 
 @scenario
+def a_sent_message_is_let_go_of_once_the_next_to_its_peer_is_posted() -> None:
+    # A stage's output, kept for its send alone, lived until the step's end
+    # (issue 28): in gpipe every micro-batch's output at once.
+    pipe = DistributedPipe(blocks(2 * world()), [2] * world(), chunks=4, checkpoint="never")
+    transport = pipe._transport
+    post = transport._post
+    held: list[int] = []
+
+    def counting(peer: int, *args: Any) -> None:
+        post(peer, *args)
+        with transport._pending_lock:
+            held.append(len(transport._pending.get(peer, [])))
+
+    transport._post = counting  # type: ignore[method-assign]
+    x, y = batch()
+    first, last = 0 in pipe.local_stages, world() - 1 in pipe.local_stages
+    pipe.step(x if first else None, y if last else None, F.mse_loss, schedule="gpipe")
+    # Four messages went to the peer, one after another; after each post only
+    # its own parts (an envelope, maybe a description, a tensor) are pending.
+    assert len(held) >= 4 and max(held) <= 3, held
+    pipe.close()
+
+
+@scenario
 def last_step_reports_this_process_stages() -> None:
     x, y = batch()
     pipe = DistributedPipe(blocks(4 * world()), [2] * (2 * world()), chunks=2 * world())
