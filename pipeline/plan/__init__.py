@@ -78,7 +78,9 @@ def plan(
     and by how much under the configuration that needs the least memory;
     ``TypeError`` or ``ValueError`` for bad arguments, before any work.
     """
-    value = sample_input if not kwargs else Arguments((sample_input,), dict(kwargs))
+    # With keywords, the first layer's call, as pipe.step makes it (no input: keywords alone).
+    args = () if sample_input is None else (sample_input,)
+    value = sample_input if not kwargs else Arguments(args, dict(kwargs))
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable (output, target) -> loss, got {loss_fn!r}")
     sequential, resolved, size, limit, counts = check_plan_arguments(

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipeline.runtime.microbatch import Arguments
+from pipeline.plan.profile import call_layer
 
 __all__ = ["cpu_contention"]
 
@@ -48,8 +48,10 @@ def cpu_contention(
     copies = [copy.deepcopy(model).train() for _ in range(workers)]
 
     def work(k: int) -> None:
-        output = sample.call(copies[k]) if isinstance(sample, Arguments) else copies[k](sample)
-        loss_fn(output, target).backward()
+        value = sample
+        for index, layer in enumerate(copies[k]):
+            value = call_layer(copies[k], index, layer, value)
+        loss_fn(value, target).backward()
 
     with torch.random.fork_rng(devices=[]), torch.enable_grad():
         once = min(_seconds(work, 0, 1) for _ in range(2))  # the first one warms up

@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from pipeline.runtime.microbatch import to_device
 from pipeline.runtime.partitions import PositionalSequential
 
-__all__ = ["LayerTimes", "Saved", "layer_times", "saved_storages"]
+__all__ = ["LayerTimes", "Saved", "call_layer", "layer_times", "saved_storages"]
 
 LossFn = Callable[[Any, Any], Tensor]
 Value = Any  # what flows between layers: a tensor, or structures holding tensors
@@ -106,7 +106,7 @@ def saved_storages(
 ) -> Saved:
     """The storages one micro-batch (``sample``, ``target``) leaves through the model's layers."""
     # Here, not at the top: balance imports pipeline, whose __init__ imports this module.
-    from balance.layerwise import _Spread, run_layer, tensors_in
+    from balance.layerwise import tensors_in
 
     layers = copy.deepcopy(model).to(device).train()
     excluded = {t.untyped_storage().data_ptr() for t in layers.parameters()}
@@ -135,7 +135,6 @@ def saved_storages(
         return tensor
 
     outputs: list[tuple[int, ...]] = []
-    positional = isinstance(model, PositionalSequential)
     with (
         _own_random_state(device),
         torch.inference_mode(False),
@@ -145,7 +144,7 @@ def saved_storages(
         value = sample
         for index, layer in enumerate(layers):
             current[0] = index
-            value = run_layer(index, _Spread(layer) if positional else layer, value)
+            value = call_layer(model, index, layer, value)
             kept.append(value)
             outputs.append(
                 tuple(key_of(t) for t in tensors_in(value) if t.untyped_storage().data_ptr()
@@ -154,6 +153,18 @@ def saved_storages(
         current[0] = len(layers)
         kept.append(loss_fn(value, target))
     return Saved(tuple(sizes), tuple(frozenset(s) for s in savers), tuple(outputs))
+
+
+def call_layer(model: nn.Sequential, index: int, layer: nn.Module, value: Value) -> Value:
+    """Layer ``index`` of ``model`` on ``value``, called as a Pipe calls it.
+
+    The first layer's ``Arguments`` are spread into its call, and so are the
+    tuples between the layers of a ``PositionalSequential``.
+    """
+    from balance.layerwise import _Spread, run_layer  # as in saved_storages
+
+    spread = isinstance(model, PositionalSequential)
+    return run_layer(index, _Spread(layer) if spread else layer, value)
 
 
 def layer_times(

@@ -33,11 +33,10 @@ def test_predicted_activations_equal_the_measured_peak_of_each_stage(
     assert all(bytes_ > 0 for bytes_ in check.predicted_activations)
 
 
-def test_a_stage_that_receives_an_input_it_does_not_save_holds_it_beside() -> None:
-    # Stage 1 starts with a Linear, which saves its input: nothing beside. Cut
-    # after the Linear instead, GELU saves its input too; cut after GELU's
-    # output, which Linear saves: the received input is always saved here,
-    # so the inputs term is what checkpointing keeps (the whole input).
+def test_checkpointed_tasks_keep_their_received_inputs_beside_the_recomputation() -> None:
+    # GPipe, always, 2 micro-batches: while micro-batch 1 recomputes on stage 1,
+    # micro-batch 0 holds only its received input (the inputs term); micro-batch 1's
+    # input is saved by the stage's first Linear (the activations term).
     x, y = batch()
     plan = pipeline.plan(
         gelu_mlp(), x, y, F.mse_loss, devices=["cpu"] * 2, batch_size=len(x),

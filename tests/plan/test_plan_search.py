@@ -174,3 +174,32 @@ def test_balance_can_be_imported_before_pipeline() -> None:
                           timeout=120, check=False)  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "plan"
+
+
+class Shifted(nn.Module):
+    """A first layer that takes a keyword argument, split like the input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 16).double()
+
+    def forward(self, x: torch.Tensor, *, shift: torch.Tensor) -> torch.Tensor:
+        return self.linear(x + shift)
+
+
+def test_the_first_layers_keyword_arguments_are_profiled_and_stepped() -> None:
+    x, y = batch()
+    shift = torch.randn_like(x)
+    model = nn.Sequential(Shifted(), *gelu_mlp(depth=3))
+    plain = copy.deepcopy(model)
+    F.mse_loss(plain[1:](plain[0](x, shift=shift)), y).backward()
+    plan = pipeline.plan(model, x, y, F.mse_loss, kwargs={"shift": shift}, devices=["cpu", "cpu"],
+                         batch_size=len(x), memory_limit=2**30, chunks=[2], repeats=1)  # fmt: skip
+    pipe = plan.pipe()
+    pipe.step(x, y, F.mse_loss, kwargs={"shift": shift}, schedule=plan.schedule,
+              measure_memory=True)  # fmt: skip
+    check = plan.check(pipe)
+    assert check.measured_activations == check.predicted_activations
+    for planned, expected in zip(pipe.parameters(), plain.parameters(), strict=True):
+        assert planned.grad is not None and expected.grad is not None
+        torch.testing.assert_close(planned.grad, expected.grad, rtol=0, atol=1e-12)
