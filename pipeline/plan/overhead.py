@@ -28,11 +28,12 @@ __all__ = ["action_overhead"]
 def action_overhead(devices: list[torch.device], chunks: int, repeats: int) -> float:
     """Seconds per action of ``pipe.step`` on ``devices`` beyond its layers' compute."""
     stages = len(devices)
-    model = nn.Sequential(*[nn.Linear(1, 1) for _ in range(stages)])
-    pipe = Pipe(model, [1] * stages, devices=devices, chunks=chunks, checkpoint="never")
-    x = torch.zeros(chunks, 1)
     times = []
+    # The caller's generators are left as they were: the layers' initialisation draws.
     with torch.random.fork_rng(devices=[]):
+        model = nn.Sequential(*[nn.Linear(1, 1) for _ in range(stages)])
+        pipe = Pipe(model, [1] * stages, devices=devices, chunks=chunks, checkpoint="never")
+        x = torch.zeros(chunks, 1)
         try:
             for run in range(repeats + 1):
                 start = time.perf_counter()

@@ -26,7 +26,6 @@ import copy
 import statistics
 import time
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,6 +106,7 @@ def saved_storages(
     """The storages one micro-batch (``sample``, ``target``) leaves through the model's layers."""
     # Here, not at the top: balance imports pipeline, whose __init__ imports this module.
     from balance.layerwise import tensors_in
+    from balance.profile import _own_random_state
 
     layers = copy.deepcopy(model).to(device).train()
     excluded = {t.untyped_storage().data_ptr() for t in layers.parameters()}
@@ -177,6 +177,7 @@ def layer_times(
 ) -> LayerTimes:
     """Median forward, backward and input-gradient seconds of each layer and of the loss."""
     from balance.layerwise import fresh_inputs, run_layer, walk_layers  # as in saved_storages
+    from balance.profile import _own_random_state
 
     count = len(model) + 1
     forward: list[list[float]] = [[] for _ in range(count)]
@@ -235,6 +236,8 @@ def _time_layer(
 
 def _timed(device: torch.device, function: Callable[..., Any], *args: Any) -> tuple[Any, float]:
     """``function(*args)`` and its seconds, the device's queued work included."""
+    from balance.profile import _synchronize  # as in saved_storages
+
     _synchronize(device)
     start = time.perf_counter()
     result = function(*args)
@@ -259,20 +262,6 @@ def _input_grad(inputs: Value, outputs: Value) -> None:
     roots = [t for t in tensors_in(outputs) if t.requires_grad]
     if wanted and roots:
         torch.autograd.grad(roots, wanted, [torch.ones_like(t) for t in roots], allow_unused=True)
-
-
-def _synchronize(device: torch.device) -> None:
-    # Kernels run asynchronously on accelerators: wait, so that the clock measures the work.
-    if device.type != "cpu":
-        torch.accelerator.synchronize(device)
-
-
-def _own_random_state(device: torch.device) -> AbstractContextManager[object]:
-    """The caller's generators left as they were, whatever profiling draws (dropout)."""
-    if device.type == "cpu":
-        return torch.random.fork_rng(devices=[])
-    index = torch.accelerator.current_device_index() if device.index is None else device.index
-    return torch.random.fork_rng(devices=[index], device_type=device.type)
 
 
 def _same(tensor: Tensor) -> Tensor:

@@ -203,3 +203,17 @@ def test_the_first_layers_keyword_arguments_are_profiled_and_stepped() -> None:
     for planned, expected in zip(pipe.parameters(), plain.parameters(), strict=True):
         assert planned.grad is not None and expected.grad is not None
         torch.testing.assert_close(planned.grad, expected.grad, rtol=0, atol=1e-12)
+
+
+def test_planning_leaves_the_model_and_the_random_generator_as_they_were() -> None:
+    x, y = batch()
+    model = gelu_mlp()
+    before = copy.deepcopy(model.state_dict())
+    torch.manual_seed(3)
+    pipeline.plan(model, x, y, F.mse_loss, devices=["cpu", "cpu"], batch_size=len(x),
+                  memory_limit=2**30, chunks=[2], repeats=1)  # fmt: skip
+    drawn = torch.rand(3)
+    torch.manual_seed(3)
+    assert torch.equal(drawn, torch.rand(3))
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
