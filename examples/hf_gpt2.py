@@ -29,6 +29,7 @@ import argparse
 import copy
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -51,14 +52,48 @@ def lm_loss(output: Any, target: Tensor) -> Tensor:
 
 
 def plain_step(
-    plain: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, y: Tensor, mask: Tensor
+    plain: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    x: Tensor,
+    y: Tensor,
+    kwargs: dict[str, Tensor],
+    loss_fn: Callable[[Any, Tensor], Tensor],
 ) -> float:
     """The plain model's step on the batch the pipe took; its loss."""
     optimizer.zero_grad(set_to_none=True)
-    loss = lm_loss(plain(x, attention_mask=mask), y)
+    loss = loss_fn(plain(x, **kwargs), y)
     loss.backward()
     optimizer.step()
     return float(loss.detach())
+
+
+def train_both(
+    args: argparse.Namespace,
+    pipe: Pipe,
+    plain: nn.Module,
+    loss_fn: Callable[[Any, Tensor], Tensor],
+    batch: Callable[[], tuple[Tensor, Tensor, dict[str, Tensor]]],
+) -> tuple[list[float], list[float]]:
+    """``args.steps`` AdamW steps of the pipe and of the plain model on the same batches.
+
+    ``batch()`` gives a step's input, target and keywords. Returns both
+    losses of every step; prints a line every ``--log-every`` steps.
+    """
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=args.lr)
+    plain_optimizer = torch.optim.AdamW(plain.parameters(), lr=args.lr)
+    losses: list[float] = []
+    plain_losses: list[float] = []
+    start = time.perf_counter()
+    for step in range(1, args.steps + 1):
+        x, y, kwargs = batch()
+        optimizer.zero_grad(set_to_none=True)
+        loss = pipe.step(x, y, loss_fn, kwargs=kwargs, schedule=args.schedule)
+        optimizer.step()
+        losses.append(float(loss))
+        plain_losses.append(plain_step(plain, plain_optimizer, x, y, kwargs, loss_fn))
+        log_step(args, step, start, losses[-1], plain_losses[-1])
+    pipe.close()
+    return losses, plain_losses
 
 
 def log_step(args: argparse.Namespace, step: int, start: float, loss: float, plain: float) -> None:
@@ -138,21 +173,11 @@ def main(argv: list[str]) -> int:
         flush=True,
     )
 
-    optimizer = torch.optim.AdamW(pipe.parameters(), lr=args.lr)
-    plain_optimizer = torch.optim.AdamW(plain.parameters(), lr=args.lr)
-    losses: list[float] = []
-    plain_losses: list[float] = []
-    start = time.perf_counter()
-    for step in range(1, args.steps + 1):
+    def batch() -> tuple[Tensor, Tensor, dict[str, Tensor]]:
         x, y = corpus.batch(args.batch)
-        mask = torch.ones_like(x)
-        optimizer.zero_grad(set_to_none=True)
-        loss = pipe.step(x, y, lm_loss, kwargs={"attention_mask": mask}, schedule=args.schedule)
-        optimizer.step()
-        losses.append(float(loss))
-        plain_losses.append(plain_step(plain, plain_optimizer, x, y, mask))
-        log_step(args, step, start, losses[-1], plain_losses[-1])
-    pipe.close()
+        return x, y, {"attention_mask": torch.ones_like(x)}
+
+    losses, plain_losses = train_both(args, pipe, plain, lm_loss, batch)
     return verdict(losses, plain_losses, args.tolerance)
 
 

@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 import transformers
 from gpt import Corpus, load_text
-from hf_gpt2 import TOLERANCE, TOLERANCE_HELP, log_step, verdict
-from torch import Tensor, nn
+from hf_gpt2 import TOLERANCE, TOLERANCE_HELP, train_both, verdict
+from torch import Tensor
 
 import pipeline
 from balance import balance_by_time
@@ -52,21 +52,6 @@ def reversal(corpus: Corpus, rows: int) -> tuple[Tensor, Tensor, Tensor]:
     target = source.flip(1)
     decoder = torch.cat([torch.full_like(target[:, :1], START), target[:, :-1]], dim=1)
     return source, decoder, target
-
-
-def plain_step(
-    plain: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    x: Tensor,
-    y: Tensor,
-    kwargs: dict[str, Tensor],
-) -> float:
-    """The plain model's step on the batch the pipe took; its loss."""
-    optimizer.zero_grad(set_to_none=True)
-    loss = seq2seq_loss(plain(x, **kwargs), y)
-    loss.backward()
-    optimizer.step()
-    return float(loss.detach())
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -125,21 +110,11 @@ def main(argv: list[str]) -> int:
         flush=True,
     )
 
-    optimizer = torch.optim.AdamW(pipe.parameters(), lr=args.lr)
-    plain_optimizer = torch.optim.AdamW(plain.parameters(), lr=args.lr)
-    losses: list[float] = []
-    plain_losses: list[float] = []
-    start = time.perf_counter()
-    for step in range(1, args.steps + 1):
+    def batch() -> tuple[Tensor, Tensor, dict[str, Tensor]]:
         x, decoder, y = reversal(corpus, args.batch)
-        kwargs = {"decoder_input_ids": decoder, "attention_mask": torch.ones_like(x)}
-        optimizer.zero_grad(set_to_none=True)
-        loss = pipe.step(x, y, seq2seq_loss, kwargs=kwargs, schedule=args.schedule)
-        optimizer.step()
-        losses.append(float(loss))
-        plain_losses.append(plain_step(plain, plain_optimizer, x, y, kwargs))
-        log_step(args, step, start, losses[-1], plain_losses[-1])
-    pipe.close()
+        return x, y, {"decoder_input_ids": decoder, "attention_mask": torch.ones_like(x)}
+
+    losses, plain_losses = train_both(args, pipe, plain, seq2seq_loss, batch)
     return verdict(losses, plain_losses, args.tolerance)
 
 
