@@ -61,7 +61,10 @@ class ActivationMeter:
                 self.current += entry[0]
                 self.peak = max(self.peak, self.current)
             entry[1] += 1
-        saved = _Saved(tensor)
+        # Detached: a tensor an op saves as its own output has that op's node as
+        # its grad_fn, and node -> packed -> tensor -> node is a cycle that only a
+        # backward freeing the graph breaks (zb-h1's W keeps it: it never would).
+        saved = _Saved(tensor.detach())
         weakref.finalize(saved, self._release, key)
         return saved
 

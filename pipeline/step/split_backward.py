@@ -40,7 +40,7 @@ Cases torch's own split has got wrong, and how this one handles them:
   from a lower anchor's (T5's relative position bias, made once and used by
   every block): W from the upper anchor walks the path down to the lower
   one, through whatever anchors lie between, which may be another group's;
-  each group keeps the graph for the next, and it goes with the groups;
+  each group but the last keeps the graph for the next;
 - an anchor that is the node of a Python ``autograd.Function`` (a layer
   compiled by ``torch.compile``: ``CompiledFunctionBackward``; a fused
   kernel written by hand) computes its input and weight gradients in one
@@ -103,7 +103,7 @@ class WeightWork:
         self._groups, self._recorded = [], {}
         weights: list[Tensor] = []
         found: list[Tensor | None] = []
-        for group in groups:
+        for k, group in enumerate(groups):
             roots: list[GradientEdge] = []
             grads: list[Tensor] = []
             for anchor in group.anchors:
@@ -124,15 +124,17 @@ class WeightWork:
             summed = hold(group.weights)
             # Kept for the next groups: a weight reached from an anchor and, down the
             # input path, from a lower one (T5's position bias) has W walk the path
-            # between, whose anchors may be another group's. Freed with the groups.
+            # between, whose anchors may be another group's. The last frees what it
+            # walked, as a backward does; the rest goes with the groups.
+            keep = k < len(groups) - 1
             try:
                 if summed:
                     found += torch.autograd.grad(
-                        roots, group.weights, grads, allow_unused=True, retain_graph=True
+                        roots, group.weights, grads, allow_unused=True, retain_graph=keep
                     )
                     weights += group.weights
                 else:
-                    torch.autograd.backward(roots, grads, inputs=group.weights, retain_graph=True)
+                    torch.autograd.backward(roots, grads, inputs=group.weights, retain_graph=keep)
             finally:
                 for handle in handles:
                     handle.remove()
