@@ -27,26 +27,31 @@ __all__ = ["default_blocks", "kept_whole", "resolve_points"]
 def default_blocks(model: nn.Module) -> list[str]:
     """The names of the children of the model's stacks, in the model's order ([] if none).
 
-    A stack is a repeated ModuleList or Sequential (two children or more,
-    all of one class) inside no other (a block's own list of experts is
-    part of the block). Those holding at least a quarter of the parameters
-    of the largest (an encoder's and a decoder's; not a list of small heads)
-    are taken.
+    A stack is a ModuleList or Sequential of two children or more, all of
+    one class, inside no other (a block's own list of experts is part of the
+    block); those holding at least a quarter of the parameters of the
+    largest are taken (an encoder's and a decoder's; not a list of small
+    heads). Without one, the list of a single child holding the most
+    parameters is the stack (a model built with one block).
     """
-    repeated: dict[str, int] = {}
+    lists: dict[str, tuple[int, int]] = {}
     for name, module in model.named_modules():
         children = list(module.children())
         if (
             isinstance(module, nn.ModuleList | nn.Sequential)
-            and len(children) > 1
+            and children
             and len({type(child) for child in children}) == 1
         ):
-            repeated[name] = sum(p.numel() for p in module.parameters())
+            lists[name] = (len(children), sum(p.numel() for p in module.parameters()))
+    repeated = [name for name, (count, _) in lists.items() if count > 1]
     stacks = {
-        name: size
-        for name, size in repeated.items()
+        name: lists[name][1]
+        for name in repeated
         if not any(_inside(name, outer) for outer in repeated)
     }
+    if not stacks and lists:
+        single = max(lists, key=lambda name: lists[name][1])
+        stacks = {single: lists[single][1]}
     if not stacks:
         return []
     most = max(stacks.values())

@@ -88,6 +88,12 @@ def test_a_stack_inside_a_block_or_much_smaller_is_not_a_stack() -> None:
             self.heads = nn.ModuleList(nn.Linear(4, 1) for _ in range(3))  # 15 against 320
 
     assert default_blocks(Model()) == ["layers.0", "layers.1"]
+    # A container of one child hides nothing; a list of one block is the stack
+    # when there is no other (examples/train.py with --depth 1).
+    assert default_blocks(nn.Sequential(Model())) == ["0.layers.0", "0.layers.1"]
+    single = nn.Module()
+    single.blocks = nn.ModuleList([nn.Linear(4, 4)])
+    assert default_blocks(single) == ["blocks.0"]
 
 
 @pytest.fixture(scope="module")
