@@ -17,6 +17,13 @@ must agree.
     python examples/train.py --steps 200 --batch-size 512 --width 256 --depth 6
     python examples/train.py --steps 50 --chunks 8 --checkpoint always --schedule gpipe
     python examples/train.py --steps 20 --trace out.json   # timeline and bubble
+    python examples/train.py --plan --memory-limit 200MB   # pipeline.plan chooses
+
+With ``--plan``, ``pipeline.plan`` chooses the balance, the micro-batches,
+the schedule and the checkpoint mode for the fastest predicted step that fits
+``--memory-limit`` per device (AdamW's state counted), prints its table, and
+after training puts its predictions beside the last step's measured time and
+activations (docs/plan.md).
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from torch import Tensor, nn
 import pipeline
 from balance import balance_by_time
 from pipeline import Pipe
+from pipeline.plan import Plan
 
 LAST = 10  # the final loss is the mean of the last LAST steps' losses
 
@@ -136,7 +144,8 @@ def train(
         x, y = next(data)
         optimizer.zero_grad(set_to_none=True)
         if isinstance(model, Pipe) and args.schedule != "call":
-            loss = model.step(x, y, loss_fn, schedule=args.schedule)
+            measure = args.plan and step == args.steps  # for plan.check
+            loss = model.step(x, y, loss_fn, schedule=args.schedule, measure_memory=measure)
         else:
             output = model(x.to(in_device))
             assert isinstance(output, Tensor)
@@ -232,7 +241,51 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--no-compare", action="store_true", help="skip training the plain model for comparison"
     )
+    parser.add_argument(
+        "--plan",
+        action="store_true",
+        help="let pipeline.plan choose balance, chunks, schedule and checkpoint mode",
+    )
+    parser.add_argument(
+        "--memory-limit",
+        type=byte_count,
+        default=byte_count("1GiB"),
+        help="with --plan: bytes per device, e.g. 200MB, 1GiB, 5e8",
+    )
     return parser.parse_args(argv)
+
+
+UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def byte_count(text: str) -> int:
+    """``'200MB'``, ``'1GiB'`` or ``'5e8'`` as a number of bytes."""
+    number = text.rstrip("BbKkMmGgIi")
+    unit = text[len(number) :].lower() or "b"
+    if unit not in UNITS:
+        raise argparse.ArgumentTypeError(f"unknown unit {unit!r} in {text!r}: use B, MB or MiB...")
+    try:
+        return int(float(number) * UNITS[unit])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 200MB)") from None
+
+
+def planned(seq: nn.Sequential, args: argparse.Namespace, devices: list[str]) -> Plan:
+    """``pipeline.plan``'s choice for one step's batch; ``args`` take its settings."""
+    x, y = spiral_data(args.batch_size, args.features, args.classes, seed=args.seed)
+    plan = pipeline.plan(
+        seq,
+        x,
+        y,
+        nn.CrossEntropyLoss(),
+        devices=devices,
+        batch_size=args.batch_size,
+        memory_limit=args.memory_limit,
+        optimizer_bytes_per_param=8,  # AdamW's two moments in float32
+    )
+    print(plan)
+    args.chunks, args.schedule, args.checkpoint = plan.chunks, plan.schedule, plan.checkpoint
+    return plan
 
 
 def main(argv: list[str]) -> int:
@@ -246,14 +299,22 @@ def main(argv: list[str]) -> int:
     # and balance_by_time times each piece on it, forward and backward.
     sample = spiral_data(max(2, args.batch_size // args.chunks), args.features, args.classes, 1)[0]
     seq = pipeline.split(model, (sample,))
-    balance = balance_by_time(
-        args.partitions, seq, sample, timeout=args.balance_timeout, device=devices[0]
-    )
-    pipe = Pipe(seq, balance, devices=devices, chunks=args.chunks, checkpoint=args.checkpoint)
+    plan = planned(seq, args, devices) if args.plan else None
+    if plan is not None:
+        balance, chosen_by = plan.balance, "pipeline.plan"
+        pipe = plan.pipe()
+    else:
+        balance, chosen_by = (
+            balance_by_time(
+                args.partitions, seq, sample, timeout=args.balance_timeout, device=devices[0]
+            ),
+            "balance_by_time",
+        )
+        pipe = Pipe(seq, balance, devices=devices, chunks=args.chunks, checkpoint=args.checkpoint)
     params = sum(p.numel() for p in pipe.parameters())
     print(
         f"model: {type(model).__name__} split into {len(seq)} pieces, {params / 1e6:.2f}M "
-        f"parameters; balance_by_time {balance} on "
+        f"parameters; {chosen_by} {balance} on "
         f"{[str(d) for d in pipe.devices]}; chunks {args.chunks}; checkpoint {args.checkpoint}; "
         f"schedule {args.schedule}"
     )
@@ -265,6 +326,8 @@ def main(argv: list[str]) -> int:
         print(f"trace of the pipe's steps written to {args.trace} (chrome://tracing, Perfetto)")
         print(timeline.summary())
         print(timeline.render())
+    if plan is not None:
+        print(plan.check(pipe))
     final = f"final loss (mean of the last {min(LAST, args.steps)} steps)"
     print(f"pipe:  {final} {pipe_loss:.4f}, {pipe_rate:.0f} samples/s")
     if args.no_compare:

@@ -113,3 +113,24 @@ def test_every_option_has_a_help_text(name: str, monkeypatch: pytest.MonkeyPatch
     assert len(options) > 3
     silent = [action.option_strings for action in parser._actions if not action.help]
     assert silent == [], f"examples/{name}.py --help lists options without help: {silent}"
+
+
+def test_train_lets_the_planner_choose_under_a_memory_limit(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    train = load("train")
+    argv = ["--plan", "--memory-limit", "50MB", "--steps", "2", "--batch-size", "32"]
+    argv += ["--width", "16", "--depth", "2", "--no-compare"]
+    assert train.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "Plan (memory limit 47.7 MiB per device" in printed and "fastest that fits" in printed
+    assert "; pipeline.plan [" in printed
+    assert "step time: predicted" in printed and "measured activations" in printed
+    assert [train.byte_count(t) for t in ("200MB", "1GiB", "5e8", "64")] == [
+        200 * 10**6,
+        2**30,
+        5 * 10**8,
+        64,
+    ]
+    with pytest.raises(SystemExit):
+        train.parse_args(["--memory-limit", "12 parsecs"])
