@@ -45,11 +45,11 @@ def walk_layers(
             # layer's copy and its graph are freed before the next layer runs.
             copied = sandbox(index, layer, device)
             if positional:
-                copied = _Spread(copied)
+                copied = Spread(copied)
             inputs = fresh_inputs(measure(index, copied, inputs), device)
 
 
-class _Spread(nn.Module):
+class Spread(nn.Module):
     """A layer of a ``PositionalSequential``: a tuple reaches it as positional arguments."""
 
     def __init__(self, layer: nn.Module) -> None:
@@ -64,8 +64,8 @@ class _Spread(nn.Module):
 
 
 def _name(layer: nn.Module) -> str:
-    """The class name of the layer itself (not of its ``_Spread``)."""
-    return type(layer.layer if isinstance(layer, _Spread) else layer).__name__
+    """The class name of the layer itself (not of its ``Spread``)."""
+    return type(layer.layer if isinstance(layer, Spread) else layer).__name__
 
 
 class _SkipSandbox(SkipTracker):

@@ -27,14 +27,14 @@ def profile_times(
         return outputs
 
     def timed(index: int, layer: nn.Module, inputs: Value) -> Value:
-        _synchronize(device)
+        synchronize(device)
         start = time.perf_counter()
         outputs = untimed(index, layer, inputs)
-        _synchronize(device)
+        synchronize(device)
         totals[index] += time.perf_counter() - start
         return outputs
 
-    with _own_random_state(device):
+    with own_random_state(device):
         walk_layers(module, sample, device, untimed)
         passes = 0
         deadline = time.perf_counter() + timeout
@@ -60,7 +60,7 @@ def profile_activations(module: nn.Sequential, sample: Value, device: torch.devi
         outputs, sizes[index] = measure(index, layer, inputs, device)
         return outputs
 
-    with _own_random_state(device):
+    with own_random_state(device):
         walk_layers(module, sample, device, sized)
     return sizes
 
@@ -103,14 +103,16 @@ def _storage_key(tensor: Tensor) -> int:
     return tensor.untyped_storage().data_ptr()
 
 
-def _synchronize(device: torch.device) -> None:
-    # Kernels run asynchronously on accelerators; wait so that the clock
-    # measures the work, not the launch.
+def synchronize(device: torch.device) -> None:
+    """Wait for ``device``'s queued work (kernels run asynchronously on accelerators).
+
+    Around a timed region, so that the clock measures the work, not the launch.
+    """
     if device.type != "cpu":
         torch.accelerator.synchronize(device)
 
 
-def _own_random_state(device: torch.device) -> AbstractContextManager[object]:
+def own_random_state(device: torch.device) -> AbstractContextManager[object]:
     """Leave the caller's random generators as they were, whatever profiling draws (dropout)."""
     if device.type == "cpu":
         return torch.random.fork_rng(devices=[])

@@ -106,7 +106,7 @@ def saved_storages(
     """The storages one micro-batch (``sample``, ``target``) leaves through the model's layers."""
     # Here, not at the top: balance imports pipeline, whose __init__ imports this module.
     from balance.layerwise import tensors_in
-    from balance.profile import _own_random_state
+    from balance.profile import own_random_state
 
     layers = copy.deepcopy(model).to(device).train()
     excluded = {t.untyped_storage().data_ptr() for t in layers.parameters()}
@@ -136,7 +136,7 @@ def saved_storages(
 
     outputs: list[tuple[int, ...]] = []
     with (
-        _own_random_state(device),
+        own_random_state(device),
         torch.inference_mode(False),
         torch.enable_grad(),
         torch.autograd.graph.saved_tensors_hooks(pack, _same),
@@ -161,10 +161,10 @@ def call_layer(model: nn.Sequential, index: int, layer: nn.Module, value: Value)
     The first layer's ``Arguments`` are spread into its call, and so are the
     tuples between the layers of a ``PositionalSequential``.
     """
-    from balance.layerwise import _Spread, run_layer  # as in saved_storages
+    from balance.layerwise import Spread, run_layer  # as in saved_storages
 
     spread = isinstance(model, PositionalSequential)
-    return run_layer(index, _Spread(layer) if spread else layer, value)
+    return run_layer(index, Spread(layer) if spread else layer, value)
 
 
 def layer_times(
@@ -177,7 +177,7 @@ def layer_times(
 ) -> LayerTimes:
     """Median forward, backward and input-gradient seconds of each layer and of the loss."""
     from balance.layerwise import fresh_inputs, run_layer, walk_layers  # as in saved_storages
-    from balance.profile import _own_random_state
+    from balance.profile import own_random_state
 
     count = len(model) + 1
     forward: list[list[float]] = [[] for _ in range(count)]
@@ -192,7 +192,7 @@ def layer_times(
         last[0] = outputs
         return outputs
 
-    with _own_random_state(device):
+    with own_random_state(device):
         walk_layers(model, sample, device, timed)
         loss_target = to_device(target, device)
 
@@ -236,12 +236,12 @@ def _time_layer(
 
 def _timed(device: torch.device, function: Callable[..., Any], *args: Any) -> tuple[Any, float]:
     """``function(*args)`` and its seconds, the device's queued work included."""
-    from balance.profile import _synchronize  # as in saved_storages
+    from balance.profile import synchronize  # as in saved_storages
 
-    _synchronize(device)
+    synchronize(device)
     start = time.perf_counter()
     result = function(*args)
-    _synchronize(device)
+    synchronize(device)
     return result, time.perf_counter() - start
 
 
