@@ -126,7 +126,9 @@ def main(argv: list[str]) -> int:
         losses.append(float(loss))
         if plain is None or plain_optimizer is None:
             continue
-        plain_losses.append(plain_step(plain, plain_optimizer, x, y, mask))
+        plain_losses.append(
+            plain_step(plain, plain_optimizer, x, y, {"attention_mask": mask}, lm_loss)
+        )
         log_step(args, step, start, losses[-1], plain_losses[-1])
 
     exit_code = [verdict(losses, plain_losses, args.tolerance) if env.rank == 0 else 0]
