@@ -436,7 +436,8 @@ class _Acting:
 def _compiled_message(partition: int) -> str:
     return (
         f"partition {partition} holds a compiled layer, but its random ops are seeded one by "
-        "one by a dispatch mode (its generator is shared with other threads of the pipe), and "
+        "one by a dispatch mode (its generator is shared with other threads of the pipe, or "
+        "another thread of the pipe compiles, which sets generators back when it is done), and "
         f"torch {torch.__version__} runs compiled code eagerly under such a mode: use torch "
         ">= 2.9, or run the partitions on one thread (Pipe(..., threads='device') with every "
         "partition on one device, or a DistributedPipe), where no seeding is needed"
