@@ -9,11 +9,17 @@ captured modules either.
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 
 from pipeline.split.where import describe_module
 
-__all__ = ["captured_modules", "refuse_hooks"]
+__all__ = ["captured_modules", "refuse_hooks", "refuse_recorded_outputs"]
+
+# What transformers' models record with hooks when asked by an ``output_<key>`` flag;
+# a model adds its own keys in its class's ``_can_record_outputs``.
+RECORDED = ("hidden_states", "attentions", "router_logits")
 
 
 def captured_modules(model: nn.Module, blocks: dict[nn.Module, str]) -> list[tuple[str, nn.Module]]:
@@ -53,3 +59,38 @@ def _kinds(module: nn.Module) -> list[str]:
         "backward pre": module._backward_pre_hooks,
     }
     return [kind for kind, hooks in found.items() if hooks]
+
+
+def refuse_recorded_outputs(
+    model: nn.Module, kwargs: dict[str, Any], error: type[Exception]
+) -> None:
+    """Raise ``error`` if the call asks a transformers model for outputs recorded by hooks.
+
+    A flag counts as asked when ``kwargs`` sets it true, or leaves it out and
+    a module's config sets it true (as transformers reads it).
+    """
+    keys = set(RECORDED)
+    configs: dict[int, Any] = {}
+    for module in model.modules():
+        declared = getattr(module, "_can_record_outputs", None)
+        if isinstance(declared, dict):
+            keys.update(str(key) for key in declared)
+        config = getattr(module, "config", None)
+        if config is not None:
+            configs[id(config)] = config
+    for flag in sorted(f"output_{key}" for key in keys):
+        if flag in kwargs:
+            asked, source = bool(kwargs[flag]), f"{flag}={kwargs[flag]!r} was passed"
+        else:
+            asked = any(getattr(config, flag, False) for config in configs.values())
+            source = f"the model's config sets {flag}"
+        if asked:
+            raise error(
+                f"{source}, but split cannot give that output: transformers collects it with "
+                "hooks on the blocks and on modules inside them while its forward runs, and the "
+                "pieces of a split model run without that collection (it would come out empty, "
+                f"or wrong). Pass {flag}=False in the example's kwargs (it overrides the config) "
+                "or set it False in the config before splitting; to read a block's output, "
+                "register a forward hook on the block itself (blocks run as themselves, hooks "
+                "included)"
+            )

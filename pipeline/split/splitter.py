@@ -37,7 +37,7 @@ from pipeline.split.checks import (
 )
 from pipeline.split.cut import PieceNodes, cut
 from pipeline.split.errors import SplitError
-from pipeline.split.hooks import captured_modules, refuse_hooks
+from pipeline.split.hooks import captured_modules, refuse_hooks, refuse_recorded_outputs
 from pipeline.split.model import SplitModel
 from pipeline.split.piece import ModeCheck, Piece
 from pipeline.split.points import kept_whole, resolve_points
@@ -69,6 +69,7 @@ def split(
     if kwargs is not None and not isinstance(kwargs, dict):
         raise TypeError(f"kwargs must be a dict of keyword arguments, got {type(kwargs).__name__}")
     kwargs = dict(kwargs or {})
+    refuse_recorded_outputs(model, kwargs, SplitError)
     names = {module: name for name, module in model.named_modules()}
     starts, default = resolve_points(model, points)
     blocks = kept_whole(model, starts)

@@ -65,3 +65,11 @@ def test_the_advised_experts_implementations_split_equal_to_plain(
     lm_loss(out, target).backward()
     lm_loss(expected, target).backward()
     assert_same(gradients(model), gradients(plain))
+
+
+def test_the_router_logits_recorded_by_hooks_are_refused() -> None:
+    model = mixtral("batched_mm")
+    model.config.output_router_logits = True
+    ids, _, _ = tokens(2, 6)
+    with pytest.raises(ValueError, match="the model's config sets output_router_logits, but"):
+        pipeline.split(model, (ids,))
