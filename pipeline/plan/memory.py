@@ -1,19 +1,36 @@
 """The planner's memory model: what one stage holds at its peak, term by term.
 
-For stage ``j`` (layers ``first..stop``) under a schedule's program, with
-micro-batches of one size (docs/plan.md writes the terms down):
+For stage ``j`` (layers ``first..stop``) under a schedule, with
+micro-batches of one size, walking every stage's actions in the order one
+thread would run them (``Simulation.one_thread_order``, the play's order;
+docs/plan.md writes the terms down):
 
 - **activations**: the bytes autograd saved for backward, each storage once
   (``profile.Saved``): a task that is not checkpointed holds them from its
   forward to the end of its backward (to its ``W`` under zero-bubble: ``I``
-  keeps the graph); a checkpointed one holds none until its backward
-  recomputes them, then holds them until it ends. The peak is taken where
-  tensors are saved (a forward, a recomputation), as the step's meter takes
-  it (``pipeline/step/activations.py``): the figure is that meter's, exactly;
-- **inputs**: what the stage keeps of its received input outside autograd
-  (the message, until the backward): all of it for a checkpointed task,
-  else what its layers did not save already; nothing on stage 0, whose
-  micro-batches are views of the caller's batch;
+  keeps the graph, but for what the loss alone saved, which ``W`` does
+  not need); a checkpointed one holds none until its backward
+  recomputes them, then holds them until it ends. ``StageMemory.activations``
+  is their peak alone, taken where tensors are saved (a forward, a
+  recomputation), as the step's meter takes it
+  (``pipeline/step/activations.py``): the figure is that meter's, exactly;
+- what the stage keeps **outside autograd**, beside them:
+
+  - **inputs**: its received input, from its forward to its backward: all
+    of it for a checkpointed task, else what its layers did not save
+    already; nothing on stage 0, whose micro-batches are views of the
+    caller's batch. Its outputs are nothing: once mailed, a stage keeps
+    only their autograd edge (``pipeline/step/stage.py``);
+  - **mail**: an activation from stage ``j - 1``'s forward until stage
+    ``j``'s forward takes it, and a gradient from stage ``j + 1``'s
+    backward (or ``I``) until stage ``j``'s has used it;
+  - **recorded**: under zero-bubble, the gradients ``I`` records for ``W``
+    (the outputs' gradient on stage 0), from ``I`` to ``W``;
+
+  ``StageMemory.held`` is the peak of all of these with the activations,
+  sampled after each action and at each saved tensor, and ``inputs``,
+  ``mail``, ``recorded`` (and ``saved``, the activations then) are what
+  makes that peak up;
 - **parameters**, **gradients** (``.grad`` of the trainable ones, kept
   between steps) and **optimizer** state (``optimizer_bytes_per_param`` per
   trainable element: 8 for AdamW in float32), each parameter on the stage
@@ -28,15 +45,16 @@ from dataclasses import dataclass
 from torch import nn
 
 from pipeline.plan.profile import Saved
-from pipeline.step.actions import Program
+from pipeline.step.actions import Action
 
 __all__ = [
+    "HeldPeaks",
     "LayerParameters",
+    "MicroBatchBytes",
     "StageMemory",
     "held_peaks",
     "layer_parameters",
     "stage_memory",
-    "stage_programs",
 ]
 
 
@@ -54,19 +72,58 @@ class StageMemory:
     """One stage's predicted peak, in bytes, by term.
 
     ``activations`` is the peak of the saved bytes alone (what
-    ``pipe.last_step`` measures with ``measure_memory=True``); ``inputs``
-    what the received inputs add at the peak of the two together.
+    ``pipe.last_step`` measures with ``measure_memory=True``); ``held`` the
+    peak of what the step keeps (saved and outside autograd together), made
+    of ``saved``, ``inputs``, ``mail`` and ``recorded`` at that peak.
     """
 
     activations: int
+    saved: int
     inputs: int
+    mail: int
+    recorded: int
     parameters: int
     gradients: int
     optimizer: int
 
     @property
+    def held(self) -> int:
+        return self.saved + self.inputs + self.mail + self.recorded
+
+    @property
     def total(self) -> int:
-        return self.activations + self.inputs + self.parameters + self.gradients + self.optimizer
+        return self.held + self.parameters + self.gradients + self.optimizer
+
+
+@dataclass(frozen=True)
+class MicroBatchBytes:
+    """What one micro-batch puts on a stage, by what holds it.
+
+    ``saved`` by autograd; ``received`` its input, whole (0 on stage 0);
+    ``unsaved`` the part of that its layers do not save; ``grad`` the
+    gradient mailed back to it (0 on the last stage); ``recorded`` what
+    zero-bubble's ``I`` keeps for ``W``; ``released`` the saved bytes ``I``
+    lets go (the loss's, which ``W`` does not need, where ``I`` starts from
+    the stage's received input).
+    """
+
+    saved: int
+    received: int
+    unsaved: int
+    grad: int
+    recorded: int
+    released: int = 0
+
+
+@dataclass(frozen=True)
+class HeldPeaks:
+    """``activations``: the peak saved bytes alone; the rest: the joint peak, by term."""
+
+    activations: int
+    saved: int
+    inputs: int
+    mail: int
+    recorded: int
 
 
 def layer_parameters(model: nn.Sequential, optimizer_bytes_per_param: int) -> LayerParameters:
@@ -87,62 +144,85 @@ def layer_parameters(model: nn.Sequential, optimizer_bytes_per_param: int) -> La
 
 
 def held_peaks(
-    program: Program, checkpointed: set[tuple[int, int]], saved: int, whole_input: int, extra: int
-) -> tuple[int, int]:
-    """The peak saved bytes, and the peak of saved bytes and inputs together, along ``program``.
-
-    ``program`` holds one stage's actions in order; each micro-batch saves
-    ``saved`` bytes; a checkpointed task keeps ``whole_input`` bytes until
-    it recomputes, and any task ``extra`` bytes of input beside what it
-    saved once its graph is there.
+    order: Sequence[Action], stage: int, checkpointed: set[tuple[int, int]], one: MicroBatchBytes
+) -> HeldPeaks:
+    """The peaks of ``stage`` along ``order`` (every stage's actions), each micro-batch ``one``.
 
     >>> from pipeline.step.actions import parse_program
-    >>> held_peaks(parse_program("0F0 0F1 0B0 0B1"), set(), 10, 0, 0)
-    (20, 20)
-    >>> held_peaks(parse_program("0F0 0F1 0B0 0B1"), {(0, 0), (1, 0)}, 10, 4, 0)
-    (10, 14)
+    >>> one = MicroBatchBytes(saved=10, received=0, unsaved=0, grad=4, recorded=0)
+    >>> held_peaks(parse_program("0F0 0F1 0B0 0B1"), 0, set(), one).activations
+    20
+    >>> order = parse_program("0F0 1F0 0F1 1F1 1B1 1B0 0B1 0B0")
+    >>> held_peaks(order, 0, set(), one)  # 1B1 mails a gradient back while 0 holds both
+    HeldPeaks(activations=20, saved=20, inputs=0, mail=8, recorded=0)
     """
-    holds: dict[int, tuple[int, int]] = {}  # micro-batch -> (saved, inputs)
-    peak_saved = peak_held = 0
-    for action in program:
-        i = action.microbatch
-        task = (i, action.stage) in checkpointed
-        grows = action.kind == "F" or (task and action.kind in ("B", "I"))
-        if grows:
-            holds[i] = (0, whole_input) if task and action.kind == "F" else (saved, extra)
-            peak_saved = max(peak_saved, sum(s for s, _ in holds.values()))
-            peak_held = max(peak_held, sum(s + x for s, x in holds.values()))
-        if action.kind in ("B", "W"):
-            del holds[i]
-    return peak_saved, peak_held
+    # Per micro-batch: saved, inputs, mail, recorded.
+    holds: dict[int, list[int]] = {}
+    peak_saved = 0
+    peak = HeldPeaks(0, 0, 0, 0, 0)
+
+    def sample() -> None:
+        nonlocal peak_saved, peak
+        sums = [sum(h[k] for h in holds.values()) for k in range(4)]
+        peak_saved = max(peak_saved, sums[0])
+        if sum(sums) > peak.saved + peak.inputs + peak.mail + peak.recorded:
+            peak = HeldPeaks(0, *sums)
+
+    for action in order:
+        i, kind = action.microbatch, action.kind
+        hold = holds.setdefault(i, [0, 0, 0, 0])
+        if action.stage == stage - 1 and kind == "F":
+            hold[2] += one.received  # the activation, mailed
+        elif action.stage == stage + 1 and kind in ("B", "I"):
+            hold[2] += one.grad  # the gradient, mailed back
+        elif action.stage == stage:
+            task = (i, stage) in checkpointed
+            if kind == "F":
+                # The mailed activation becomes the input, and what the layers save of it.
+                hold[:3] = [0, one.received, 0] if task else [one.saved, one.unsaved, 0]
+            elif kind in ("B", "I") and task:
+                hold[:2] = [one.saved, one.unsaved]  # recomputed, its gradient still mailed
+            sample()
+            if kind in ("B", "I"):
+                hold[2] = 0
+            if kind == "I":
+                hold[0] -= one.released
+                hold[3] = one.recorded
+            if kind in ("B", "W"):
+                del holds[i]
+        sample()
+        if not any(holds.get(i, ())):
+            holds.pop(i, None)
+    return HeldPeaks(peak_saved, peak.saved, peak.inputs, peak.mail, peak.recorded)
 
 
 def stage_memory(
-    program: Program,
+    order: Sequence[Action],
+    stage: int,
     checkpointed: set[tuple[int, int]],
     saved: Saved,
     parameters: LayerParameters,
     first: int,
     stop: int,
 ) -> StageMemory:
-    """The peak of the stage of layers ``first..stop`` running ``program`` (its own actions)."""
+    """The peak of ``stage``, of layers ``first..stop``, along ``order`` (every stage's actions)."""
     last = stop == len(saved.outputs)
-    peak_saved, peak_held = held_peaks(
-        program,
-        checkpointed,
-        saved.saved_bytes(first, stop, last),
-        saved.input_bytes(first, stop, last, kept=True),
-        saved.input_bytes(first, stop, last, kept=False),
+    one = MicroBatchBytes(
+        saved=saved.saved_bytes(first, stop, last),
+        received=saved.input_bytes(first, stop, last, kept=True),
+        unsaved=saved.input_bytes(first, stop, last, kept=False),
+        grad=saved.grad_bytes(stop),
+        recorded=saved.recorded_bytes(first, stop),
+        released=saved.loss_only_bytes(first, stop) if last and first > 0 else 0,
     )
+    peaks = held_peaks(order, stage, checkpointed, one)
     return StageMemory(
-        activations=peak_saved,
-        inputs=peak_held - peak_saved,
+        activations=peaks.activations,
+        saved=peaks.saved,
+        inputs=peaks.inputs,
+        mail=peaks.mail,
+        recorded=peaks.recorded,
         parameters=sum(parameters.nbytes[first:stop]),
         gradients=sum(parameters.trained_bytes[first:stop]),
         optimizer=sum(parameters.optimizer[first:stop]),
     )
-
-
-def stage_programs(programs: Sequence[Program], stages: int) -> list[Program]:
-    """Each stage's own actions, in order, from the workers' programs."""
-    return [[a for program in programs for a in program if a.stage == s] for s in range(stages)]

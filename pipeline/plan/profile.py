@@ -12,7 +12,10 @@ model, its gradients and the random generators are left as they were:
   views of them). A storage saved by two adjacent layers (Tanh saves its
   output, the next Linear its input) is one storage; cut between them it is
   counted on both stages, as each stage's meter counts it. The tensors that
-  leave each layer (what crosses a cut there) are noted too.
+  leave each layer (what crosses a cut there) are noted too, with the bytes
+  of their gradient (what is mailed back across the cut); and, each layer
+  run alone on inputs that require grad, the gradients that zero-bubble's
+  ``I`` records for ``W`` (``pipeline/step/split_backward.py``).
 - **time** (``layer_times``): each layer alone on a fresh copy of its input
   (``balance.layerwise``), its forward, its whole backward and its input
   gradient alone (``autograd.grad`` to the inputs: what a zero-bubble ``I``
@@ -25,7 +28,7 @@ from __future__ import annotations
 import copy
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +37,7 @@ from torch import Tensor, nn
 
 from pipeline.runtime.microbatch import to_device
 from pipeline.runtime.partitions import PositionalSequential
+from pipeline.step.split_backward import backward_input
 
 __all__ = ["LayerTimes", "Saved", "call_layer", "layer_times", "saved_storages"]
 
@@ -49,12 +53,17 @@ class Saved:
     the layers that saved it for backward (``len(layers)`` stands for the
     loss), empty for a storage that only crosses a cut; ``outputs[i]`` the
     storages of what layer ``i`` returns (stage ``j + 1``'s received input
-    when a cut follows layer ``i``).
+    when a cut follows layer ``i``), ``output_grads[i]`` the bytes of their
+    gradient (those that require grad); ``recorded[i]`` the bytes of the
+    gradients a zero-bubble ``I`` records in layer ``i`` for its ``W``
+    when the layer's input requires grad.
     """
 
     storages: tuple[int, ...]
     saved_by: tuple[frozenset[int], ...]
     outputs: tuple[tuple[int, ...], ...]
+    output_grads: tuple[int, ...]
+    recorded: tuple[int, ...]
 
     def saved_bytes(self, first: int, stop: int, loss: bool) -> int:
         """Bytes saved by layers ``first`` to ``stop - 1`` (and the loss): each storage once."""
@@ -82,6 +91,30 @@ class Saved:
             for k in set(self.outputs[first - 1])
             if kept or self.saved_by[k].isdisjoint(layers)
         )
+
+    def loss_only_bytes(self, first: int, stop: int) -> int:
+        """Bytes the loss alone saves on the last stage of layers ``first..stop``."""
+        layers = set(range(first, stop))
+        return sum(
+            size
+            for size, by in zip(self.storages, self.saved_by, strict=True)
+            if len(self.outputs) in by and by.isdisjoint(layers)
+        )
+
+    def grad_bytes(self, stop: int) -> int:
+        """Bytes of the gradient mailed back to the stage ending before layer ``stop``."""
+        return 0 if stop == len(self.outputs) else self.output_grads[stop - 1]
+
+    def recorded_bytes(self, first: int, stop: int) -> int:
+        """Bytes zero-bubble's ``I`` keeps for ``W`` on the stage of layers ``first..stop``.
+
+        Its layers' recorded gradients where the stage's input requires grad
+        (a received one); on stage 0, whose input (the caller's) does not,
+        ``I`` has no input path and ``W`` keeps the outputs' gradient instead.
+        """
+        if first == 0:
+            return self.grad_bytes(stop)
+        return sum(self.recorded[first:stop])
 
 
 @dataclass(frozen=True)
@@ -135,6 +168,7 @@ def saved_storages(
         return tensor
 
     outputs: list[tuple[int, ...]] = []
+    grads: list[int] = []
     with (
         own_random_state(device),
         torch.inference_mode(False),
@@ -150,9 +184,44 @@ def saved_storages(
                 tuple(key_of(t) for t in tensors_in(value) if t.untyped_storage().data_ptr()
                       not in excluded)
             )  # fmt: skip
+            grads.append(sum(t.numel() * t.element_size() for t in tensors_in(value)
+                             if t.requires_grad))  # fmt: skip
         current[0] = len(layers)
         kept.append(loss_fn(value, target))
-    return Saved(tuple(sizes), tuple(frozenset(s) for s in savers), tuple(outputs))
+    with own_random_state(device), torch.inference_mode(False), torch.enable_grad():
+        recorded = [
+            _recorded_bytes(model, index, layer, sample if index == 0 else kept[index - 1], device)
+            for index, layer in enumerate(layers)
+        ]
+    return Saved(
+        tuple(sizes),
+        tuple(frozenset(s) for s in savers),
+        tuple(outputs),
+        tuple(grads),
+        tuple(recorded),
+    )
+
+
+def _recorded_bytes(
+    model: nn.Sequential, index: int, layer: nn.Module, value: Value, device: torch.device
+) -> int:
+    """The bytes zero-bubble's ``I`` records in layer ``index`` alone, its input requiring grad."""
+    from balance.layerwise import fresh_inputs, tensors_in  # as in saved_storages
+
+    inputs = fresh_inputs(value, device)
+    roots = [t for t in tensors_in(call_layer(model, index, layer, inputs)) if t.requires_grad]
+    halves = backward_input(roots, [torch.ones_like(t) for t in roots], list(tensors_in(inputs)))
+    if halves is None:  # a Python function's node: I runs a whole backward, W has nothing left
+        return 0
+    # The gradients I recorded at each anchor, which the stage keeps until W.
+    recorded = halves[1]._recorded.values()
+    return _storage_bytes(g for grads in recorded for g in grads if g is not None)
+
+
+def _storage_bytes(tensors: Iterable[Tensor]) -> int:
+    """The bytes of the storages of ``tensors``, each storage once."""
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+               .values())  # fmt: skip
 
 
 def call_layer(model: nn.Sequential, index: int, layer: nn.Module, value: Value) -> Value:

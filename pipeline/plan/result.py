@@ -240,8 +240,9 @@ def _nothing_fits(found: list[Candidate], limit: int) -> str:
         for d, b in cheapest.overflow.items()
     )
     terms = ", ".join(
-        f"stage {j}: {_bytes(s.total)} (activations {_bytes(s.activations)}, inputs "
-        f"{_bytes(s.inputs)}, parameters {_bytes(s.parameters)}, gradients "
+        f"stage {j}: {_bytes(s.total)} (activations {_bytes(s.saved)}, inputs "
+        f"{_bytes(s.inputs)}, mail {_bytes(s.mail)}, recorded for W {_bytes(s.recorded)}, "
+        f"parameters {_bytes(s.parameters)}, gradients "
         f"{_bytes(s.gradients)}, optimizer {_bytes(s.optimizer)})"
         for j, s in enumerate(cheapest.memory)
     )

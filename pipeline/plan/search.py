@@ -11,17 +11,17 @@ and each stage's memory (``memory``), summed per device.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate, pairwise
 
 import torch
 
-from pipeline.plan.memory import LayerParameters, StageMemory, stage_memory, stage_programs
+from pipeline.plan.memory import LayerParameters, StageMemory, stage_memory
 from pipeline.plan.partition import fitting_balance
 from pipeline.plan.profile import LayerTimes, Saved
 from pipeline.plan.timing import predicted_seconds, stage_costs
-from pipeline.step.actions import Program
+from pipeline.step.actions import Action, Program
 from pipeline.step.runner import checkpointed_tasks
 from pipeline.step.schedules import resolve_schedule
 from pipeline.step.simulate import validate
@@ -104,12 +104,13 @@ def candidates(
                 continue  # the interleaved schedule cannot run here (schedules.py)
             saved, times = profiled(batch_size // m)
             programs = resolve_schedule(name).programs(m, stages)
-            validate(programs, m, stages)
+            order = validate(programs, m, stages).one_thread_order
             for mode in checkpoints:
                 checkpointed = checkpointed_tasks(programs, m, mode, training=True)  # type: ignore[arg-type]
                 found += _balanced(
                     _Configuration(name, m, mode, stage_devices, share, factor, limit, overhead),
                     programs,
+                    order,
                     checkpointed,
                     saved,
                     times,
@@ -136,21 +137,25 @@ class _Configuration:
 def _balanced(
     config: _Configuration,
     programs: list[Program],
+    order: Sequence[Action],
     checkpointed: set[tuple[int, int]],
     saved: Saved,
     times: LayerTimes,
     parameters: LayerParameters,
     layers: int,
 ) -> list[Candidate]:
-    """The configuration with its balance that fits (if any) and its compute-only balance."""
+    """The configuration with its balance that fits (if any) and its compute-only balance.
+
+    ``order``: every stage's actions as one thread would run them, along
+    which each stage's memory is walked (mail comes from its neighbours).
+    """
     stages, m = len(config.devices), config.chunks
-    own = stage_programs(programs, stages)
     recomputed = [sum((i, j) in checkpointed for i in range(m)) / m for j in range(stages)]
     memo: dict[tuple[int, int, int], StageMemory] = {}
 
     def memory(j: int, a: int, b: int) -> StageMemory:
         if (j, a, b) not in memo:
-            memo[j, a, b] = stage_memory(own[j], checkpointed, saved, parameters, a, b)
+            memo[j, a, b] = stage_memory(order, j, checkpointed, saved, parameters, a, b)
         return memo[j, a, b]
 
     def cost(j: int, a: int, b: int) -> float:

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import pipeline
-from pipeline.plan.memory import held_peaks
+from pipeline.plan.memory import HeldPeaks, MicroBatchBytes, held_peaks
 from pipeline.step.actions import parse_program
 from tests.plan.plan_models import batch, gelu_mlp, one_thread
 
@@ -49,9 +49,11 @@ def test_checkpointed_tasks_keep_their_received_inputs_beside_the_recomputation(
     assert plan.chosen.memory[0].inputs == 0  # stage 0's input is the caller's
 
 
-def test_held_peaks_count_a_zero_bubble_graph_until_its_weight_gradient() -> None:
+def test_held_peaks_count_a_zero_bubble_graph_and_its_recorded_gradients_until_w() -> None:
     program = parse_program("0F0 0F1 0I0 0F2 0W0 0I1 0W1 0I2 0W2")
-    assert held_peaks(program, set(), 10, 0, 0) == (30, 30)
+    # At 0F2: three graphs, and what 0I0 recorded for 0W0.
+    peaks = held_peaks(program, 0, set(), MicroBatchBytes(10, 0, 0, 0, 4))
+    assert peaks == HeldPeaks(activations=30, saved=30, inputs=0, mail=0, recorded=4)
 
 
 def test_parameters_gradients_and_optimizer_state_are_counted_once_per_parameter() -> None:
