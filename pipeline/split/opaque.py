@@ -43,13 +43,16 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch._guards import detect_fake_mode
+from torch.fx._symbolic_trace import _orig_module_call
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_structure, tree_unflatten
 
 from pipeline.split.attributes import paused
 from pipeline.split.dims import Dimension, bind, dimension, expected
 from pipeline.split.errors import SplitError, is_data_dependent
+from pipeline.split.standin import real_run, state_of
 from pipeline.split.where import argument_names, failure_location
 
 __all__ = ["TENSOR", "BlockCall", "Result", "opaque_blocks"]
@@ -171,6 +174,8 @@ class _Capture(threading.local):
     # Blocks of one class, alike in parameters and arguments, return alike: a
     # capture runs the first on fake tensors and reuses its result (checked at run time).
     results: dict[Any, tuple[Result, list[Tensor]]] | None = None
+    # Each block's real parameters and buffers (a capture swaps fake ones in), for a real run.
+    states: dict[nn.Module, dict[str, Tensor]] | None = None
 
 
 _active = _Capture()
@@ -203,26 +208,68 @@ def _(call: int, tensors: list[Tensor], sizes: list[int]) -> list[Tensor]:
 def _run_fake(
     record: BlockCall, tensors: list[Tensor], sizes: list[int]
 ) -> tuple[Result, list[Tensor]]:
-    args, kwargs = record.arguments(tensors, sizes)
-    # Below autograd (where fake kernels run) in-place ops bump no version counter.
-    with _Writes(tensors) as writes:
-        try:
-            output = _eager(record.module).forward(*args, **kwargs)
-        except Exception as error:
-            if is_data_dependent(error):
-                raise _data_dependent(record, error) from error
+    fake_mode = detect_fake_mode(tensors)
+    shape_env = fake_mode.shape_env if fake_mode is not None else None
+    pending = len(shape_env.pending_fresh_unbacked_symbols) if shape_env is not None else 0
+    try:
+        output, outputs, written = _fake_forward(record, tensors, sizes)
+    except Exception as error:
+        if not is_data_dependent(error):
             raise
-    leaves, spec = tree_flatten(output)
-    outputs = [leaf for leaf in leaves if isinstance(leaf, Tensor)]
+        if shape_env is not None:
+            # The sizes the failed run made from values are no output of the op: forget them.
+            del shape_env.pending_fresh_unbacked_symbols[pending:]
+        output, outputs, written = _real_forward(record, tensors, sizes, error)
+    leaves, _ = tree_flatten(output)
     result = Result(
-        spec,
+        tree_structure(output),
         [_output_leaf(record, leaf) for leaf in leaves],
         [[dimension(size) for size in tensor.shape] for tensor in tensors],
         [[dimension(size) for size in tensor.shape] for tensor in outputs],
         [tensor.dtype for tensor in outputs],
-        sorted(writes.found),
+        written,
     )
     return result, outputs
+
+
+def _fake_forward(
+    record: BlockCall, tensors: list[Tensor], sizes: list[int]
+) -> tuple[Any, list[Tensor], list[int]]:
+    args, kwargs = record.arguments(tensors, sizes)
+    # Below autograd (where fake kernels run) in-place ops bump no version counter.
+    with _Writes(tensors) as writes, _untraced_module_calls():
+        output = _eager(record.module).forward(*args, **kwargs)
+    outputs = [leaf for leaf in tree_flatten(output)[0] if isinstance(leaf, Tensor)]
+    return output, outputs, sorted(writes.found)
+
+
+def _real_forward(
+    record: BlockCall, tensors: list[Tensor], sizes: list[int], error: Exception
+) -> tuple[Any, list[Tensor], list[int]]:
+    """The block run for real on stand-ins, where its fake run depended on tensor values."""
+    assert _active.states is not None
+    module = _eager(record.module)
+    try:
+        return real_run(module, _active.states[module], record.arguments, tensors, sizes)
+    except Exception as failure:
+        raise _data_dependent(record, error, failure) from failure
+
+
+@contextmanager
+def _untraced_module_calls() -> Iterator[None]:
+    """Module calls as torch defines them, not through the capture's tracer (put back after).
+
+    torch.export's tracer patches ``nn.Module.__call__`` to keep a stack of the
+    modules being called, and an exception inside one (a block's fake run
+    failing on data-dependent code) leaves its entry there. A fake kernel
+    makes no graph nodes, so its module calls need no tracking.
+    """
+    patched = nn.Module.__call__
+    nn.Module.__call__ = _orig_module_call  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.__call__ = patched  # type: ignore[method-assign]
 
 
 class _Writes(TorchDispatchMode):
@@ -250,20 +297,20 @@ class _Writes(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def _data_dependent(record: BlockCall, error: Exception) -> SplitError:
+def _data_dependent(record: BlockCall, error: Exception, failure: Exception) -> SplitError:
     block = _eager(record.module)
     inside = {module: _join(record.name, name) for name, module in block.named_modules()}
     module, line = failure_location(error, inside)
     where = f"{module} at {line}" if module else line
+    first = str(failure).strip().splitlines()[0] if str(failure).strip() else ""
     return SplitError(
         f"cannot capture block {record.name} ({type(block).__name__}): its code in {where} "
-        "depends on the values of tensors (as Mixture-of-Experts routing does: which experts "
-        "run depends on the router's choice). A block runs as itself in the pieces, but split "
-        "learns the shapes of its output by running it on fake tensors, which have no values; "
-        "naming a module inside it in points does not help (a point is run on fake tensors "
-        "too). Make the block's shapes independent of tensor values: for a transformers "
-        "Mixture-of-Experts model, set experts_implementation='batched_mm' in its config (or "
-        "leave transformers' default, 'grouped_mm', for float32 and bfloat16)"
+        "depends on the values of tensors, so split cannot learn its output on fake tensors, "
+        "and a run on stand-in values (random floats, zero integers, true booleans, copies of "
+        f"its parameters) failed with {type(failure).__name__}: {first}. Make the block run on "
+        "such values, or its shapes independent of tensor values (for a transformers "
+        "Mixture-of-Experts model, experts_implementation='batched_mm' in its config, or "
+        "transformers' default 'grouped_mm' for float32 and bfloat16)"
     )
 
 
@@ -347,12 +394,13 @@ def opaque_blocks(blocks: dict[nn.Module, str]) -> Iterator[list[BlockCall]]:
     with _one_at_a_time:
         saved = {module: module._compiled_call_impl for module in blocks}
         _active.calls, _active.results = calls, {}
+        _active.states = {_eager(module): state_of(_eager(module)) for module in blocks}
         try:
             for module, name in blocks.items():
                 module._compiled_call_impl = _bind(module, name)
             yield calls
         finally:
-            _active.calls, _active.results = None, None
+            _active.calls, _active.results, _active.states = None, None, None
             for module, impl in saved.items():
                 module._compiled_call_impl = impl
 

@@ -211,7 +211,8 @@ def _ranges(captured: Captured, found: Variants) -> dict[str, tuple[int, int | N
     """The sizes each free dimension may take; the batch may be 1 where a capture showed it."""
     ranges: dict[str, tuple[int, int | None]] = {}
     for symbol, bounds in captured.program.range_constraints.items():
-        low = int(bounds.lower)
+        # A size made from a value inside a block's failed fake run has no finite lower bound.
+        low = int(bounds.lower) if bounds.lower.is_Integer else 0
         high = int(bounds.upper) if bounds.upper.is_Integer else None
         ranges[str(symbol)] = (min(low, 1) if str(symbol) in found.one_row else low, high)
     return ranges

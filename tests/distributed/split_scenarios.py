@@ -22,7 +22,7 @@ from pipeline.distributed import DistributedPipe
 from pipeline.schedules import Interleaved1F1B
 from tests.gloo_groups import expect_error, main, rank, scenario, world
 from tests.split import hf_labels
-from tests.split.split_models import gpt2, llama, lm_loss, tokens
+from tests.split.split_models import gpt2, llama, lm_loss, mixtral, tokens
 
 
 def seeded(make: Callable[..., nn.Module], **config: Any) -> nn.Module:
@@ -218,6 +218,30 @@ def split_models_built_on_meta_materialise_only_their_pieces() -> None:
         assert_names_cover_the_model(pipe, model)
         pipe.close()
 
+
+@scenario
+def split_mixtral_with_eager_experts_on_meta_trains_like_the_plain_model() -> None:
+    """Routing on values inside the blocks (learned at split from a run on stand-ins, on the
+    CPU for a meta model): each process materialises its pieces; 1F1B and ZB-H1 equal."""
+    plain = seeded(mixtral)
+    model = on_meta(mixtral)
+    ids, _, target = batch()
+    seq = pipeline.split(model, (ids[:2].to("meta"),))
+    for schedule in ("1f1b", "zb-h1"):
+        pipe = DistributedPipe(seq, [2, 2], chunks=3, init=model._init_weights)
+        assert not meta_names(pipe), meta_names(pipe)
+        pipe.load_state_dict(plain.state_dict())
+        pipe.zero_grad()  # the pieces' parameters are the first pipe's
+        first, last = ends(pipe)
+        loss = pipe.step(
+            ids if first else None, target if last else None, lm_loss, schedule=schedule
+        )
+        plain.zero_grad()
+        expected = lm_loss(plain(ids), target)
+        expected.backward()
+        torch.testing.assert_close(loss, expected.detach(), msg=schedule)
+        assert_like_the_plain_model(pipe, plain, f"Mixtral, {schedule}")
+        pipe.close()
 
 def set_dropout(model: nn.Module, p: float) -> None:
     """Inside GPT-2's blocks (each called as itself), a dropout's p is read at each call."""

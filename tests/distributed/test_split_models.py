@@ -1,4 +1,4 @@
-"""DistributedPipe on split GPT-2 and Llama: two gloo processes, against the plain model."""
+"""DistributedPipe on split GPT-2, Llama, Mixtral: two gloo processes, against the plain model."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ SHARED = [
     "split_gpt2_tied_head_and_embedding_train_like_the_plain_model",
     "split_models_built_on_meta_materialise_only_their_pieces",
     "split_gpt2_in_eval_mode_across_processes",
+    "split_mixtral_with_eager_experts_on_meta_trains_like_the_plain_model",
 ]
 
 

@@ -121,6 +121,84 @@ def bart() -> nn.Module:
     return transformers.BartForConditionalGeneration(settings).double()
 
 
+def mixtral(experts: str | None = "eager", dtype: torch.dtype = torch.float64) -> nn.Module:
+    """A tiny Mixtral: 2 layers of 4 experts, 2 per token; ``experts`` its implementation.
+
+    ``"eager"`` routes in Python (which experts run depends on the router's values);
+    ``None`` leaves transformers' default.
+    """
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    chosen = {} if experts is None else {"experts_implementation": experts}
+    settings = transformers.MixtralConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=32,
+        use_cache=False,
+        **chosen,
+    )
+    return transformers.MixtralForCausalLM(settings).to(dtype)
+
+
+def qwen2_moe() -> nn.Module:
+    """A tiny Qwen2-MoE, eager routing: 4 experts (2 per token) beside a gated shared expert."""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    settings = transformers.Qwen2MoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        moe_intermediate_size=8,
+        shared_expert_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=32,
+        use_cache=False,
+        experts_implementation="eager",
+    )
+    return transformers.Qwen2MoeForCausalLM(settings).double()
+
+
+def deepseek_v3() -> nn.Module:
+    """A tiny DeepSeek-V3 shape, eager routing: a dense layer, then a layer of 4 routed experts
+    in 2 groups (1 chosen per token), a shared expert, latent attention."""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    settings = transformers.DeepseekV3Config(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        moe_intermediate_size=8,
+        num_hidden_layers=2,
+        first_k_dense_replace=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        kv_lora_rank=8,
+        q_lora_rank=8,
+        qk_rope_head_dim=4,
+        qk_nope_head_dim=4,
+        v_head_dim=4,
+        max_position_embeddings=32,
+        use_cache=False,
+        experts_implementation="eager",
+    )
+    return transformers.DeepseekV3ForCausalLM(settings).double()
+
+
 def tokens(batch: int, length: int, padded: int = 0) -> tuple[Tensor, Tensor, Tensor]:
     """Token ids, an attention mask with ``padded`` left-padded positions in row 0, targets."""
     ids = torch.randint(0, VOCAB, (batch, length))

@@ -1,65 +1,79 @@
 """Mixture-of-Experts models: routing that depends on tensor values inside a block.
 
-Refused with a message that says why and what works; what it advises is
-tested to split equal to the plain model.
+A block whose fake run cannot follow its code (which experts run depends on
+the router's values) is run once for real on stand-in values to learn what
+it returns (``pipeline/split/standin.py``). Mixtral, Qwen2-MoE and a
+DeepSeek-V3-shaped model with transformers' eager experts then split equal
+to the plain model; where the stand-in run fails too, or the output's shape
+follows values, the refusal is loud.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
-from split_models import VOCAB, assert_same, gradients, lm_loss, tokens, twin
-from torch import nn
+from split_models import (
+    VOCAB,
+    assert_same,
+    backward_of,
+    deepseek_v3,
+    gradients,
+    lm_loss,
+    mixtral,
+    qwen2_moe,
+    tokens,
+    twin,
+)
+from torch import Tensor, nn
 
 import pipeline
+from pipeline import Pipe
+from pipeline.split import SplitError
 
 transformers = pytest.importorskip("transformers")
 
-
-def mixtral(experts: str | None, dtype: torch.dtype = torch.float64) -> nn.Module:
-    transformers.logging.set_verbosity_error()
-    chosen = {} if experts is None else {"experts_implementation": experts}
-    settings = transformers.MixtralConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        max_position_embeddings=32,
-        use_cache=False,
-        **chosen,
-    )
-    return transformers.MixtralForCausalLM(settings).to(dtype)
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 
 
-@pytest.mark.parametrize("points", [None, ["model.layers.0.mlp.experts"]])
-def test_routing_on_tensor_values_is_refused_with_what_works(points: list[str] | None) -> None:
-    ids, _, _ = tokens(2, 6)
-    with pytest.raises(ValueError) as error:
-        pipeline.split(mixtral("eager"), (ids,), points=points)
-    message = str(error.value)
-    assert "cannot capture block model.layers.0" in message
-    assert "module 'model.layers.0.mlp.experts' (MixtralExperts)" in message
-    assert "depends on the values of tensors" in message
-    assert "naming a module inside it in points does not help" in message
-    assert "experts_implementation='batched_mm'" in message and "'grouped_mm'" in message
+@pytest.mark.parametrize(
+    "make", [mixtral, qwen2_moe, deepseek_v3], ids=["mixtral", "qwen2_moe", "deepseek_v3"]
+)
+def test_eager_routed_experts_split_equal_to_plain_in_pipe_call_and_every_schedule(
+    make: Callable[[], nn.Module],
+) -> None:
+    torch.manual_seed(0)
+    model = make()
+    plain = twin(model)
+    ids, _, target = tokens(8, 6)
+    seq = pipeline.split(model, (ids[:2],))
+    assert len(seq) == 4  # before the layers, two layers, after
+    expected_loss = backward_of(lambda: lm_loss(plain(ids), target))
+    expected = gradients(plain)
+    pipe = Pipe(seq, [1, 1, 1, 1], devices=["cpu"] * 4, chunks=4)
+    loss = backward_of(lambda: lm_loss(pipe(ids), target))
+    torch.testing.assert_close(loss, expected_loss)
+    assert_same(gradients(model), expected)
+    for schedule in SCHEDULES:
+        model.zero_grad()
+        loss = pipe.step(ids, target, lm_loss, schedule=schedule)
+        torch.testing.assert_close(loss, expected_loss, msg=schedule)
+        assert_same(gradients(model), expected)
+    pipe.close()
 
 
 # transformers' default ('grouped_mm') takes float32 and bfloat16 only.
 @pytest.mark.parametrize(
     ("experts", "dtype"), [("batched_mm", torch.float64), (None, torch.float32)]
 )
-def test_the_advised_experts_implementations_split_equal_to_plain(
+def test_the_other_experts_implementations_split_equal_to_plain(
     experts: str | None, dtype: torch.dtype
 ) -> None:
     model = mixtral(experts, dtype)
     plain = twin(model)
     ids, _, target = tokens(4, 6)
     seq = pipeline.split(model, (ids,))
-    assert len(seq) == 4  # before the layers, two layers, after
     out, expected = seq(ids), plain(ids)
     torch.testing.assert_close(out.logits, expected.logits)
     lm_loss(out, target).backward()
@@ -73,3 +87,111 @@ def test_the_router_logits_recorded_by_hooks_are_refused() -> None:
     ids, _, _ = tokens(2, 6)
     with pytest.raises(ValueError, match="the model's config sets output_router_logits, but"):
         pipeline.split(model, (ids,))
+
+
+class Routed(nn.Module):
+    """Runs the rows whose gate is positive through a layer: a choice made on values.
+
+    Counts its calls in a buffer and draws noise, to show that the stand-in run
+    leaves the module and the random streams as they were.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(4, 1)
+        self.layer = nn.Linear(4, 4)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.calls += 1
+        chosen = (self.gate(x) > 0).squeeze(-1).nonzero().squeeze(-1)
+        out = x + 0.0 * torch.randn_like(x)
+        if len(chosen):  # a branch on the values
+            out = out.index_add(0, chosen, self.layer(x[chosen]))
+        return out
+
+
+class Stack(nn.Module):
+    def __init__(self, block: Callable[[], nn.Module]) -> None:
+        super().__init__()
+        self.embed = nn.Linear(4, 4)
+        self.blocks = nn.ModuleList(block() for _ in range(2))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return h
+
+
+def test_the_stand_in_run_leaves_the_model_and_the_random_streams_as_they_were() -> None:
+    torch.manual_seed(0)
+    model = Stack(Routed).double()
+    plain = twin(model)
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    example = torch.randn(3, 4, dtype=torch.float64)
+    generator = torch.get_rng_state()
+    seq = pipeline.split(model, (example,))
+    assert torch.equal(torch.get_rng_state(), generator)
+    assert_same(model.state_dict(), before)
+    x = torch.randn(5, 4, dtype=torch.float64)
+    torch.testing.assert_close(seq(x), plain(x))
+    assert [int(block.calls) for block in model.blocks] == [1, 1]
+
+
+class NeedsACount(nn.Module):
+    """Reads a count from an integer input: zero (what a stand-in holds) cannot be shaped."""
+
+    def forward(self, x: Tensor, count: Tensor) -> Tensor:
+        n = int(count.item())
+        return x + torch.ones(n).reshape(-1, n).sum()
+
+
+class Counted(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(NeedsACount() for _ in range(2))
+
+    def forward(self, x: Tensor, count: Tensor) -> Tensor:
+        for block in self.blocks:
+            x = block(x, count)
+        return x
+
+
+def test_a_block_that_fails_on_stand_in_values_too_is_refused_saying_both() -> None:
+    with pytest.raises(SplitError) as error:
+        pipeline.split(Counted(), (torch.randn(2, 3), torch.tensor(3)))
+    message = str(error.value)
+    assert message.startswith("cannot capture block blocks.0 (NeedsACount)")
+    assert "depends on the values of tensors" in message
+    assert "a run on stand-in values" in message and "failed with RuntimeError" in message
+    assert "experts_implementation='batched_mm'" in message
+
+
+class Counts(nn.Module):
+    """Returns as many ones as it has positive inputs, after a branch on that count: an
+    output whose shape follows the values."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        count = int((x > 0).sum())
+        return x.new_ones(count) if count else x.new_zeros(1)
+
+
+def test_an_output_shaped_by_values_is_refused_at_the_call_that_differs() -> None:
+    torch.manual_seed(0)
+    model = Stack(Counts)
+    model.embed = nn.Identity()
+    model.blocks = nn.ModuleList([Counts()])
+    seq = pipeline.split(model, (torch.randn(4, 5),))
+    ones = torch.ones(4, 5)  # 20 positive entries, as no stand-in of normal values has
+    with pytest.raises(RuntimeError, match=r"returned a torch\.float32 tensor of shape"):
+        seq(ones)
+
+
+def test_eager_experts_split_on_meta() -> None:
+    with torch.device("meta"):
+        model = mixtral()
+    ids = torch.randint(0, VOCAB, (2, 6), device="meta")
+    seq = pipeline.split(model, (ids,))
+    assert len(seq) == 4
+    assert all(p.is_meta for p in model.parameters())
