@@ -46,7 +46,7 @@ def predicted(schedule: str, mode: str) -> Candidate:
     return found
 
 
-@pytest.mark.parametrize("mode", ["never", "always"])
+@pytest.mark.parametrize("mode", ["never", "except_last", "always"])
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zb-h1"])
 def test_predicted_total_is_within_ten_percent_of_each_stages_measured_total(
     schedule: str, mode: str
@@ -74,3 +74,13 @@ def test_predicted_total_is_within_ten_percent_of_each_stages_measured_total(
         assert predict.held > predict.parameters, where  # not the static terms alone
         assert stage.held == pytest.approx(predict.held + predict.gradients, rel=0.1), where
         assert stage.total == pytest.approx(predict.total, rel=0.1), where
+
+
+def test_measuring_refuses_a_step_that_does_not_measure_memory() -> None:
+    x, y = batch(ROWS)
+    pipe = Pipe(gelu_mlp(), [3, 3], devices=[CPU, CPU], chunks=CHUNKS, threads="device")
+    with (
+        pytest.raises(ValueError, match=r"needs pipe\.step\(\.\.\., measure_memory=True\)"),
+        measuring(list(pipe.partitions)),
+    ):
+        pipe.step(x, y, F.mse_loss, schedule="1f1b")
