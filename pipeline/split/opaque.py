@@ -87,6 +87,8 @@ class Result:
     dtypes: list[torch.dtype]
     # Which of the call's tensors the block changes in place.
     written: list[int]
+    # Learned from a run on stand-in values (``standin.py``), not from a fake run.
+    stand_in: bool = False
 
 
 @dataclass
@@ -157,8 +159,7 @@ class BlockCall:
                     f"block {self.name} ({type(self.module).__name__}) returned a {tensor.dtype} "
                     f"tensor of shape {tuple(tensor.shape)} as output tensor {k}, where the "
                     f"captured call returned {dtype} of shape {sizes} for these inputs; the code "
-                    "after it was captured for that. Split the model again after changing the "
-                    "block (or the hooks that change its output)"
+                    f"after it was captured for that. {_remedy(result)}"
                 )
 
     def output(self, tensors: Sequence[Tensor]) -> Any:
@@ -205,12 +206,25 @@ def _(call: int, tensors: list[Tensor], sizes: list[int]) -> list[Tensor]:
     return [fake.clone() for fake in fakes]
 
 
+def _remedy(result: Result) -> str:
+    if result.stand_in:
+        return (
+            "Its code depends on tensor values, so split learned its output from a run on "
+            "stand-in values, whose shapes this call's output does not follow: its output's "
+            "shape depends on the values too, or on a size none of its inputs has. Such a "
+            "block cannot be a piece's block: give it outputs shaped like its inputs (keep "
+            "the value-dependent shapes inside it)"
+        )
+    return "Split the model again after changing the block (or the hooks that change its output)"
+
+
 def _run_fake(
     record: BlockCall, tensors: list[Tensor], sizes: list[int]
 ) -> tuple[Result, list[Tensor]]:
     fake_mode = detect_fake_mode(tensors)
     shape_env = fake_mode.shape_env if fake_mode is not None else None
     pending = len(shape_env.pending_fresh_unbacked_symbols) if shape_env is not None else 0
+    stand_in = False
     try:
         output, outputs, written = _fake_forward(record, tensors, sizes)
     except Exception as error:
@@ -220,6 +234,7 @@ def _run_fake(
             # The sizes the failed run made from values are no output of the op: forget them.
             del shape_env.pending_fresh_unbacked_symbols[pending:]
         output, outputs, written = _real_forward(record, tensors, sizes, error)
+        stand_in = True
     leaves, _ = tree_flatten(output)
     result = Result(
         tree_structure(output),
@@ -228,6 +243,7 @@ def _run_fake(
         [[dimension(size) for size in tensor.shape] for tensor in outputs],
         [tensor.dtype for tensor in outputs],
         written,
+        stand_in,
     )
     return result, outputs
 

@@ -184,8 +184,10 @@ def test_an_output_shaped_by_values_is_refused_at_the_call_that_differs() -> Non
     model.blocks = nn.ModuleList([Counts()])
     seq = pipeline.split(model, (torch.randn(4, 5),))
     ones = torch.ones(4, 5)  # 20 positive entries, as no stand-in of normal values has
-    with pytest.raises(RuntimeError, match=r"returned a torch\.float32 tensor of shape"):
+    with pytest.raises(RuntimeError, match=r"returned a torch\.float32 tensor of shape") as error:
         seq(ones)
+    assert "split learned its output from a run on stand-in values" in str(error.value)
+    assert "give it outputs shaped like its inputs" in str(error.value)
 
 
 def test_eager_experts_split_on_meta() -> None:
