@@ -5,7 +5,8 @@ the router's values) is run once for real on stand-in values to learn what
 it returns (``pipeline/split/standin.py``). Mixtral, Qwen2-MoE and a
 DeepSeek-V3-shaped model with transformers' eager experts then split equal
 to the plain model; where the stand-in run fails too, or the output's shape
-follows values, the refusal is loud.
+follows values, the refusal is loud. Split on ``meta`` (stand-ins on the CPU)
+and DistributedPipe: tests/distributed/split_scenarios.py.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from collections.abc import Callable
 import pytest
 import torch
 from split_models import (
-    VOCAB,
     assert_same,
     backward_of,
     deepseek_v3,
@@ -188,12 +188,3 @@ def test_an_output_shaped_by_values_is_refused_at_the_call_that_differs() -> Non
         seq(ones)
     assert "split learned its output from a run on stand-in values" in str(error.value)
     assert "give it outputs shaped like its inputs" in str(error.value)
-
-
-def test_eager_experts_split_on_meta() -> None:
-    with torch.device("meta"):
-        model = mixtral()
-    ids = torch.randint(0, VOCAB, (2, 6), device="meta")
-    seq = pipeline.split(model, (ids,))
-    assert len(seq) == 4
-    assert all(p.is_meta for p in model.parameters())
