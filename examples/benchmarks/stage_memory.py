@@ -2,7 +2,9 @@
 
 The model of ``stage_processes.py`` with GELU (8 x [Linear(W, W), GELU], W
 = ``--width``), cut in 2 stages, one per gloo process, batch ``--batch``,
-MSE loss, ``checkpoint="never"``. Each (library, schedule, m) runs in 2
+MSE loss, ``checkpoint="never"``; interleaved cuts it in 4 stages, 2 per
+process (stage ``s`` on rank ``s % 2``, ours ``Interleaved1F1B(virtual=2)``
+beside torch's ``ScheduleInterleaved1F1B``). Each (library, schedule, m) runs in 2
 fresh processes of its own, so that nothing of one configuration is in
 another's memory. Two figures per rank, for the second step (the first one
 warms up; gradients are zeroed in place, so ``.grad`` is there before):
@@ -10,7 +12,9 @@ warms up; gradients are zeroed in place, so ``.grad`` is there before):
 - *saved*: the peak bytes autograd holds saved for backward during the
   step, each storage once (``ActivationMeter``: ``last_step`` with
   ``measure_memory=True`` for ours, the meter around torch's step for
-  torch's), parameters and the caller's input and target left out;
+  torch's; ours interleaved too, under one meter around the step, so that
+  the rank's two stages are counted together as torch's are), parameters
+  and the caller's input and target left out;
 - *total*: the step's peak RSS above the RSS just before it (the pipeline
   built, parameters and gradients there: what the step adds, activations,
   mail and transient buffers), with an allocator that gives freed memory
@@ -21,7 +25,11 @@ warms up; gradients are zeroed in place, so ``.grad`` is there before):
 The *bound* is one micro-batch's saved bytes through the rank's stage in the
 plain model (measured the same way) times the micro-batches the schedule
 holds there: m for GPipe, min(stages - rank, m) for 1F1B and ZB-H1 (torch's
-zero-bubble is ``ScheduleInterleavedZeroBubble`` with one stage per rank).
+zero-bubble is ``ScheduleInterleavedZeroBubble`` with one stage per rank);
+interleaved, the sum over the rank's two stages of each one's micro-batch
+times the micro-batches our program holds there at most
+(``simulate.validate``'s ``peak_in_flight``; a bound, as the two peaks need
+not coincide).
 Linux only. The last line is JSON.
 
 Run: python examples/benchmarks/stage_memory.py [--chunks 8 16]
@@ -47,11 +55,14 @@ from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
     ScheduleGPipe,
+    ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
 )
 
 from pipeline.distributed import DistributedPipe
 from pipeline.step.activations import ActivationMeter
+from pipeline.step.schedules import Interleaved1F1B
+from pipeline.step.simulate import validate
 
 WORLD = 2
 ALLOCATOR = {
@@ -64,7 +75,9 @@ SCHEDULES = (
     ("gpipe", ScheduleGPipe),
     ("1f1b", Schedule1F1B),
     ("zb-h1", ScheduleInterleavedZeroBubble),
+    ("interleaved", ScheduleInterleaved1F1B),
 )
+VIRTUAL = 2  # stages per rank, interleaved
 MiB = 2**20
 
 
@@ -82,16 +95,33 @@ def reset_peak_rss() -> None:
         clear.write("5")
 
 
-def held(schedule: str, m: int, rank: int) -> int:
-    """Micro-batches the schedule holds at most on ``rank``'s stage."""
-    return m if schedule == "gpipe" else min(WORLD - rank, m)
+def held(schedule: str, m: int, stage: int) -> int:
+    """Micro-batches the schedule holds at most on ``stage``."""
+    if schedule == "interleaved":
+        programs = Interleaved1F1B(VIRTUAL).programs(m, VIRTUAL * WORLD)
+        return validate(programs, m, VIRTUAL * WORLD).peak_in_flight[stage]
+    return m if schedule == "gpipe" else min(WORLD - stage, m)
 
 
-def one_micro_batch(part: nn.Module, x: Tensor, y: Tensor, last: bool) -> int:
+def stage_indices(schedule: str) -> list[int]:
+    """This rank's stages: one, or ``VIRTUAL`` interleaved (stage ``s`` on rank ``s % WORLD``)."""
+    rank = dist.get_rank()
+    return list(range(rank, VIRTUAL * WORLD, WORLD)) if schedule == "interleaved" else [rank]
+
+
+def stage_part(model: nn.Sequential, schedule: str, stage: int) -> nn.Sequential:
+    """Stage ``stage`` of ``model``, under the whole model's names, for torch's stage."""
+    if schedule != "interleaved":
+        return local_part(model)
+    size = len(model) // (VIRTUAL * WORLD)
+    return model[size * stage : size * (stage + 1)]
+
+
+def one_micro_batch(part: nn.Module, x: Tensor, y: Tensor, first: bool, last: bool) -> int:
     """Saved bytes of one micro-batch through ``part`` (and the loss on the last stage)."""
     meter = ActivationMeter([*part.parameters(), x, y])
-    # Ranks after the first receive their input: a tensor of the step's own.
-    inputs = x if dist.get_rank() == 0 else x.detach().clone().requires_grad_()
+    # Stages after the first receive their input: a tensor of the step's own.
+    inputs = x if first else x.detach().clone().requires_grad_()
     with meter.hooks():
         output = part(inputs)
         loss = F.mse_loss(output, y) if last else output.sum()
@@ -103,10 +133,19 @@ def ours(
     args: argparse.Namespace, schedule: str, m: int, x: Tensor, y: Tensor
 ) -> Callable[[], int]:
     """Our step, built: a call runs it and returns this rank's peak saved bytes."""
-    pipe = DistributedPipe(mlp(args.width, nn.GELU), [8, 8], chunks=m, checkpoint="never")
+    stages = VIRTUAL * WORLD if schedule == "interleaved" else WORLD
+    model = mlp(args.width, nn.GELU)
+    balance = [len(model) // stages] * stages
+    pipe = DistributedPipe(model, balance, chunks=m, checkpoint="never")
 
     def run() -> int:
         pipe.zero_grad(set_to_none=False)
+        if schedule == "interleaved":
+            # The rank's stages together, under one meter, as torch's are counted.
+            meter = ActivationMeter([*pipe.parameters(), x, y])
+            with meter.hooks():
+                pipe.step(x, y, F.mse_loss, schedule=schedule)
+            return meter.peak
         pipe.step(x, y, F.mse_loss, schedule=schedule, measure_memory=True)
         report = pipe.last_step
         assert report is not None
@@ -116,13 +155,21 @@ def ours(
 
 
 def torch_pipelining(
-    args: argparse.Namespace, kind: Any, m: int, x: Tensor, y: Tensor
+    args: argparse.Namespace, schedule: str, kind: Any, m: int, x: Tensor, y: Tensor
 ) -> Callable[[], int]:
     """torch's step, built: a call runs it under the meter and returns the peak saved bytes."""
-    part = local_part(mlp(args.width, nn.GELU))
-    stage = PipelineStage(part, dist.get_rank(), WORLD, torch.device("cpu"))
-    stages: Any = [stage] if kind is ScheduleInterleavedZeroBubble else stage
-    step = torchs(stage, part, kind(stages, n_microbatches=m, loss_fn=F.mse_loss), x, y)
+    model = mlp(args.width, nn.GELU)
+    indices = stage_indices(schedule)
+    count = VIRTUAL * WORLD if schedule == "interleaved" else WORLD
+    parts = [stage_part(model, schedule, s) for s in indices]
+    built = [
+        PipelineStage(p, s, count, torch.device("cpu")) for p, s in zip(parts, indices, strict=True)
+    ]
+    part = nn.ModuleList(parts)
+    stages: Any = (
+        built if kind in (ScheduleInterleavedZeroBubble, ScheduleInterleaved1F1B) else built[0]
+    )
+    step = torchs(built[0], part, kind(stages, n_microbatches=m, loss_fn=F.mse_loss), x, y)
 
     def run() -> int:
         part.zero_grad(set_to_none=False)
@@ -146,7 +193,7 @@ def child(rank: int, port: int, library: str, index: int, m: int, args: Any, que
     run = (
         ours(args, schedule, m, x, y)
         if library == "ours"
-        else torch_pipelining(args, kind, m, x, y)
+        else torch_pipelining(args, schedule, kind, m, x, y)
     )
     run()  # warm-up: gradients allocated, torch's shapes exchanged
     dist.barrier()
@@ -155,10 +202,15 @@ def child(rank: int, port: int, library: str, index: int, m: int, args: Any, que
     saved = run()
     total = (rss_kib("VmHWM") - before) * 1024
     dist.barrier()
-    last = rank == WORLD - 1
     rows = args.batch // m
-    micro = one_micro_batch(local_part(mlp(args.width, nn.GELU)), x[:rows], y[:rows], last)
-    queue.put((rank, {"saved": saved, "total": total, "bound": micro * held(schedule, m, rank)}))
+    model = mlp(args.width, nn.GELU)
+    count = VIRTUAL * WORLD if schedule == "interleaved" else WORLD
+    bound = sum(
+        one_micro_batch(stage_part(model, schedule, s), x[:rows], y[:rows], s == 0, s == count - 1)
+        * held(schedule, m, s)
+        for s in stage_indices(schedule)
+    )
+    queue.put((rank, {"saved": saved, "total": total, "bound": bound}))
     dist.destroy_process_group()
 
 
