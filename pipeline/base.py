@@ -1,4 +1,4 @@
-"""What Pipe and DistributedPipe share: arguments, the split, programs, hooks, steps.
+"""What Pipe and DistributedPipe share: arguments, the partitioning, programs, hooks, steps.
 
 Both cut an ``nn.Sequential`` into ``len(balance)`` partitions of consecutive
 layers (``pipeline/runtime/layers.py``: a split model's pieces too),
@@ -116,7 +116,7 @@ class PipeBase(nn.Module, ABC):
     def checkpoint(self, mode: Any) -> None:
         self._checkpoint = check_checkpoint(mode)
 
-    def _split(self, module: nn.Sequential, deferred_batch_norm: bool) -> list[nn.Sequential]:
+    def _partition(self, module: nn.Sequential, deferred_batch_norm: bool) -> list[nn.Sequential]:
         """The module's layers as ``len(balance)`` partitions, BatchNorm converted if asked."""
         if deferred_batch_norm:
             DeferredBatchNorm.convert(module)
@@ -421,9 +421,9 @@ class PipeBase(nn.Module, ABC):
         call: StepCall,
         loss_reduction: LossReduction,
         programs: list[Program],
-        split: MicroBatches,
+        micro_batches: MicroBatches,
         hooks: list[Hook],
-        threads: list[list[int]],
+        stages_by_worker: list[list[int]],
         *,
         transport: Transport | None = None,
         stages: Iterable[int] | None = None,
@@ -431,24 +431,24 @@ class PipeBase(nn.Module, ABC):
     ) -> StepRun:
         """One step's run: this pipe's partitions and skips, loss scales, checkpointed tasks.
 
-        ``threads[t]`` lists the stages thread ``t`` runs: which generators
+        ``stages_by_worker[w]`` lists the stages worker ``w`` runs: which generators
         each thread owns follows (``pipeline/runtime/ownership.py``).
         """
         if call.grad_scaler is not None:
             # Its scale is made on first use: here, on the loss's device, not by a worker.
             call.grad_scaler.scale(torch.zeros((), device=self._runtime.devices[-1]))
-        m = len(split.rows)
+        m = len(micro_batches.rows)
         return StepRun(
             self._runtime,
             self.skip_layout,
-            split.batches,
-            split.targets,
+            micro_batches.batches,
+            micro_batches.targets,
             call.loss_fn,
-            loss_scales(split.rows, loss_reduction, call.loss_divisor),
+            loss_scales(micro_batches.rows, loss_reduction, call.loss_divisor),
             checkpointed_tasks(programs, m, self.checkpoint, self.training),
             hooks,
             call.return_outputs,
-            self._runtime.randomness(threads),
+            self._runtime.randomness(stages_by_worker),
             any(a.kind == "W" for program in programs for a in program),
             transport=transport,
             stages=stages,
@@ -461,28 +461,28 @@ class PipeBase(nn.Module, ABC):
         self,
         call: EvaluateCall,
         loss_reduction: LossReduction | None,
-        split: MicroBatches,
+        micro_batches: MicroBatches,
         keep_outputs: bool,
-        threads: list[list[int]],
+        stages_by_worker: list[list[int]],
         *,
         transport: Transport | None = None,
         stages: Iterable[int] | None = None,
     ) -> StepRun:
         """An evaluation's run: forwards only, the loss weighed as a step weighs it.
 
-        ``threads`` as for ``_step_run``.
+        ``stages_by_worker`` as for ``_step_run``.
         """
         return StepRun(
             self._runtime,
             self.skip_layout,
-            split.batches,
-            split.targets,
+            micro_batches.batches,
+            micro_batches.targets,
             call.loss_fn,
-            loss_scales(split.rows, loss_reduction or "mean", call.loss_divisor),
+            loss_scales(micro_batches.rows, loss_reduction or "mean", call.loss_divisor),
             set(),
             [],
             keep_outputs,
-            self._runtime.randomness(threads),
+            self._runtime.randomness(stages_by_worker),
             False,
             transport=transport,
             stages=stages,

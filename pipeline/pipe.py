@@ -40,7 +40,7 @@ from pipeline.runtime.worker import (
 from pipeline.skip.layout import inspect_skip_layout
 from pipeline.step.actions import Program
 from pipeline.step.reports import StepReport
-from pipeline.step.runner import StepRun, forward_programs, program_threads
+from pipeline.step.runner import StepRun, forward_programs, programs_by_worker
 from pipeline.step.schedules import Schedule, resolve_schedule
 from pipeline.step.sharded import fsdp_units
 from pipeline.step.simulate import Simulation
@@ -122,7 +122,7 @@ class Pipe(PipeBase):
         self.threads = check_threads(threads)
         self._adopt_arguments(arguments)
         self.devices = resolve_devices(devices, len(self.balance))
-        self.partitions = self._split(module, arguments.deferred_batch_norm)
+        self.partitions = self._partition(module, arguments.deferred_batch_norm)
         self._register_names(module)
         _place(self.partitions, self.devices)
         self.skip_layout = inspect_skip_layout(self.partitions, self.devices)
@@ -259,17 +259,22 @@ class Pipe(PipeBase):
                 f"{schedule!r} needs {workers} workers, but the Pipe has {n} partitions (one "
                 "worker each)"
             )
-        split = MicroBatches(batches, targets, _rows_of(batches, targets))
+        micro_batches = MicroBatches(batches, targets, _rows_of(batches, targets))
         self._check_token_loss(batches, loss_reduction, call.loss_divisor)
         programs, simulation = self._programs(schedule, len(batches))
-        threads = program_threads(programs, self._thread_of)
+        by_worker = programs_by_worker(programs, self._thread_of)
         hooks = list(self._completion_hooks.values())
         run = self._step_run(
-            call, loss_reduction, programs, split, hooks, _thread_stages(programs, threads)
+            call,
+            loss_reduction,
+            programs,
+            micro_batches,
+            hooks,
+            _worker_stages(programs, by_worker),
         )
         begin_explicit_step(simulation.mean_idle_fraction)
         with self._one_pass(), run.holding_hooks():
-            self._run_programs(run, programs, threads, simulation)
+            self._run_programs(run, programs, by_worker, simulation)
             run.finish()
         self.last_step = StepReport(schedule, simulation, self._measured(run, programs))
         loss = run.loss()
@@ -281,14 +286,14 @@ class Pipe(PipeBase):
         self,
         run: StepRun,
         programs: list[Program],
-        threads: dict[int, list[int]],
+        by_worker: dict[int, list[int]],
         simulation: Simulation | None = None,
     ) -> None:
-        """Run a step's (or an evaluation's) programs: ``threads[w]`` on worker ``w``.
+        """Run a step's (or an evaluation's) programs: ``by_worker[w]`` on worker ``w``.
 
         ``simulation``: the programs' validation (a step's).
         """
-        run.run(programs, self._workers, threads, simulation)
+        run.run(programs, self._workers, by_worker, simulation)
 
     def _evaluate(self, call: EvaluateCall) -> Any:
         self._check_call("evaluate")
@@ -305,7 +310,7 @@ class Pipe(PipeBase):
             self._check_token_loss(batches, reduction, call.loss_divisor)
             n = len(self.partitions)
             programs = forward_programs(len(batches), n, n)
-            threads = program_threads(programs, self._thread_of)
+            by_worker = programs_by_worker(programs, self._thread_of)
             begin_explicit_step()
             with self._evaluating():
                 run = self._evaluation_run(
@@ -313,9 +318,9 @@ class Pipe(PipeBase):
                     reduction,
                     MicroBatches(batches, targets, rows),
                     call.return_outputs or call.loss_fn is None,
-                    _thread_stages(programs, threads),
+                    _worker_stages(programs, by_worker),
                 )
-                self._run_programs(run, programs, threads)
+                self._run_programs(run, programs, by_worker)
         if call.loss_fn is None:
             return gather(run.outputs)
         if call.return_outputs:
@@ -438,9 +443,9 @@ def _refuse_sharded(pipe: Pipe, method: str) -> None:
         )
 
 
-def _thread_stages(programs: list[Program], threads: dict[int, list[int]]) -> list[list[int]]:
-    """The stages each worker thread runs: those of the programs ``threads`` gives it."""
-    return [sorted({a.stage for k in ks for a in programs[k]}) for ks in threads.values()]
+def _worker_stages(programs: list[Program], by_worker: dict[int, list[int]]) -> list[list[int]]:
+    """The stages each worker runs: those of the programs ``by_worker`` gives it."""
+    return [sorted({a.stage for k in ks for a in programs[k]}) for ks in by_worker.values()]
 
 
 def _rows_of(batches: list[Batch], targets: list[Batch]) -> list[int]:

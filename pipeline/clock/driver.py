@@ -77,8 +77,10 @@ class ClockDriver:
         self.thread_of = thread_of
         self.skip_layout = skip_layout
         self.copy_streams: list[list[Stream]] = [[] for _ in range(len(runtime))]
-        threads = [[j for j, t in enumerate(thread_of) if t == w] for w in range(len(workers))]
-        self.randomness = runtime.randomness(threads)
+        stages_by_worker = [
+            [j for j, t in enumerate(thread_of) if t == w] for w in range(len(workers))
+        ]
+        self.randomness = runtime.randomness(stages_by_worker)
 
     def run(
         self,

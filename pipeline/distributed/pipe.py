@@ -219,7 +219,7 @@ class DistributedPipe(PipeBase):
         n = len(self.balance)
         self.owner = [s % self.size for s in range(n)]
         self.local_stages = [s for s in range(n) if self.owner[s] == self.rank]
-        every = self._split(module, deferred_batch_norm)
+        every = self._partition(module, deferred_batch_norm)
         self.skip_layout = inspect_skip_layout(every, [self.device] * n)
         self._ties = TiedWeights(every, self.owner)
         self.partitions = [
@@ -267,13 +267,13 @@ class DistributedPipe(PipeBase):
 
     def _train(self, call: StepCall) -> Tensor | tuple[Tensor, Value | None]:
         last = len(self.balance) - 1 in self.local_stages
-        chosen, reduction, split = self._agreed_step(call)
-        programs, simulation = self._programs(chosen, len(split.rows))
+        chosen, reduction, micro_batches = self._agreed_step(call)
+        programs, simulation = self._programs(chosen, len(micro_batches.rows))
         run = self._step_run(
             call,
             reduction,
             programs,
-            split,
+            micro_batches,
             [self._stage_done],
             [self.local_stages],
             transport=self._transport,
@@ -453,8 +453,8 @@ class DistributedPipe(PipeBase):
                 f"differently (this process, rank {self.rank}: {choice}); every process must "
                 "pass the same ones, and with FSDP2, shard every stage"
             )
-        input_rows = _split_sizes(rows[self.owner[0]][2:])
-        target_rows = _split_sizes(rows[self.owner[-1]][3 + m :])
+        input_rows = _micro_batch_sizes(rows[self.owner[0]][2:])
+        target_rows = _micro_batch_sizes(rows[self.owner[-1]][3 + m :])
         if with_target and input_rows != target_rows:
             raise ValueError(
                 f"the target splits into micro-batches of {target_rows} rows but the input into "
@@ -476,8 +476,8 @@ class DistributedPipe(PipeBase):
         # (stage_arguments.py): the rows cannot differ in length, which would
         # make gloo abort a process.
         row = [int(refusal is not None), 0 if choice is None else fingerprint(choice)]
-        for split in (batches, targets):
-            row += [len(split), *(b.rows() for b in split), *[0] * (m - len(split))]
+        for scattered in (batches, targets):
+            row += [len(scattered), *(b.rows() for b in scattered), *[0] * (m - len(scattered))]
         return row
 
     def _stage_done(self, j: int) -> None:
@@ -517,14 +517,14 @@ class DistributedPipe(PipeBase):
     def _evaluate(self, call: EvaluateCall) -> Any:
         last = len(self.balance) - 1 in self.local_stages
         wants_outputs = call.return_outputs or call.loss_fn is None
-        reduction, split = self._agreed_evaluation(call)
-        programs = forward_programs(len(split.rows), len(self.balance), self.size)
+        reduction, micro_batches = self._agreed_evaluation(call)
+        programs = forward_programs(len(micro_batches.rows), len(self.balance), self.size)
         local = [self.partitions[s] for s in self.local_stages]
         with self._evaluating(), resharded_after(local):
             run = self._evaluation_run(
                 call,
                 reduction,
-                split,
+                micro_batches,
                 wants_outputs and last,
                 [self.local_stages],
                 transport=self._transport,
@@ -532,7 +532,9 @@ class DistributedPipe(PipeBase):
             )
             self._transport.begin_step()
             run.run_here(programs[self.rank])
-            outputs = self._outputs_everywhere(run, len(split.rows)) if wants_outputs else None
+            outputs = (
+                self._outputs_everywhere(run, len(micro_batches.rows)) if wants_outputs else None
+            )
             self._transport.end_step()
         if call.loss_fn is None:
             return outputs
@@ -651,9 +653,9 @@ def _given(value: Any) -> str:
     return "none" if value is None else "given"
 
 
-def _split_sizes(split: list[int]) -> list[int]:
+def _micro_batch_sizes(row: list[int]) -> list[int]:
     """The micro-batches' sizes in an agreement row's part ``[count, size, size, ...]``."""
-    return split[1 : 1 + split[0]]
+    return row[1 : 1 + row[0]]
 
 
 def _every_pipeline(

@@ -22,7 +22,7 @@ of (``layers.ReadsModules``: a split model's pieces read GPT-2's tied
 ``lm_head.weight`` through one module, in its first and its last piece) is
 not swapped: the partitions' threads would race on the one module. Its
 parameters stay home all the same, and the reader copies each one to its
-device as it reads it (``split/program.py``, ``Fetch``).
+device as it reads it (``split/instructions.py``, ``Fetch``).
 """
 
 from __future__ import annotations

@@ -48,11 +48,11 @@ __all__ = ["holds_compiled", "holds_generator", "randomness_plans"]
 
 def randomness_plans(
     devices: Sequence[torch.device],
-    threads: Sequence[Sequence[int]],
+    stages_by_worker: Sequence[Sequence[int]],
     holding_generator: Sequence[bool],
     compiled: Sequence[bool],
 ) -> list[PartitionRandomness]:
-    """How each partition draws, when ``threads[t]`` lists the partitions thread ``t`` runs.
+    """How each partition draws, when ``stages_by_worker[w]`` lists those worker ``w`` runs.
 
     A partition that no thread runs here (another process's stage) is seeded.
 
@@ -62,7 +62,7 @@ def randomness_plans(
     >>> [p.seeded for p in randomness_plans([cpu, cpu], [[0], [1]], [False, False], [False] * 2)]
     [True, True]
     """
-    thread_of = {j: t for t, partitions in enumerate(threads) for j in partitions}
+    thread_of = {j: t for t, partitions in enumerate(stages_by_worker) for j in partitions}
     compiling = {thread_of[j] for j in thread_of if compiled[j]}
     threads_of_device: dict[torch.device, set[int]] = {}
     for j, t in thread_of.items():
@@ -72,7 +72,7 @@ def randomness_plans(
         owned = (
             j in thread_of
             and len(threads_of_device[device]) == 1
-            and (device.type != "cpu" or len(threads) == 1)
+            and (device.type != "cpu" or len(stages_by_worker) == 1)
             and not holding_generator[j]
             and compiling <= {thread_of[j]}
         )

@@ -77,9 +77,11 @@ class PartitionRuntime:
     def __len__(self) -> int:
         return len(self.partitions)
 
-    def randomness(self, threads: list[list[int]]) -> list[PartitionRandomness]:
-        """How each partition draws when ``threads[t]`` lists the partitions thread ``t`` runs."""
-        return randomness_plans(self.devices, threads, self.holding_generator, self.compiled)
+    def randomness(self, stages_by_worker: list[list[int]]) -> list[PartitionRandomness]:
+        """How each partition draws when ``stages_by_worker[w]`` lists those worker ``w`` runs."""
+        return randomness_plans(
+            self.devices, stages_by_worker, self.holding_generator, self.compiled
+        )
 
     def call(self, j: int, value: Value) -> Value:
         """Run partition ``j`` on ``value``, with the pipe's call style and BatchNorm deferral."""

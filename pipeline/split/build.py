@@ -1,4 +1,4 @@
-"""Build: the program of each piece from its graph nodes (see ``program.py`` for what runs).
+"""Build: the instructions of each piece from its graph nodes (``instructions.py`` runs them).
 
 Slots are numbered in the order a piece fills them: what it receives on the
 main path, what it pops, then one per node it computes. A parameter or
@@ -17,19 +17,19 @@ import torch
 from torch import fx, nn
 
 from pipeline.split.cut import PieceNodes
-from pipeline.split.opaque import BlockCall
-from pipeline.split.program import (
+from pipeline.split.instructions import (
     HERE,
     Attribute,
     Block,
     Fetch,
     Grad,
+    Instruction,
+    Instructions,
     Op,
-    Program,
     Slot,
-    Step,
     Training,
 )
+from pipeline.split.opaque import BlockCall
 from pipeline.split.where import node_module
 
 __all__ = [
@@ -71,9 +71,9 @@ class Sources:
 
 @dataclass
 class Built:
-    """A piece's program and the slots of what it exchanges."""
+    """A piece's instructions and the slots of what it exchanges."""
 
-    program: Program
+    instructions: Instructions
     receives: int
     pops: list[tuple[str, Slot]]
     stashes: list[tuple[str, Slot]]
@@ -88,7 +88,7 @@ class Built:
 
 
 def build_piece(piece: PieceNodes, sources: Sources, output: fx.Node | None) -> Built:
-    """The program of ``piece``; ``output`` is the graph's output node for the last piece."""
+    """The instructions of ``piece``; ``output`` is the graph's output node for the last piece."""
     builder = _Builder(sources)
     for node in piece.receives:
         builder.allocate(node)
@@ -98,9 +98,11 @@ def build_piece(piece: PieceNodes, sources: Sources, output: fx.Node | None) -> 
     stashes = [(name, builder.slot(node)) for name, node in piece.stashes]
     sends = [builder.slot(node) for node in piece.sends]
     result = None if output is None else builder.template(output.args[0])
-    program = Program(builder.steps, builder.count, len(piece.receives), (sends, stashes, result))
+    instructions = Instructions(
+        builder.instructions, builder.count, len(piece.receives), (sends, stashes, result)
+    )
     return Built(
-        program,
+        instructions,
         len(piece.receives),
         pops,
         stashes,
@@ -123,7 +125,7 @@ def training_of(node: fx.Node, model: nn.Module) -> Training:
 class _Builder:
     def __init__(self, sources: Sources, parent: _Builder | None = None) -> None:
         self.sources = sources
-        self.steps: list[Step] = []
+        self.instructions: list[Instruction] = []
         self.slots: dict[fx.Node, Slot] = {}
         self.count = 0
         # A region's body is part of its piece: what it reads belongs to the piece.
@@ -147,10 +149,10 @@ class _Builder:
         if isinstance(state, torch.Tensor):
             name = f"constant_{len(list(self.constants.buffers()))}"
             self.constants.register_buffer(name, state, persistent=False)
-            self.steps.append(Fetch(slot.index, self.constants, name, dtype))
+            self.instructions.append(Fetch(slot.index, self.constants, name, dtype))
         else:
             self.fetched.append(state)
-            self.steps.append(Fetch(slot.index, *state, dtype))
+            self.instructions.append(Fetch(slot.index, *state, dtype))
         return slot
 
     def template(self, value: Any) -> Any:
@@ -172,12 +174,12 @@ class _Builder:
             return
         if node.op != "call_function":
             raise AssertionError(f"unexpected {node.op} node {node.name} in a piece")
-        step = self._step(node)
+        step = self._instruction(node)
         # After the arguments: reading them may fetch parameters into new slots.
         step.out = self.allocate(node).index
-        self.steps.append(step)
+        self.instructions.append(step)
 
-    def _step(self, node: fx.Node) -> Step:
+    def _instruction(self, node: fx.Node) -> Instruction:
         target = node.target
         if target is BLOCK_OP:
             call, tensors, sizes = node.args
@@ -207,8 +209,8 @@ class _Builder:
         return args
 
 
-def _region(module: fx.GraphModule, parent: _Builder) -> Program:
-    """The program of a region's subgraph: its placeholders are its inputs."""
+def _region(module: fx.GraphModule, parent: _Builder) -> Instructions:
+    """The instructions of a region's subgraph: its placeholders are its inputs."""
     builder = _Builder(parent.sources, parent)
     inputs = [node for node in module.graph.nodes if node.op == "placeholder"]
     for node in inputs:
@@ -220,7 +222,9 @@ def _region(module: fx.GraphModule, parent: _Builder) -> Program:
         elif node.op != "placeholder":
             builder.add(node)
     assert output is not None
-    return Program(builder.steps, builder.count, len(inputs), builder.template(output.args[0]))
+    return Instructions(
+        builder.instructions, builder.count, len(inputs), builder.template(output.args[0])
+    )
 
 
 def _callable(target: Any) -> Callable[..., Any]:

@@ -14,7 +14,7 @@ sizes) as inputs and its output tensors as outputs::
 What is not a tensor or a size (``mask=None``, ``use_cache=False``) is kept
 in the call's ``BlockCall`` record, and the structure of the output (a
 tuple, a ``ModelOutput``) too. At run time a piece rebuilds the call from the
-record and calls the module itself (``program.py``); the op never runs.
+record and calls the module itself (``instructions.py``); the op never runs.
 
 The op's fake implementation runs the block's eager ``forward`` on the fake
 inputs, so that the graph learns the shapes of its outputs, and records

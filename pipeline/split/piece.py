@@ -33,7 +33,7 @@ from torch.utils._pytree import TreeSpec, tree_unflatten
 from pipeline.skip.namespace import Namespace
 from pipeline.skip.skippable import Skippable, pop, stash
 from pipeline.split.build import Built
-from pipeline.split.program import Training, first_device, load
+from pipeline.split.instructions import Training, first_device, load
 from pipeline.split.signature import Signature
 from pipeline.split.watch import Watch
 
@@ -88,7 +88,7 @@ class Piece(Skippable):
         super().__init__()
         self.index = index
         self.start = start
-        self.program = built.program
+        self.instructions = built.instructions
         self.receives = built.receives
         self.pops = built.pops
         self.stashes = built.stashes
@@ -114,14 +114,14 @@ class Piece(Skippable):
             inputs = self.signature.bind(args, kwargs)
         else:
             inputs = self._received(args, kwargs)
-        env: list[Any] = [None] * self.program.slots
+        env: list[Any] = [None] * self.instructions.slots
         env[: len(inputs)] = inputs
         for name, slot in self.pops:
             env[slot.index] = yield pop(name)
         for mode in self.modes:
             mode.check()
         here = self._device(env)
-        self.program.run(env, here)
+        self.instructions.run(env, here)
         for name, slot in self.stashes:
             yield stash(name, env[slot.index])
         if self.output is None:
@@ -171,7 +171,7 @@ class Piece(Skippable):
         ``pipeline.runtime.layers.ReadsModules``: a Pipe lets partitions on
         different devices hold such a module (a tied head read by the first
         and the last piece), as each read moves the tensor to the piece's
-        device (``program.Fetch``).
+        device (``instructions.Fetch``).
         """
         called = {id(m) for _, block in self.blocks for m in block.modules()}
         return [module for _, module in self.owners if id(module) not in called]

@@ -9,7 +9,7 @@ See ``docs/split.md`` for the guide. The steps, each in its own file:
   checks.py     what the pieces could not do the same way: refused
   variants.py   a second capture: one graph for both modes? for one row? (compare.py)
   cut.py        which piece computes what, and how values travel
-  build.py      each piece's program (program.py), then its Piece (piece.py)
+  build.py      each piece's instructions (instructions.py), then its Piece (piece.py)
   watch.py      what every piece checks at every call: attributes, hooks, modules
   model.py      the SplitModel holding the pieces under the model's names
 """

@@ -56,7 +56,7 @@ from pipeline.step.reports import Timed
 from pipeline.step.simulate import Simulation
 from pipeline.step.stage import StageRun, StepContext
 
-__all__ = ["StepRun", "checkpointed_tasks", "forward_programs", "program_threads"]
+__all__ = ["StepRun", "checkpointed_tasks", "forward_programs", "programs_by_worker"]
 
 
 class StepRun:
@@ -129,10 +129,10 @@ class StepRun:
         self,
         programs: list[Program],
         workers: list[Worker],
-        threads: dict[int, list[int]],
+        by_worker: dict[int, list[int]],
         simulation: Simulation | None = None,
     ) -> None:
-        """Run ``programs[k]`` for each ``k`` in ``threads[w]`` on ``workers[w]``.
+        """Run ``programs[k]`` for each ``k`` in ``by_worker[w]`` on ``workers[w]``.
 
         ``simulation``: ``validate``'s, for a step's programs, which orders
         the actions of a thread running several (``Simulation.thread_order``);
@@ -141,17 +141,17 @@ class StepRun:
         answered (``Replies.collect``).
         """
         replies = Replies()
-        for w, indices in threads.items():
+        for w, indices in by_worker.items():
             mine = [programs[k] for k in indices]
             if len(mine) == 1:
                 work = partial(self._work, mine[0])
             elif simulation is not None:
-                order = simulation.thread_order(mine, alone=len(threads) == 1)
+                order = simulation.thread_order(mine, alone=len(by_worker) == 1)
                 work = partial(self._work, order)
             else:
                 work = partial(self._in_turn, mine)
             workers[w].submit(partial(self.context.state.run, self._on_thread, work), replies)
-        results = replies.collect(len(threads), interrupted=self.transport.abort)
+        results = replies.collect(len(by_worker), interrupted=self.transport.abort)
         failures = [result.exception for result in results if isinstance(result, Failure)]
         if failures:
             raise next((f for f in failures if not isinstance(f, AbortedError)), failures[0])
@@ -275,7 +275,7 @@ class StepRun:
         }
 
 
-def program_threads(programs: list[Program], thread_of: list[int]) -> dict[int, list[int]]:
+def programs_by_worker(programs: list[Program], thread_of: list[int]) -> dict[int, list[int]]:
     """Which programs each worker runs: a program runs on the thread of its stages.
 
     ``thread_of[j]`` is stage ``j``'s worker. A program whose stages have
@@ -283,7 +283,7 @@ def program_threads(programs: list[Program], thread_of: list[int]) -> dict[int, 
     threads) makes their workers one: the lowest runs the programs of all.
 
     >>> from pipeline.step.actions import parse_program
-    >>> program_threads([parse_program("0F0 0B0"), parse_program("1F0 1B0")], [0, 0])
+    >>> programs_by_worker([parse_program("0F0 0B0"), parse_program("1F0 1B0")], [0, 0])
     {0: [0, 1]}
     """
     root = list(range(max(thread_of, default=-1) + 1))
@@ -297,11 +297,11 @@ def program_threads(programs: list[Program], thread_of: list[int]) -> dict[int, 
         workers = sorted({find(thread_of[a.stage]) for a in program})
         for w in workers[1:]:
             root[w] = workers[0]
-    threads: dict[int, list[int]] = {}
+    by_worker: dict[int, list[int]] = {}
     for k, program in enumerate(programs):
         if program:
-            threads.setdefault(find(thread_of[program[0].stage]), []).append(k)
-    return threads
+            by_worker.setdefault(find(thread_of[program[0].stage]), []).append(k)
+    return by_worker
 
 
 def _mail_needed(action: Action, last: int) -> tuple[str, int, int] | None:

@@ -1,7 +1,7 @@
-"""Program: a piece's glue as steps run on real tensors, its blocks called as themselves.
+"""Instructions: a piece's glue run on real tensors, its blocks called as themselves.
 
 A piece does not keep the captured graph (its nodes hold fake tensors and
-reach the whole model); it keeps steps that name what they read by slot::
+reach the whole model); it keeps instructions that name what they read by slot::
 
     slot 0  input_ids                       (received)
     slot 1  Fetch  transformer.wte.weight   (read from the module at each call)
@@ -9,9 +9,9 @@ reach the whole model); it keeps steps that name what they read by slot::
     slot 3  Block  transformer.h.0 (2, mask=None)  -> the module itself is called
     slot 4  Op     getitem(3, 0)
 
-An op step calls the aten op, so autograd records it as it would the model's
+An op instruction calls the aten op, so autograd records it as it would the model's
 own code, and the pipeline's per-op random seeding sees every random op. A
-block step rebuilds the block's arguments from its ``BlockCall`` record and
+block instruction rebuilds the block's arguments from its ``BlockCall`` record and
 calls the module: its hooks fire, a compiled block runs compiled, randomness
 inside it is the pipeline's. Three things captured as constants follow the
 piece instead: the capture's device becomes the device the piece runs on
@@ -39,17 +39,17 @@ __all__ = [
     "Block",
     "Fetch",
     "Grad",
+    "Instruction",
+    "Instructions",
     "Op",
-    "Program",
     "Slot",
-    "Step",
     "Training",
 ]
 
 
 @dataclass(frozen=True)
 class Slot:
-    """Where a step reads a value that an earlier step (or the piece's input) put."""
+    """Where a instruction reads a value that an earlier instruction (or the piece's input) put."""
 
     index: int
 
@@ -117,7 +117,7 @@ class Attribute:
         return getattr(self.module, self.attribute)
 
 
-class Step(ABC):
+class Instruction(ABC):
     """One node of the graph: reads slots, writes slot ``out``, then empties ``frees``."""
 
     out: int
@@ -128,7 +128,7 @@ class Step(ABC):
         """This node's value, from the slots of ``env`` it reads (``here``: the piece's device)."""
 
 
-class Fetch(Step):
+class Fetch(Instruction):
     """A parameter or buffer, read from its module at every call (so moves and loads show).
 
     The code around it was captured for its dtype: a changed one is refused.
@@ -151,7 +151,7 @@ class Fetch(Step):
         return tensor if tensor.device == here else tensor.to(here)
 
 
-class Op(Step):
+class Op(Instruction):
     """A call of a torch op (or of a Python function on sizes) with its captured arguments."""
 
     def __init__(self, out: int, target: Callable[..., Any], args: Any, kwargs: Any) -> None:
@@ -189,7 +189,7 @@ class _OpName:
         return cast(Callable[..., Any], found)
 
 
-class Block(Step):
+class Block(Instruction):
     """A call of a block module, as the captured call made it."""
 
     def __init__(self, out: int, call: BlockCall, tensors: Any, sizes: Any) -> None:
@@ -199,10 +199,10 @@ class Block(Step):
         return self.call.call(load(self.tensors, env, here), load(self.sizes, env, here))
 
 
-class Grad(Step):
+class Grad(Instruction):
     """A region of the model's code under ``torch.no_grad()`` (or ``enable_grad``)."""
 
-    def __init__(self, out: int, enabled: bool, body: Program, inputs: Any) -> None:
+    def __init__(self, out: int, enabled: bool, body: Instructions, inputs: Any) -> None:
         self.out, self.enabled, self.body, self.inputs = out, enabled, body, inputs
 
     def run(self, env: list[Any], here: torch.device) -> Any:
@@ -210,21 +210,23 @@ class Grad(Step):
             return self.body.call(load(self.inputs, env, here), here)
 
 
-class Program:
+class Instructions:
     """Steps run in order on an environment of ``slots`` values; ``results`` are returned."""
 
-    def __init__(self, steps: list[Step], slots: int, inputs: int, results: Any) -> None:
-        self.steps = steps
+    def __init__(
+        self, instructions: list[Instruction], slots: int, inputs: int, results: Any
+    ) -> None:
+        self.instructions = instructions
         self.slots = slots
         self.inputs = inputs
         self.results = results
         self._free_dead_slots()
 
     def run(self, env: list[Any], here: torch.device) -> None:
-        """Run every step on ``env`` (its first ``inputs`` slots filled)."""
-        for step in self.steps:
-            env[step.out] = step.run(env, here)
-            for slot in step.frees:
+        """Run every instruction on ``env`` (its first ``inputs`` slots filled)."""
+        for instruction in self.instructions:
+            env[instruction.out] = instruction.run(env, here)
+            for slot in instruction.frees:
                 env[slot] = None
 
     def call(self, inputs: Sequence[Any], here: torch.device) -> Any:
@@ -236,13 +238,13 @@ class Program:
 
     def _free_dead_slots(self) -> None:
         kept = set(_slots_in(self.results))
-        last: dict[int, Step] = {}
-        for step in self.steps:
-            for slot in _slots_in(_reads(step)):
-                last[slot] = step
-        for slot, step in last.items():
+        last: dict[int, Instruction] = {}
+        for instruction in self.instructions:
+            for slot in _slots_in(_reads(instruction)):
+                last[slot] = instruction
+        for slot, instruction in last.items():
             if slot not in kept:
-                step.frees = (*step.frees, slot)
+                instruction.frees = (*instruction.frees, slot)
 
 
 def load(template: Any, env: list[Any], here: torch.device) -> Any:
@@ -261,13 +263,13 @@ def load(template: Any, env: list[Any], here: torch.device) -> Any:
     return template
 
 
-def _reads(step: Step) -> Any:
-    if isinstance(step, Op):
-        return (step.args, step.kwargs)
-    if isinstance(step, Block):
-        return (step.tensors, step.sizes)
-    if isinstance(step, Grad):
-        return step.inputs
+def _reads(instruction: Instruction) -> Any:
+    if isinstance(instruction, Op):
+        return (instruction.args, instruction.kwargs)
+    if isinstance(instruction, Block):
+        return (instruction.tensors, instruction.sizes)
+    if isinstance(instruction, Grad):
+        return instruction.inputs
     return ()
 
 
