@@ -2,9 +2,12 @@
 
 Read in this order: ``profile.py`` (what is measured of the model, per
 micro-batch size), ``memory.py`` and ``timing.py`` (the two models),
-``partition.py`` (the balance for time and memory together), ``search.py``
-(every configuration), ``result.py`` (``Plan``, its table, ``pipe()``,
-``check()``). docs/plan.md writes the model down, with its measured error.
+``links.py`` (what crosses between processes), ``partition.py`` (the
+balance for time and memory together), ``search.py`` (every
+configuration), ``result.py`` (``Plan``, its table, ``pipe()``,
+``distributed()``, ``check()``); ``agreement.py`` (one plan in every
+process of a group). docs/plan.md writes the model down, with its measured
+error.
 """
 
 from __future__ import annotations
@@ -12,18 +15,27 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
-from pipeline.plan.checks import CHECKPOINTS, SCHEDULES, check_plan_arguments
-from pipeline.plan.contention import cpu_contention
+from pipeline.plan.agreement import agree_inputs, from_rank_zero
+from pipeline.plan.checks import CHECKPOINTS, SCHEDULES, check_placement, check_plan_arguments
+from pipeline.plan.contention import cpu_contention, process_contention
+from pipeline.plan.links import Link, measure_link
 from pipeline.plan.memory import layer_parameters
 from pipeline.plan.overhead import action_overhead as measured_overhead
+from pipeline.plan.overhead import distributed_action_overhead
 from pipeline.plan.profile import LayerTimes, Saved, layer_times, saved_storages
-from pipeline.plan.result import Plan, PlanCheck, PlanError, choose
+from pipeline.plan.result import Plan, PlanCheck, PlanError, Processes, choose
 from pipeline.plan.search import Candidate, candidates
 from pipeline.runtime.microbatch import Arguments, scatter
+from pipeline.runtime.process_group import collective_device, resolve_group
 
 __all__ = ["Candidate", "Plan", "PlanCheck", "PlanError", "plan"]
+
+# The micro-batches of the tiny pipe whose steps measure the cost of an action.
+_OVERHEAD_CHUNKS = 8
 
 
 def plan(
@@ -32,7 +44,8 @@ def plan(
     target: Any,
     loss_fn: Callable[[Any, Any], Tensor],
     *,
-    devices: Sequence[Any],
+    devices: Sequence[Any] | None = None,
+    processes: int | None = None,
     batch_size: int,
     memory_limit: int,
     kwargs: Mapping[str, Any] | None = None,
@@ -43,78 +56,152 @@ def plan(
     repeats: int = 5,
     action_overhead: float | None = None,
     contention: float | None = None,
+    group: dist.ProcessGroup | None = None,
+    device: torch.device | str | None = None,
+    link_latency: float | None = None,
+    link_seconds_per_byte: float | None = None,
 ) -> Plan:
-    """The fastest predicted Pipe configuration whose predicted peak fits ``memory_limit``.
+    """The fastest predicted pipe configuration whose predicted peak fits ``memory_limit``.
 
     ``sample_input`` and ``target`` are one mini-batch of ``batch_size`` rows
     as ``pipe.step`` takes them (``kwargs``: the first layer's keyword
-    arguments, split like the input), ``loss_fn`` the step's loss;
-    ``devices`` one device per pipeline stage; ``memory_limit`` bytes per
-    device (partitions sharing a device share it). Each layer is profiled
-    once per micro-batch size (``repeats`` timed runs, medians), on
-    ``devices[0]``, on copies: the model is left as it was. Then every
-    schedule of ``schedules`` x micro-batch count of ``chunks`` (default: the
-    powers of two up to 32 dividing ``batch_size``) x checkpoint mode of
+    arguments, split like the input), ``loss_fn`` the step's loss. Either
+    ``devices``, one device per stage of a ``Pipe`` in this process, with
+    ``memory_limit`` bytes per device (partitions sharing a device share
+    it); or ``processes=N``, N stages of a ``DistributedPipe``, one process
+    each (two with the interleaved schedule), with ``memory_limit`` bytes
+    per process.
+
+    Each layer is profiled once per micro-batch size (``repeats`` timed
+    runs, medians), on ``devices[0]`` (or this process's device), on
+    copies: the model is left as it was. Then every schedule of
+    ``schedules`` x micro-batch count of ``chunks`` (default: the powers of
+    two up to 32 dividing ``batch_size``) x checkpoint mode of
     ``checkpoints`` gets its balance for time and memory together, a
-    predicted step time and a predicted peak per device; the fastest that
-    fits is chosen. ``optimizer_bytes_per_param``: the optimizer's state per
-    trained element (8 for AdamW in float32). ``contention``: how much
-    slower CPU stages run when all the pipe's CPU workers run at once
-    (None: measured now, on the model; 1.0: each its own idle core).
-    ``action_overhead``: seconds the library adds per action (None:
-    measured now, with a pipe of tiny layers on ``devices``). The model:
+    predicted step time and a predicted peak per device or process; the
+    fastest that fits is chosen. ``optimizer_bytes_per_param``: the
+    optimizer's state per trained element (8 for AdamW in float32).
+    ``contention``: how much slower CPU stages run when all the pipe's CPU
+    workers run at once (None: measured now, on the model; 1.0: each its
+    own idle core). ``action_overhead``: seconds the library adds per
+    action (None: measured now, with a pipe of tiny layers). The model:
     docs/plan.md.
+
+    With ``processes``, every process of ``group`` (default: the default
+    group, of N processes) calls ``plan`` with the same arguments, and gets
+    the same plan: what each computes exactly is compared first (every
+    process raises on a difference), the layers are timed on rank 0 and the
+    other measurements agreed (``agreement.py``). ``device``: this
+    process's (default: as DistributedPipe's, the current CUDA device with
+    NCCL, else the CPU). A message between processes is taken to cost
+    ``link_latency + bytes * link_seconds_per_byte`` seconds (None:
+    measured in the group, ``links.py``). Outside a process group, give
+    both, and ``action_overhead``.
 
     Example::
 
         plan = pipeline.plan(model, x, y, F.cross_entropy, devices=["cpu", "cpu"],
                              batch_size=len(x), memory_limit=2**30)
         print(plan)
-        pipe = plan.pipe()
+        pipe = plan.pipe()  # or, planned with processes=N in every process: plan.distributed()
         pipe.step(x, y, F.cross_entropy, schedule=plan.schedule, measure_memory=True)
         print(plan.check(pipe))
 
-    Raises ``PlanError`` when nothing fits, naming the device that overflows
-    and by how much under the configuration that needs the least memory;
-    ``TypeError`` or ``ValueError`` for bad arguments, before any work.
+    Raises ``PlanError`` when nothing fits, naming the device or process
+    that overflows and by how much under the configuration that needs the
+    least memory; ``TypeError`` or ``ValueError`` for bad arguments, before
+    any work (in every process, with ``processes``).
     """
     # With keywords, the first layer's call, as pipe.step makes it (no input: keywords alone).
     args = () if sample_input is None else (sample_input,)
     value = sample_input if not kwargs else Arguments(args, dict(kwargs))
-    if not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable (output, target) -> loss, got {loss_fn!r}")
-    sequential, resolved, size, limit, counts = check_plan_arguments(
-        model,
-        value,
-        devices,
-        batch_size,
-        memory_limit,
-        chunks,
-        schedules,
-        checkpoints,
-        optimizer_bytes_per_param,
-    )
+    in_group = group is not None or (dist.is_available() and dist.is_initialized())
+    # In a group every process compares its arguments, a refusing one too: the others wait.
+    pg = resolve_group(group) if processes is not None and in_group else None
     profiles: dict[int, tuple[Saved, LayerTimes]] = {}
+    refusal: Exception | None = None
+    try:
+        count = check_placement(
+            devices, processes, link_latency, link_seconds_per_byte, in_group, action_overhead
+        )
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable (output, target) -> loss, got {loss_fn!r}")
+        here = None if count is None else _process_device(pg, device)
+        placed = [here] * count if here is not None and count is not None else devices
+        sequential, resolved, size, limit, counts = check_plan_arguments(
+            model,
+            value,
+            placed or (),
+            batch_size,
+            memory_limit,
+            chunks,
+            schedules,
+            checkpoints,
+            optimizer_bytes_per_param,
+            what="devices" if here is None else "processes",
+        )
+        if pg is not None and dist.get_world_size(pg) != count:
+            raise ValueError(
+                f"processes={count} but the process group has {dist.get_world_size(pg)} "
+                "processes: a DistributedPipe runs one stage per process of its group; pass "
+                f"processes={dist.get_world_size(pg)}, or a group of {count} processes"
+            )
+    except Exception as error:
+        if pg is None:
+            raise
+        refusal = error
 
     def first(m: int) -> tuple[Any, Any]:
         """The first of ``m`` micro-batches of the input and the target, as a step splits them."""
         return scatter(value, m)[0].value, scatter(target, m)[0].value
 
+    def timed(rows: int) -> LayerTimes:
+        micro, aim = first(size // rows)
+        return layer_times(sequential, micro, aim, loss_fn, resolved[0], repeats)
+
     def profiled(rows: int) -> tuple[Saved, LayerTimes]:
         if rows not in profiles:
             micro, aim = first(size // rows)
-            profiles[rows] = (
-                saved_storages(sequential, micro, aim, loss_fn, resolved[0]),
-                layer_times(sequential, micro, aim, loss_fn, resolved[0], repeats),
-            )
+            saved = saved_storages(sequential, micro, aim, loss_fn, resolved[0])
+            profiles[rows] = (saved, timed(rows))
         return profiles[rows]
 
+    if pg is not None:
+        # Every process's own profile of saved bytes, compared; the times are rank 0's.
+        saved: dict[int, Saved] = {}
+        if refusal is None:
+            try:
+                for m in counts:
+                    micro, aim = first(m)
+                    saved[size // m] = saved_storages(sequential, micro, aim, loss_fn, resolved[0])
+            except Exception as error:
+                refusal = error
+        compared = [
+            processes, batch_size, memory_limit, chunks, schedules, checkpoints,
+            optimizer_bytes_per_param, repeats, action_overhead, contention, link_latency,
+            link_seconds_per_byte, None if here is None else here.type, model, saved,
+        ]  # fmt: skip
+        agree_inputs(pg, refusal, repr(compared))
+        for rows, memory in saved.items():
+            profiles[rows] = (memory, _from_rank_zero(pg, rows, len(sequential) + 1, timed))
+
+    link = None if count is None else _link(pg, link_latency, link_seconds_per_byte, repeats)
     if contention is None:
-        workers = sum(d.type == "cpu" for d in resolved)
         micro, aim = first(counts[len(counts) // 2])
-        contention = cpu_contention(sequential, micro, aim, loss_fn, workers, repeats)
+        if pg is None:
+            workers = sum(d.type == "cpu" for d in resolved)
+            contention = cpu_contention(sequential, micro, aim, loss_fn, workers, repeats)
+        elif resolved[0].type == "cpu":
+            contention = process_contention(pg, sequential, micro, aim, loss_fn, repeats)
+        else:
+            contention = 1.0
     if action_overhead is None:
-        action_overhead = measured_overhead(resolved, 8, repeats)
+        if pg is None or link is None:  # outside a group, check_placement wanted it given
+            action_overhead = measured_overhead(resolved, _OVERHEAD_CHUNKS, repeats)
+        else:
+            action_overhead = distributed_action_overhead(
+                pg, resolved[0], link, _OVERHEAD_CHUNKS, repeats
+            )
     found = candidates(
         len(sequential),
         resolved,
@@ -127,5 +214,44 @@ def plan(
         layer_parameters(sequential, int(optimizer_bytes_per_param)),
         action_overhead,
         contention,
+        link,
     )
-    return choose(sequential, found, limit, contention, action_overhead)
+    placement = None
+    if count is not None and link is not None:
+        placement = Processes(count, pg, resolved[0], link)
+    return choose(sequential, found, limit, contention, action_overhead, placement)
+
+
+def _link(
+    group: dist.ProcessGroup | None,
+    latency: float | None,
+    seconds_per_byte: float | None,
+    repeats: int,
+) -> Link:
+    """The link given, else measured in ``group`` (check_placement wanted one or the other)."""
+    if latency is not None and seconds_per_byte is not None:
+        return Link(float(latency), float(seconds_per_byte))
+    assert group is not None, "outside a group, check_placement refused a plan without a link"
+    return measure_link(group, repeats)
+
+
+def _process_device(
+    group: dist.ProcessGroup | None, device: torch.device | str | None
+) -> torch.device:
+    """This process's device: the one given, else a DistributedPipe's default (or the CPU)."""
+    if device is not None:
+        return torch.device(device)
+    return collective_device(group) if group is not None else torch.device("cpu")
+
+
+def _from_rank_zero(
+    group: dist.ProcessGroup, rows: int, width: int, timed: Callable[[int], LayerTimes]
+) -> LayerTimes:
+    """``timed(rows)`` on rank 0 (``width`` layers and the loss), the same on every rank."""
+
+    def flat() -> list[float]:
+        times = timed(rows)
+        return [*times.forward, *times.backward, *times.input_grad]
+
+    numbers = from_rank_zero(group, 3 * width, flat)
+    return LayerTimes(*(tuple(numbers[k * width : (k + 1) * width]) for k in range(3)))

@@ -11,7 +11,13 @@ from torch import nn
 
 from pipeline.runtime.microbatch import scatter
 
-__all__ = ["CHECKPOINTS", "SCHEDULES", "check_plan_arguments", "default_chunks"]
+__all__ = [
+    "CHECKPOINTS",
+    "SCHEDULES",
+    "check_placement",
+    "check_plan_arguments",
+    "default_chunks",
+]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 CHECKPOINTS = ("never", "except_last", "always")
@@ -36,10 +42,12 @@ def check_plan_arguments(
     schedules: Sequence[str],
     checkpoints: Sequence[str],
     optimizer_bytes_per_param: object,
+    what: str = "devices",
 ) -> tuple[nn.Sequential, list[torch.device], int, int, tuple[int, ...]]:
     """The model, devices, batch size, limit and micro-batch counts, once all are usable.
 
-    ``chunks`` None: ``default_chunks`` of the batch size.
+    ``chunks`` None: ``default_chunks`` of the batch size. ``what``: what
+    the stages are, as a refusal names them (``devices`` or ``processes``).
     """
     if not isinstance(model, nn.Sequential):
         raise TypeError(
@@ -54,8 +62,8 @@ def check_plan_arguments(
     resolved = [torch.device(d) for d in devices]  # type: ignore[call-overload]
     if len(resolved) > len(model):
         raise ValueError(
-            f"{len(resolved)} devices but the model has {len(model)} layers; every stage needs "
-            "a layer at least: pass fewer devices"
+            f"{len(resolved)} {what} but the model has {len(model)} layers; every stage needs "
+            f"a layer at least: pass fewer {what}"
         )
     size = _positive_int("batch_size", batch_size)
     limit = _positive_int("memory_limit", memory_limit)
@@ -90,6 +98,58 @@ def check_plan_arguments(
             f"states, 4 for SGD with momentum), got {optimizer_bytes_per_param!r}"
         )
     return model, resolved, size, limit, counts
+
+
+def check_placement(
+    devices: object,
+    processes: object,
+    link_latency: object,
+    link_seconds_per_byte: object,
+    in_group: bool,
+    action_overhead: object,
+) -> int | None:
+    """The number of processes planned for, or None for a Pipe on ``devices``.
+
+    Exactly one of ``devices`` and ``processes``; the link's two numbers
+    together or neither, and only with ``processes``; outside a process
+    group, where nothing can be measured between processes, both of them
+    and ``action_overhead``.
+    """
+    if (devices is None) == (processes is None):
+        raise TypeError(
+            "pass devices=[...] (one device per stage, for a Pipe in this process) or "
+            "processes=N (N stages, one process each, for a DistributedPipe), exactly one of "
+            f"them; got devices={devices!r}, processes={processes!r}"
+        )
+    link = {"link_latency": link_latency, "link_seconds_per_byte": link_seconds_per_byte}
+    given = [name for name, value in link.items() if value is not None]
+    if processes is None:
+        if given:
+            raise ValueError(
+                f"{' and '.join(given)} cost the messages between processes: plan with "
+                "processes=N to use them (a Pipe's stages share one process)"
+            )
+        return None
+    count = _positive_int("processes", processes)
+    if len(given) == 1:
+        raise ValueError(
+            f"only {given[0]} was given: pass link_latency (seconds per message) and "
+            "link_seconds_per_byte together, or neither to measure them in the process group"
+        )
+    for name, value in link.items():
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0
+        ):
+            raise ValueError(f"{name} must be a number of seconds, 0 or more, got {value!r}")
+    if not in_group and (not given or action_overhead is None):
+        raise ValueError(
+            "planning for processes measures the link between them and a DistributedPipe's "
+            "cost per action in the process group, but torch.distributed is not initialised "
+            "here: call pipeline.plan in every process of the group (after "
+            "init_process_group), or pass link_latency=, link_seconds_per_byte= and "
+            "action_overhead= to plan without one"
+        )
+    return count
 
 
 def _positive_int(name: str, value: object) -> int:

@@ -1,24 +1,48 @@
-"""``Plan``: what the planner chose and why, the Pipe it builds, and its check against a step.
+"""``Plan``: what the planner chose and why, the pipe it builds, and its check against a step.
 
 ``str(plan)`` is a table: the chosen configuration, then the runner-ups,
-each with why it lost (slower, or over the limit on a device, by how
-much). ``plan.pipe()`` builds the chosen Pipe; ``plan.check(pipe)`` puts the
-prediction beside ``pipe.last_step`` (measured with ``measure_memory=True``).
+each with why it lost (slower, or over the limit on a device or process, by
+how much). ``plan.pipe()`` builds the chosen Pipe, ``plan.distributed()``
+this process's DistributedPipe (planned with ``processes=N``);
+``plan.check(pipe)`` puts the prediction beside ``pipe.last_step``
+(measured with ``measure_memory=True``), gathered from every process for a
+DistributedPipe.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
+import torch
+import torch.distributed as dist
 from torch import nn
 
 from pipeline.pipe import Pipe
+from pipeline.plan.links import Link
 from pipeline.plan.search import Candidate
+from pipeline.runtime.agreement import gather_rows
 from pipeline.step.reports import _bytes
 
-__all__ = ["Plan", "PlanCheck", "PlanError", "choose"]
+if TYPE_CHECKING:
+    from pipeline.distributed import DistributedPipe
+
+__all__ = ["Plan", "PlanCheck", "PlanError", "Processes", "choose"]
+
+# What plan.distributed() takes from the plan, and may not be given again.
+_PLANNED = ("balance", "chunks", "checkpoint", "group", "device")
 
 RUNNER_UPS = 8
+
+
+@dataclass(frozen=True)
+class Processes:
+    """A plan's processes: how many, their group (None: planned outside one), this one's device."""
+
+    count: int
+    group: dist.ProcessGroup | None
+    device: torch.device
+    link: Link
 
 
 class PlanError(ValueError):
@@ -31,7 +55,10 @@ class PlanCheck:
 
     ``measured_activations[j]`` is ``pipe.last_step``'s
     ``peak_activation_bytes`` of stage ``j`` (None if the step did not
-    measure memory); errors are measured / predicted - 1.
+    measure memory); errors are measured / predicted - 1. For a
+    DistributedPipe, every process's stages, and the longest of the
+    processes' step times (each from its first action's start to its last
+    action's end).
     """
 
     predicted_seconds: float
@@ -65,8 +92,10 @@ class Plan:
     ``predicted_memory`` (bytes per device), ``chosen`` (its ``Candidate``,
     with each stage's memory by term) and ``runner_ups`` (the next
     candidates, each with why it lost), ``contention`` (how much slower a
-    CPU stage was taken to run beside the others) and ``action_overhead``
-    (the seconds added per action).
+    CPU stage was taken to run beside the others), ``action_overhead``
+    (the seconds added per action) and ``processes`` (planned with
+    ``processes=N``: their count, group, this process's device and the link
+    between them; else None).
     """
 
     def __init__(
@@ -76,12 +105,14 @@ class Plan:
         others: list[Candidate],
         contention: float = 1.0,
         action_overhead: float = 0.0,
+        processes: Processes | None = None,
     ) -> None:
         self.model = model
         self.chosen = chosen
         self.candidates = others
         self.contention = contention
         self.action_overhead = action_overhead
+        self.processes = processes
 
     @property
     def balance(self) -> list[int]:
@@ -130,6 +161,12 @@ class Plan:
 
         Train it with ``pipe.step(x, y, loss_fn, schedule=plan.schedule)``.
         """
+        if self.processes is not None:
+            raise ValueError(
+                f"this plan is for {self.processes.count} processes: build this process's "
+                "stages with plan.distributed() in every process, or plan with devices=[...] "
+                "for a Pipe"
+            )
         return Pipe(
             self.model,
             self.balance,
@@ -138,11 +175,54 @@ class Plan:
             checkpoint=self.checkpoint,  # type: ignore[arg-type]
         )
 
-    def check(self, pipe: Pipe) -> PlanCheck:
+    def distributed(self, **options: Any) -> DistributedPipe:
+        """This process's stages of the chosen DistributedPipe; every process of the plan calls it.
+
+        The plan's balance, chunks and checkpoint mode, on the group and
+        device it was planned with; ``options`` are DistributedPipe's others
+        (``timeout``, ``init``, ...). The processes compare their arguments
+        as they build it and all refuse a mismatch (DistributedPipe's own
+        agreement). Train it with ``pipe.step(x, y, loss_fn,
+        schedule=plan.schedule)`` in every process.
+        """
+        from pipeline.distributed import DistributedPipe  # it imports pipeline, which imports this
+
+        if self.processes is None:
+            raise ValueError(
+                "this plan is for a Pipe in this process (planned with devices=): build it with "
+                "plan.pipe(), or plan with processes=N for a DistributedPipe"
+            )
+        if self.processes.group is None:
+            raise ValueError(
+                f"this plan for {self.processes.count} processes was made outside a process "
+                "group: call pipeline.plan in every process of the group, then "
+                "plan.distributed(), or build DistributedPipe(model, plan.balance, "
+                "chunks=plan.chunks, checkpoint=plan.checkpoint) yourself"
+            )
+        again = sorted(set(options) & set(_PLANNED))
+        if again:
+            raise TypeError(
+                f"plan.distributed() got {', '.join(again)}, which the plan chose or was made "
+                "with; plan again with other arguments instead (its other options are "
+                "DistributedPipe's)"
+            )
+        return DistributedPipe(
+            self.model,
+            self.balance,
+            group=self.processes.group,
+            device=self.processes.device,
+            chunks=self.chunks,
+            checkpoint=self.checkpoint,  # type: ignore[arg-type]
+            **options,
+        )
+
+    def check(self, pipe: Pipe | DistributedPipe) -> PlanCheck:
         """The prediction beside ``pipe.last_step``: run ``step(..., measure_memory=True)`` first.
 
         Refuses a pipe or a step that is not the plan's (another balance,
-        chunks, checkpoint mode or schedule), saying which differs.
+        chunks, checkpoint mode or schedule), saying which differs. A
+        DistributedPipe's check is a collective: every process calls it, and
+        each gets every process's figures.
         """
         report = pipe.last_step
         if report is None:
@@ -171,23 +251,37 @@ class Plan:
                 + "; ".join(differ)
                 + "; build it with plan.pipe() and step with schedule=plan.schedule"
             )
-        return PlanCheck(
-            self.predicted_seconds,
-            report.duration,
-            tuple(s.activations for s in self.chosen.memory),
-            tuple(p.peak_activation_bytes for p in report.partitions),
-        )
+        predicted = tuple(s.activations for s in self.chosen.memory)
+        measured = {p.partition: p.peak_activation_bytes for p in report.partitions}
+        if isinstance(pipe, Pipe):
+            return PlanCheck(
+                self.predicted_seconds,
+                report.duration,
+                predicted,
+                tuple(measured[j] for j in range(len(predicted))),
+            )
+        seconds, every = _from_every_process(pipe.group, report.duration, measured, len(predicted))
+        return PlanCheck(self.predicted_seconds, seconds, predicted, every)
 
     def __str__(self) -> str:
-        head = ["", "schedule", "chunks", "checkpoint", "balance", "ms", "peak per device", "why"]
+        each = "device" if self.processes is None else "process"
+        head = ["", "schedule", "chunks", "checkpoint", "balance", "ms", f"peak per {each}", "why"]
         rows = [head, self._row("chosen", self.chosen, "fastest that fits")]
         rows += [self._row(str(k + 1), c, why) for k, (c, why) in enumerate(self.runner_ups)]
         widths = [max(len(r[c]) for r in rows) for c in range(len(head))]
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)) for r in rows]
-        limit = f"memory limit {_bytes(self.chosen.limit)} per device"
+        each = "device" if self.processes is None else "process"
+        limit = f"memory limit {_bytes(self.chosen.limit)} per {each}"
         factor = f"CPU contention x{self.contention:.2f}"
         overhead = f"{self.action_overhead * 1e6:.0f} us per action"
-        title = f"Plan ({limit}, {factor}, {overhead})"
+        parts = [limit, factor, overhead]
+        if self.processes is not None:
+            link = self.processes.link
+            parts.append(
+                f"{self.processes.count} processes, link {link.latency * 1e6:.0f} us + "
+                f"{link.seconds_per_byte * 1e9:.3f} ns/B per message"
+            )
+        title = f"Plan ({', '.join(parts)})"
         return "\n".join([title, *(line.rstrip() for line in lines)])
 
     def __repr__(self) -> str:
@@ -214,6 +308,7 @@ def choose(
     limit: int,
     contention: float = 1.0,
     action_overhead: float = 0.0,
+    processes: Processes | None = None,
 ) -> Plan:
     """The plan of the fastest candidate that fits (the least memory among equals).
 
@@ -229,14 +324,16 @@ def choose(
     if not fitting:
         raise PlanError(_nothing_fits(found, limit))
     chosen = min(fitting, key=lambda c: (c.seconds, max(c.device_bytes.values())))
-    return Plan(model, chosen, found, contention, action_overhead)
+    return Plan(model, chosen, found, contention, action_overhead, processes)
 
 
 def _nothing_fits(found: list[Candidate], limit: int) -> str:
     """The message of ``PlanError``: the least-memory configuration, its overflowing devices."""
     cheapest = min(found, key=lambda c: max(c.overflow.values()))
+    each = "process" if cheapest.places else "device"
     over = "; ".join(
-        f"device {d} needs {_bytes(cheapest.device_bytes[d])}, over by {_bytes(b)} ({b} bytes)"
+        f"{d if cheapest.places else f'device {d}'} needs {_bytes(cheapest.device_bytes[d])}, "
+        f"over by {_bytes(b)} ({b} bytes)"
         for d, b in cheapest.overflow.items()
     )
     terms = ", ".join(
@@ -247,7 +344,29 @@ def _nothing_fits(found: list[Candidate], limit: int) -> str:
         for j, s in enumerate(cheapest.memory)
     )
     return (
-        f"no configuration fits memory_limit={limit} bytes ({_bytes(limit)}) per device. The "
+        f"no configuration fits memory_limit={limit} bytes ({_bytes(limit)}) per {each}. The "
         f"one needing the least memory, {cheapest.describe()}: {over}. By stage: {terms}. "
-        "Raise the limit, add devices, or try more micro-batches (chunks)"
+        f"Raise the limit, add {each}s, or try more micro-batches (chunks)"
     )
+
+
+def _from_every_process(
+    group: dist.ProcessGroup, seconds: float, activations: dict[int, int | None], stages: int
+) -> tuple[float, tuple[int | None, ...]]:
+    """The longest step time of the processes, and each stage's activations from its process.
+
+    A collective: one row per process, its step time in nanoseconds, then a
+    column per stage (-1: not its stage, -2: not measured).
+    """
+    row = [round(seconds * 1e9)]
+    row += [-1 if j not in activations else _or(activations[j], -2) for j in range(stages)]
+    rows = gather_rows(row, group)
+    every: list[int | None] = []
+    for j in range(1, stages + 1):
+        found = [r[j] for r in rows if r[j] != -1]
+        every.append(found[0] if found and found[0] >= 0 else None)
+    return max(r[0] for r in rows) / 1e9, tuple(every)
+
+
+def _or(value: int | None, instead: int) -> int:
+    return instead if value is None else value

@@ -6,7 +6,9 @@ predicted memory against its budget (a device's limit, split evenly among
 the stages it holds), and the compute-only cut is tried too (it may fit
 where the even split of a shared device's budget was too strict). Each
 balance tried becomes a ``Candidate``: its predicted step time (``timing``)
-and each stage's memory (``memory``), summed per device.
+and each stage's memory (``memory``), summed per device. Planned for
+processes, a stage's place is its process (``rank 0``, ...) rather than its
+device, and the messages between processes cost what ``links.py`` says.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from itertools import accumulate, pairwise
 
 import torch
 
+from pipeline.plan.links import Link, cut_seconds
 from pipeline.plan.memory import LayerParameters, StageMemory, stage_memory
 from pipeline.plan.partition import fitting_balance
 from pipeline.plan.profile import LayerTimes, Saved
@@ -36,8 +39,10 @@ Profiled = Callable[[int], tuple[Saved, LayerTimes]]
 class Candidate:
     """One configuration with its balance, and what the model predicts of it.
 
-    ``devices[j]`` is stage ``j``'s device; ``memory[j]`` its peak by term;
-    ``device_bytes`` the sum of the peaks of each device's stages (a bound:
+    ``devices[j]`` is stage ``j``'s device; ``places[j]`` where its memory
+    counts against the limit (its process, ``rank 0``, when planned for
+    processes; empty: its device); ``memory[j]`` its peak by term;
+    ``device_bytes`` the sum of the peaks of each place's stages (a bound:
     their peaks need not coincide); ``seconds`` the predicted step time.
     """
 
@@ -49,12 +54,14 @@ class Candidate:
     seconds: float
     memory: tuple[StageMemory, ...]
     limit: int
+    places: tuple[str, ...] = ()
 
     @property
     def device_bytes(self) -> dict[str, int]:
         totals: dict[str, int] = {}
-        for device, stage in zip(self.devices, self.memory, strict=True):
-            totals[str(device)] = totals.get(str(device), 0) + stage.total
+        places = self.places or tuple(map(str, self.devices))
+        for place, stage in zip(places, self.memory, strict=True):
+            totals[place] = totals.get(place, 0) + stage.total
         return totals
 
     @property
@@ -86,18 +93,26 @@ def candidates(
     parameters: LayerParameters,
     overhead: float,
     contention: float = 1.0,
+    link: Link | None = None,
 ) -> list[Candidate]:
     """Every configuration's candidates; an interleaved one only where it can run.
 
     ``contention``: how much slower CPU stages run while all compute
     (``contention.py``); the balance takes it as a scale of their costs.
+    ``link``: planned for processes, one per entry of ``devices`` (its
+    device), stage ``j`` in process ``j % len(devices)`` and the messages
+    between them costing what ``link`` says; None: stages of one process.
     """
     found: list[Candidate] = []
     for name in schedules:
         virtual = 2 if name == "interleaved" else 1
         stages = len(devices) * virtual
         stage_devices = tuple(devices * virtual)
-        share = [limit // stage_devices.count(d) for d in stage_devices]
+        places = tuple(
+            f"rank {j % len(devices)}" if link is not None else str(d)
+            for j, d in enumerate(stage_devices)
+        )
+        share = [limit // places.count(p) for p in places]
         factor = [contention if d.type == "cpu" else 1.0 for d in stage_devices]
         for m in chunks:
             if stages > layers or (virtual > 1 and m % len(devices)):
@@ -108,7 +123,9 @@ def candidates(
             for mode in checkpoints:
                 checkpointed = checkpointed_tasks(programs, m, mode, training=True)  # type: ignore[arg-type]
                 found += _balanced(
-                    _Configuration(name, m, mode, stage_devices, share, factor, limit, overhead),
+                    _Configuration(
+                        name, m, mode, stage_devices, places, share, factor, limit, overhead, link
+                    ),
                     programs,
                     order,
                     checkpointed,
@@ -128,10 +145,12 @@ class _Configuration:
     chunks: int
     checkpoint: str
     devices: tuple[torch.device, ...]
+    places: tuple[str, ...]
     share: list[int]
     factor: list[float]
     limit: int
     overhead: float
+    link: Link | None
 
 
 def _balanced(
@@ -175,14 +194,15 @@ def _balanced(
     }
     found = []
     for cut in sorted(cuts):
-        bounds = [0, *accumulate(cut)]
-        spans = list(pairwise(bounds))
+        spans = list(pairwise([0, *accumulate(cut)]))
+        owner = [config.places.index(p) for p in config.places]
         seconds = predicted_seconds(
             programs,
             [stage_costs(times, a, b) for a, b in spans],
             checkpointed,
             config.overhead,
             config.factor,
+            None if config.link is None else cut_seconds(saved, spans, owner, config.link),
         )
         found.append(
             Candidate(
@@ -194,6 +214,7 @@ def _balanced(
                 seconds=seconds,
                 memory=tuple(memory(j, a, b) for j, (a, b) in enumerate(spans)),
                 limit=config.limit,
+                places=config.places if config.link is not None else (),
             )
         )
     return found

@@ -7,16 +7,19 @@ inside it); zero-bubble's ``I`` and ``W`` cost the input-gradient time and
 the rest. Each action also costs ``overhead`` seconds (the library's own
 work per action: mail, leaves, timing). The programs are played by
 ``pipeline.step.simulate.play``: an action starts when its worker is free
-and its input has arrived, and communication costs nothing (one process,
-one memory): the predicted step time is the last action's end. On CPU,
+and its input has arrived; within one process communication costs nothing
+(one memory), between processes a message takes the time ``links.py``
+models: the predicted step time is the last action's end. On CPU,
 an action runs slower while other workers compute (``contention.py``): a
 second play slows each action by the share of the first play's overlap.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from pipeline.plan.links import CutSeconds, linked_programs
 from pipeline.plan.profile import LayerTimes
 from pipeline.step.actions import Action, Program
 from pipeline.step.simulate import play
@@ -54,6 +57,7 @@ def predicted_seconds(
     checkpointed: set[tuple[int, int]],
     overhead: float,
     contention: list[float] | None = None,
+    cuts: CutSeconds | None = None,
 ) -> float:
     """The step's predicted seconds: ``programs`` played with ``costs[s]`` for stage ``s``.
 
@@ -61,6 +65,8 @@ def predicted_seconds(
     ``s`` runs while every other worker computes too: the programs are
     played once as they are, then again with each action slowed in
     proportion to the other workers busy while it ran in the first play.
+    ``cuts``: the transfers between stages in different processes
+    (``links.py``); None: communication costs nothing.
 
     >>> from pipeline.step.actions import parse_program
     >>> programs = [parse_program("0F0 0F1 0B0 0B1"), parse_program("1F0 1B0 1F1 1B1")]
@@ -83,15 +89,39 @@ def predicted_seconds(
         }[action.kind]
         return seconds + overhead
 
-    start, end = play(programs, len(costs), cost)
+    start, end = _played(programs, len(costs), cost, cuts)
     if contention is not None and len(programs) > 1 and any(c != 1.0 for c in contention):
         others = _others_busy(start, end, worker, len(programs))
         slowed = {
             a: cost(a) * (1 + (contention[a.stage] - 1) * others[a] / (len(programs) - 1))
             for a in start
         }
-        start, end = play(programs, len(costs), slowed.__getitem__)
+        start, end = _played(programs, len(costs), slowed.__getitem__, cuts)
     return max(end.values(), default=0.0)
+
+
+Times = dict[Action, float]
+
+
+def _played(
+    programs: list[Program], stages: int, cost: Callable[[Action], float], cuts: CutSeconds | None
+) -> tuple[Times, Times]:
+    """``play``'s starts and ends of the stages' actions, each transfer played as a link's."""
+    if cuts is None:
+        return play(programs, stages, cost)
+    linked, original = linked_programs(programs, stages)
+
+    def linked_cost(action: Action) -> float:
+        if action in original:
+            return cost(original[action])
+        transfers = cuts.forward if action.kind == "F" else cuts.backward
+        return transfers[action.stage // 2]
+
+    start, end = play(linked, 2 * stages - 1, linked_cost)
+    return (
+        {original[a]: t for a, t in start.items() if a in original},
+        {original[a]: t for a, t in end.items() if a in original},
+    )
 
 
 def _others_busy(

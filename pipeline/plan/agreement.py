@@ -1,0 +1,71 @@
+"""Planning in every process of a group: the same plan everywhere, from agreed numbers.
+
+Every process calls ``pipeline.plan(..., processes=N)`` with the same
+arguments. What each computes alone and exactly (the arguments, the bytes
+of the memory profile) is compared first, as fixed-length rows of hashes
+(``pipeline/runtime/agreement.py``): a process whose model, batch or
+arguments differ makes every process raise, naming the ranks, before any
+measurement. What is timed is timed once, on rank 0 (the layers), or
+taken as the largest over the ranks (contention, the cost of an action),
+and sent to every rank as float64 tensors: the search then runs on the
+same numbers everywhere, so every process chooses the same configuration.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from pipeline.runtime.agreement import camps, fingerprint, gather_rows, ranks_text, refused_text
+from pipeline.runtime.process_group import collective_device
+
+__all__ = ["agree_inputs", "from_rank_zero", "largest"]
+
+
+def agree_inputs(group: dist.ProcessGroup, refusal: Exception | None, text: str) -> None:
+    """Raise on every rank unless every rank passed its own checks and has the same ``text``.
+
+    A collective: a rank that refused (``refusal``) raises its own error,
+    the others one naming it.
+    """
+    rows = gather_rows([int(refusal is not None), fingerprint(text)], group)
+    if refusal is not None:
+        raise refusal
+    refused = [r for r, row in enumerate(rows) if row[0]]
+    if refused:
+        raise ValueError(
+            f"{refused_text(refused)} refused its pipeline.plan arguments (its error says why); "
+            "no process planned"
+        )
+    split = camps([row[1] for row in rows])
+    if len(split) > 1:
+        raise ValueError(
+            f"pipeline.plan was called differently in the processes of the group: "
+            f"{ranks_text(split)} differ in the model, the sample batch, the target or the "
+            "arguments (compared: every argument and the bytes the model saves, per micro-batch "
+            "size); call it with the same ones in every process so that every process builds "
+            "the same pipeline"
+        )
+
+
+def from_rank_zero(
+    group: dist.ProcessGroup, count: int, measure: Callable[[], Sequence[float]]
+) -> list[float]:
+    """``measure()`` on rank 0 (``count`` numbers), the same numbers on every rank."""
+    values = torch.zeros(count, dtype=torch.float64)
+    if dist.get_rank(group) == 0:
+        measured = list(measure())
+        assert len(measured) == count, f"{len(measured)} numbers measured, {count} announced"
+        values = torch.tensor(measured, dtype=torch.float64)
+    sent = values.to(collective_device(group))
+    dist.broadcast(sent, group=group, group_src=0)
+    return [float(v) for v in sent.tolist()]
+
+
+def largest(group: dist.ProcessGroup, value: float) -> float:
+    """The largest ``value`` of the ranks, on every rank."""
+    mine = torch.tensor([value], dtype=torch.float64, device=collective_device(group))
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=group)
+    return float(mine.item())

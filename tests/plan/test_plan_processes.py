@@ -1,0 +1,202 @@
+"""Planning for processes: the search with a stage per process and messages on a link, and a
+plan made in every rank of a gloo group building its DistributedPipe."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import pipeline
+from pipeline.plan import Candidate, PlanError
+from pipeline.plan.links import CutSeconds, Link, cut_seconds
+from pipeline.plan.memory import layer_parameters
+from pipeline.plan.profile import LayerTimes, Saved
+from pipeline.plan.result import Processes, choose
+from pipeline.plan.search import candidates
+from pipeline.plan.timing import StageCosts, predicted_seconds
+from pipeline.step.actions import parse_program
+from tests.plan.plan_models import batch, gelu_mlp
+
+if TYPE_CHECKING:
+    from tests.gloo_groups import GroupRunner
+
+CPU = torch.device("cpu")
+SCENARIOS = Path(__file__).with_name("plan_scenarios.py")
+LAYERS = 4
+
+
+def made_up_saved(rows: int, boundary: int = 1000) -> Saved:
+    """Four layers each saving ``rows`` x 100 bytes and returning ``boundary`` bytes."""
+    return Saved(
+        storages=(rows * 100,) * LAYERS + (boundary,) * LAYERS,
+        saved_by=tuple(frozenset({k}) for k in range(LAYERS)) + (frozenset(),) * LAYERS,
+        outputs=tuple((LAYERS + k,) for k in range(LAYERS)),
+        output_grads=(boundary,) * LAYERS,
+        recorded=(0,) * LAYERS,
+    )
+
+
+def made_up(link: Link | None, boundary: int = 1000, limit: int = 2**40) -> list[Candidate]:
+    """Every candidate of four layers on two stages, no overhead: a batch of 8 rows takes
+    8 s forward and 16 s backward per layer, a micro-batch its share."""
+
+    def profiled(rows: int) -> tuple[Saved, LayerTimes]:
+        f, b = (float(rows),) * LAYERS + (0.0,), (2.0 * rows,) * LAYERS + (0.0,)
+        return made_up_saved(rows, boundary), LayerTimes(f, b, f)
+
+    return candidates(
+        LAYERS, [CPU, CPU], 8, limit, (1, 2, 4), ("gpipe", "1f1b", "interleaved"), ("never",),
+        profiled, layer_parameters(gelu_mlp(LAYERS), 0), overhead=0.0, link=link,
+    )  # fmt: skip
+
+
+def test_a_message_waits_for_the_link_and_the_sender_goes_on() -> None:
+    # One micro-batch through two stages of 1 s forwards, 2 s backwards: each message takes
+    # 0.5 s, the step 6 s of compute and two messages.
+    programs = [parse_program("0F0 0B0"), parse_program("1F0 1B0")]
+    one = StageCosts(1.0, 2.0, 1.0, 1.0)
+    cuts = CutSeconds((0.5,), (0.5,))
+    assert predicted_seconds(programs, [one, one], set(), 0.0) == 6.0
+    assert predicted_seconds(programs, [one, one], set(), 0.0, cuts=cuts) == 7.0
+    # Two micro-batches, GPipe (9 s without links): stage 0's second forward does not wait
+    # for the first send (0F1 runs 1..2), 1F0 runs 1.5..2.5, 1F1 2.5..3.5, 1B1 3.5..5.5,
+    # 1B0 5.5..7.5; its gradient reaches stage 0 at 8: 0B0 runs 8..10.
+    programs = [parse_program("0F0 0F1 0B1 0B0"), parse_program("1F0 1F1 1B1 1B0")]
+    assert predicted_seconds(programs, [one, one], set(), 0.0) == 9.0
+    assert predicted_seconds(programs, [one, one], set(), 0.0, cuts=cuts) == 10.0
+    # Messages of one cut and direction take turns: at 1.5 s each, the second activation
+    # leaves at 2.5 when the first has crossed, not at 2 when 0F1 ends (10.5 s if it did).
+    slow = CutSeconds((1.5,), (0.0,))
+    assert predicted_seconds(programs, [one, one], set(), 0.0, cuts=slow) == 11.0
+
+
+def test_each_cut_costs_its_latency_and_its_bytes_and_nothing_within_a_process() -> None:
+    saved = made_up_saved(rows=2, boundary=1000)
+    spans = [(0, 1), (1, 2), (2, 3), (3, 4)]
+    cuts = cut_seconds(saved, spans, [0, 1, 1, 0], Link(1e-3, 1e-6))
+    assert cuts.forward == pytest.approx((2e-3, 0.0, 2e-3))
+    assert cuts.backward == pytest.approx((2e-3, 0.0, 2e-3))
+
+
+def test_processes_hold_their_own_memory_and_a_slow_link_costs_time() -> None:
+    free = made_up(Link(0.0, 0.0))
+    # Planned for processes, a stage's memory counts against its process's limit.
+    assert {c.places for c in free if c.schedule != "interleaved"} == {("rank 0", "rank 1")}
+    assert {c.places for c in free if c.schedule == "interleaved"} == {
+        ("rank 0", "rank 1", "rank 0", "rank 1")
+    }
+    assert all(sorted(c.device_bytes) == ["rank 0", "rank 1"] for c in free)
+    # A link that costs nothing predicts what one process with a thread per stage does.
+    threads = made_up(None)
+    assert [c.seconds for c in free] == [c.seconds for c in threads]
+    assert all(c.places == () and list(c.device_bytes) == ["cpu"] for c in threads)
+    # Free messages: the most micro-batches, interleaved, the least bubble. Every message
+    # 100 s: each crossing costs more than a micro-batch's bubble saves, so one chunk wins.
+    best = min(free, key=lambda c: c.seconds)
+    assert (best.chunks, best.schedule) == (4, "interleaved")
+    slow = made_up(Link(100.0, 0.0))
+    assert min(slow, key=lambda c: c.seconds).chunks == 1
+
+
+def test_the_bytes_on_the_link_move_the_choice() -> None:
+    # The same link, messages of 1 kB or of 100 GB: the large ones make one chunk win.
+    link = Link(0.0, 1e-9)
+    small = min(made_up(link, boundary=1000), key=lambda c: c.seconds)
+    large = min(made_up(link, boundary=10**11), key=lambda c: c.seconds)
+    assert small.chunks == 4 and large.chunks == 1
+
+
+def test_the_table_and_the_overflow_name_processes() -> None:
+    found = made_up(Link(1e-4, 1e-9))
+    processes = Processes(2, None, CPU, Link(1e-4, 1e-9))
+    plan = choose(gelu_mlp(LAYERS), found, 2**40, 1.0, 0.0, processes)
+    lines = str(plan).splitlines()
+    assert lines[0] == (
+        "Plan (memory limit 1024.0 GiB per process, CPU contention x1.00, 0 us per action, "
+        "2 processes, link 100 us + 1.000 ns/B per message)"
+    )
+    assert "peak per process" in lines[1]
+    least = min(max(c.device_bytes.values()) for c in found)
+    tight = made_up(Link(1e-4, 1e-9), limit=least - 1)
+    with pytest.raises(PlanError, match=r"per process\. .*: rank \d needs .*, over by 1 B"):
+        choose(gelu_mlp(LAYERS), tight, least - 1, 1.0, 0.0, processes)
+    with pytest.raises(ValueError, match=r"made outside a process group: call pipeline.plan"):
+        plan.distributed()
+
+
+def test_outside_a_group_a_plan_for_processes_needs_the_link_and_the_action_cost() -> None:
+    x, y = batch(8)
+    model = gelu_mlp(LAYERS)
+    with pytest.raises(ValueError, match=r"torch.distributed is not initialised here: call"):
+        pipeline.plan(model, x, y, F.mse_loss, processes=2, batch_size=8, memory_limit=2**30)
+    plan = pipeline.plan(
+        model, x, y, F.mse_loss, processes=2, batch_size=8, memory_limit=2**30, chunks=[2],
+        schedules=("1f1b",), checkpoints=("never",), repeats=1, contention=1.0,
+        action_overhead=1e-4, link_latency=2e-4, link_seconds_per_byte=1e-9,
+    )  # fmt: skip
+    assert plan.processes == Processes(2, None, CPU, Link(2e-4, 1e-9))
+    assert sorted(plan.predicted_memory) == ["rank 0", "rank 1"]
+    with pytest.raises(ValueError, match=r"this plan is for 2 processes: build this process"):
+        plan.pipe()
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "message"),
+    [
+        ({"devices": None}, TypeError, "exactly one of them; got devices=None, processes=None"),
+        ({"processes": 2}, TypeError, r"exactly one of them; got devices=\['cpu'"),
+        ({"link_latency": 1e-4}, ValueError, "plan with processes=N to use them"),
+        ({"devices": None, "processes": 0}, ValueError, "processes must be positive"),
+        (
+            {"devices": None, "processes": 9, "link_latency": 0, "link_seconds_per_byte": 0},
+            ValueError,
+            "9 processes but the model has 4 layers; every stage needs a layer at least: pass "
+            "fewer processes",
+        ),
+        (
+            {"devices": None, "processes": 2, "link_latency": 1e-4},
+            ValueError,
+            "only link_latency was given",
+        ),
+        (
+            {"devices": None, "processes": 2, "link_latency": -1.0, "link_seconds_per_byte": 0},
+            ValueError,
+            "link_latency must be a number of seconds, 0 or more, got -1.0",
+        ),
+    ],
+)
+def test_bad_placements_are_refused_before_any_work(
+    change: dict[str, object], error: type[Exception], message: str
+) -> None:
+    x, y = batch(8)
+    options: dict[str, object] = {
+        "devices": ["cpu", "cpu"], "batch_size": 8, "memory_limit": 2**30,
+        "action_overhead": 1e-4, "contention": 1.0, **change,
+    }  # fmt: skip
+    with pytest.raises(error, match=message):
+        pipeline.plan(gelu_mlp(LAYERS), x, y, F.mse_loss, **options)  # type: ignore[arg-type]
+
+
+NAMES = [
+    "every_process_plans_the_same_pipe_and_its_step_equals_the_plain_model",
+    "plans_made_with_different_arguments_are_refused_by_every_process",
+    "different_plans_build_no_pipe_every_process_refuses",
+    "a_plan_for_processes_builds_no_pipe_and_takes_no_planned_option_again",
+]
+
+
+def test_two_processes_plan_alike_and_their_pipe_equals_the_plain_model(
+    group_runner: GroupRunner,
+) -> None:
+    outcomes = group_runner(NAMES, script=SCENARIOS, world_size=2, wall_timeout_s=120)
+    failures = [
+        f"rank {r}, {name}:\n{outcome.get(name)}"
+        for name in NAMES
+        for r, outcome in enumerate(outcomes)
+        if outcome.get(name) != "ok"
+    ]
+    assert not failures, "\n".join(failures)
