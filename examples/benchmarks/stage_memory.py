@@ -15,12 +15,15 @@ warms up; gradients are zeroed in place, so ``.grad`` is there before):
   torch's; ours interleaved too, under one meter around the step, so that
   the rank's two stages are counted together as torch's are), parameters
   and the caller's input and target left out;
-- *total*: the step's peak RSS above the RSS just before it (the pipeline
-  built, parameters and gradients there: what the step adds, activations,
-  mail and transient buffers), with an allocator that gives freed memory
-  back (the children run with ``MALLOC_MMAP_THRESHOLD_=65536
-  MALLOC_TRIM_THRESHOLD_=1048576 MALLOC_ARENA_MAX=1``), the peak reset just
-  before the step (``/proc/self/clear_refs``).
+- *total*: the step's peak RSS above the RSS before the pipeline was built
+  (parameters, gradients, what the library keeps between steps, and what
+  the step adds: activations, mail, transient buffers), with an allocator
+  that gives freed memory back (the children run with
+  ``MALLOC_MMAP_THRESHOLD_=65536 MALLOC_TRIM_THRESHOLD_=1048576
+  MALLOC_ARENA_MAX=1``), the peak reset just before the step
+  (``/proc/self/clear_refs``); *kept*, its part there before the step starts
+  (the model is the same in both libraries, so what differs is what each
+  keeps between steps: torch's stages keep their receive buffers).
 
 The *bound* is one micro-batch's saved bytes through the rank's stage in the
 plain model (measured the same way) times the micro-batches the schedule
@@ -190,6 +193,7 @@ def child(rank: int, port: int, library: str, index: int, m: int, args: Any, que
     x = torch.randn(args.batch, args.width, generator=gen)
     y = torch.randn(args.batch, args.width, generator=gen)
     schedule, kind = SCHEDULES[index]
+    start = rss_kib("VmRSS")
     run = (
         ours(args, schedule, m, x, y)
         if library == "ours"
@@ -200,7 +204,8 @@ def child(rank: int, port: int, library: str, index: int, m: int, args: Any, que
     before = rss_kib("VmRSS")
     reset_peak_rss()
     saved = run()
-    total = (rss_kib("VmHWM") - before) * 1024
+    total = (rss_kib("VmHWM") - start) * 1024
+    kept = (before - start) * 1024
     dist.barrier()
     rows = args.batch // m
     model = mlp(args.width, nn.GELU)
@@ -210,7 +215,7 @@ def child(rank: int, port: int, library: str, index: int, m: int, args: Any, que
         * held(schedule, m, s)
         for s in stage_indices(schedule)
     )
-    queue.put((rank, {"saved": saved, "total": total, "bound": bound}))
+    queue.put((rank, {"saved": saved, "total": total, "kept": kept, "bound": bound}))
     dist.destroy_process_group()
 
 
@@ -238,7 +243,7 @@ def configuration(
 
 
 def row(schedule: str, m: int, mine: list[dict[str, int]], theirs: list[dict[str, int]]) -> str:
-    """A table row: bound, saved and total per rank (rank 0 / rank 1), ours beside torch's."""
+    """A table row: bound, saved, kept, total per rank (rank 0 / rank 1), ours beside torch's."""
 
     def mib(figures: list[dict[str, int]], key: str, digits: int) -> str:
         return " / ".join(f"{f[key] / MiB:.{digits}f}" for f in figures)
@@ -251,6 +256,8 @@ def row(schedule: str, m: int, mine: list[dict[str, int]], theirs: list[dict[str
         mib(mine, "bound", 2),
         mib(mine, "saved", 2),
         mib(theirs, "saved", 2),
+        mib(mine, "kept", 1),
+        mib(theirs, "kept", 1),
         mib(mine, "total", 1),
         mib(theirs, "total", 1),
         ratios,
@@ -270,9 +277,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"machine: {machine()}")
     print(
         "| schedule, m | bound (MiB, rank 0 / 1) | ours saved | torch saved "
-        "| ours total | torch total | ours / torch total |"
+        "| ours kept | torch kept | ours total | torch total | ours / torch total |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     results = []
     for m in args.chunks:
         for index, (schedule, kind) in enumerate(SCHEDULES):
