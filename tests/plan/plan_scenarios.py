@@ -52,6 +52,22 @@ def every_process_plans_the_same_pipe_and_its_step_equals_the_plain_model() -> N
     mine = fingerprint(f"{plan.chosen!r}")
     assert len({row[0] for row in gather_rows([mine], plan.processes.group)}) == 1  # type: ignore[arg-type]
 
+    step_equals_the_plain_model(plan, plain)
+
+
+@scenario
+def an_interleaved_plan_runs_two_stages_per_process_and_equals_the_plain_model() -> None:
+    model = gelu_mlp(4)
+    plain = copy.deepcopy(model)
+    plan = planned(model, schedules=("interleaved",), action_overhead=1e-4, contention=1.0)
+    assert (plan.schedule, plan.balance) == ("interleaved", [1, 1, 1, 1])
+    assert plan.chosen.places == ("rank 0", "rank 1", "rank 0", "rank 1")
+    step_equals_the_plain_model(plan, plain)
+
+
+def step_equals_the_plain_model(plan: Plan, plain: nn.Sequential) -> None:
+    """One step of the plan's DistributedPipe: the plain model's loss and gradients, and
+    every stage's measured activations the predicted ones."""
     pipe = plan.distributed()
     try:
         x, y = batch(ROWS)
@@ -74,6 +90,7 @@ def every_process_plans_the_same_pipe_and_its_step_equals_the_plain_model() -> N
             torch.testing.assert_close(param.grad, reference[name].grad, msg=name)
 
         check = plan.check(pipe)  # every process: a collective
+        assert len(check.measured_activations) == len(plan.balance)
         assert check.measured_activations == check.predicted_activations, str(check)
         assert check.measured_seconds > 0 and check.predicted_seconds > 0
         assert f"step time: predicted {check.predicted_seconds * 1e3:.2f} ms" in str(check)

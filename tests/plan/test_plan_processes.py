@@ -183,6 +183,7 @@ def test_bad_placements_are_refused_before_any_work(
 
 NAMES = [
     "every_process_plans_the_same_pipe_and_its_step_equals_the_plain_model",
+    "an_interleaved_plan_runs_two_stages_per_process_and_equals_the_plain_model",
     "plans_made_with_different_arguments_are_refused_by_every_process",
     "different_plans_build_no_pipe_every_process_refuses",
     "a_plan_for_processes_builds_no_pipe_and_takes_no_planned_option_again",
