@@ -12,15 +12,19 @@ intra-op thread each, share one model: 8 blocks of Linear(W, W) + ReLU
   partitions, in process 0, with ``threads="device"`` (one thread) and
   ``threads="partition"`` (a thread each);
 - ``DistributedPipe.step`` with ``gpipe``, ``1f1b`` and ``zb-h1``;
-- torch's ``PipelineStage`` with ``ScheduleGPipe`` and ``Schedule1F1B``;
+- torch's ``PipelineStage`` with ``ScheduleGPipe``, ``Schedule1F1B`` and, beside
+  ``zb-h1``, its zero-bubble ``ScheduleInterleavedZeroBubble`` (one stage per
+  process);
 
 every candidate once per round, in turn, the order turning each round (a
 step of P processes takes as long as the slowest). The figures are medians
 over rounds, and each ratio is the median of the rounds' ratios. The
 pipelines run without checkpointing (torch's schedules have none);
 ``DistributedPipe`` with ``except_last`` is reported beside them. Before
-timing, each pipeline's gradients are checked against the plain model's. The
-last line is JSON.
+timing, each pipeline's gradients are checked against the plain model's.
+Beside each time, the minor page faults of a step (``getrusage``, the most
+of any process, median over rounds): memory the allocator gave back and
+the step touches again. The default allocator. The last line is JSON.
 
 Run: torchrun --nproc_per_node=2 examples/benchmarks/stage_processes.py [--chunks 4 8 16]
 """
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import resource
 import statistics
 import time
 from collections.abc import Callable
@@ -39,7 +44,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from pipe_common import machine, print_json
 from torch import Tensor, nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleavedZeroBubble,
+)
 
 from pipeline import Pipe
 from pipeline.distributed import DistributedPipe, init_process_group_from_env
@@ -48,7 +58,16 @@ Step = Callable[[], object]
 MODES = ("never", "except_last")
 BLOCKS = 8
 # (schedule, torch's schedule class): the pairs compared.
-PAIRS = (("gpipe", "ScheduleGPipe"), ("1f1b", "Schedule1F1B"))
+PAIRS = (
+    ("gpipe", "ScheduleGPipe"),
+    ("1f1b", "Schedule1F1B"),
+    ("zb-h1", "ScheduleInterleavedZeroBubble"),
+)
+KINDS: dict[str, Any] = {
+    "ScheduleGPipe": ScheduleGPipe,
+    "Schedule1F1B": Schedule1F1B,
+    "ScheduleInterleavedZeroBubble": ScheduleInterleavedZeroBubble,
+}
 
 
 def mlp(width: int, activation: type[nn.Module] = nn.ReLU) -> nn.Sequential:
@@ -114,27 +133,34 @@ def max_grad_difference(module: nn.Module, plain: nn.Sequential) -> float:
     return float(worst)
 
 
-def timed(candidates: dict[str, tuple[Step, bool]], rounds: int) -> dict[str, list[float]]:
-    """Seconds per step of each candidate in each round; ``(step, everywhere)``: False runs
-    on rank 0 only.
+def timed(
+    candidates: dict[str, tuple[Step, bool]], rounds: int
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Seconds per step of each candidate in each round, and its minor page faults (the
+    most of any process); ``(step, everywhere)``: False runs on rank 0 only.
 
     The order turns by one each round (the same on every rank), so that no
     candidate always follows the same neighbour. Round 0 warms up.
     """
     names = list(candidates)
     times: dict[str, list[float]] = {name: [] for name in names}
+    faults: dict[str, list[float]] = {name: [] for name in names}
     for round_ in range(rounds + 1):
         for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
             step, everywhere = candidates[name]
             dist.barrier()
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             start = time.perf_counter()
             if everywhere or dist.get_rank() == 0:
                 step()
-            took = torch.tensor(time.perf_counter() - start)
+            seconds = time.perf_counter() - start
+            touched = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+            took = torch.tensor([seconds, float(touched)])
             dist.all_reduce(took, op=dist.ReduceOp.MAX)
             if round_:
-                times[name].append(float(took))
-    return times
+                times[name].append(float(took[0]))
+                faults[name].append(float(took[1]))
+    return times, faults
 
 
 def median_ratio(numerators: list[float], denominators: list[float]) -> float:
@@ -171,10 +197,11 @@ def measure(m: int, args: argparse.Namespace) -> dict[str, Any]:
             candidates[name] = (ours(pipe, x, y, schedule), True)
             checked[name] = (pipe, True)
     for _, label in PAIRS:
-        kind = {"ScheduleGPipe": ScheduleGPipe, "Schedule1F1B": Schedule1F1B}[label]
         part = local_part(mlp(width))
         stage = PipelineStage(part, dist.get_rank(), world, torch.device("cpu"))
-        schedule = kind(stage, n_microbatches=m, loss_fn=F.mse_loss)
+        # torch's zero-bubble schedule takes a list of this process's stages.
+        stages: Any = [stage] if label == "ScheduleInterleavedZeroBubble" else stage
+        schedule = KINDS[label](stages, n_microbatches=m, loss_fn=F.mse_loss)
         candidates[f"torch {label}"] = (torchs(stage, part, schedule, x, y), True)
         checked[f"torch {label}"] = (part, True)
 
@@ -186,11 +213,12 @@ def measure(m: int, args: argparse.Namespace) -> dict[str, Any]:
             worst = torch.tensor(max_grad_difference(module, plain))
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
         differences[name] = float(worst)
-    times = timed(candidates, args.rounds)
+    times, faults = timed(candidates, args.rounds)
     baseline = times["plain micro-batches"]
     result: dict[str, Any] = {
         "chunks": m,
         "ms": {k: round(statistics.median(v) * 1e3, 2) for k, v in times.items()},
+        "page_faults": {k: statistics.median(v) for k, v in faults.items()},
         "speedup_vs_plain": {k: median_ratio(baseline, v) for k, v in times.items()},
         "max_grad_difference_from_plain": differences,
         "ours_over_torch_throughput": {
@@ -221,7 +249,8 @@ def report(result: dict[str, Any], rows: int, world: int) -> None:
         difference = result["max_grad_difference_from_plain"].get(name)
         checked = "" if difference is None else f"  grads within {difference:.1e}"
         speedup = result["speedup_vs_plain"][name]
-        print(f"  {name:46s} {ms:8.1f} ms  {speedup:5.2f}x plain{checked}")
+        faults = result["page_faults"][name]
+        print(f"  {name:46s} {ms:8.1f} ms  {speedup:5.2f}x plain  {faults:7.0f} faults{checked}")
     for name, ratio in result["ours_over_torch_throughput"].items():
         print(f"  {name}: {ratio:.3f}x the throughput of torch's")
 
