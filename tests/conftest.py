@@ -1,9 +1,11 @@
-"""Shared fixtures: every test must leave no pipeline worker thread behind; gloo groups."""
+"""Shared fixtures: every test must leave no pipeline worker thread behind; gloo groups,
+torchrun and python scripts, their processes forked by rank servers (tests/rank_server.py)."""
 
 from __future__ import annotations
 
 import gc
 import itertools
+import subprocess
 import threading
 import weakref
 from collections.abc import Iterator
@@ -13,7 +15,17 @@ import pytest
 import torch
 
 from pipeline import Pipe
-from tests.gloo_groups import GroupRunner, Outcomes, free_port, run_group
+from tests.gloo_groups import (
+    REPO_ROOT,
+    ForkedPython,
+    GroupRunner,
+    Outcomes,
+    Torchrun,
+    free_port,
+    process_env,
+    run_group,
+)
+from tests.rank_server import RankServers
 
 
 def pipe_threads() -> list[threading.Thread]:
@@ -72,8 +84,18 @@ def port() -> int:
 
 
 @pytest.fixture(scope="session")
-def group_runner(tmp_path_factory: pytest.TempPathFactory) -> GroupRunner:
-    """run_group, each call in a fresh temporary directory."""
+def rank_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RankServers]:
+    """Rank servers for the session's gloo groups, started as groups first need them."""
+    servers = RankServers(tmp_path_factory.mktemp("servers"), process_env())
+    yield servers
+    servers.close()
+
+
+@pytest.fixture(scope="session")
+def group_runner(
+    tmp_path_factory: pytest.TempPathFactory, rank_servers: RankServers
+) -> GroupRunner:
+    """run_group, each call in a fresh temporary directory, its ranks forked by rank servers."""
     counter = itertools.count()
 
     def launch(
@@ -85,6 +107,7 @@ def group_runner(tmp_path_factory: pytest.TempPathFactory) -> GroupRunner:
         numpy: bool = True,
         pg_timeout_s: float = 20,
         wall_timeout_s: float = 60,
+        fresh: bool = False,
     ) -> Outcomes:
         directory = tmp_path_factory.mktemp(f"group{next(counter)}")
         return run_group(
@@ -96,6 +119,43 @@ def group_runner(tmp_path_factory: pytest.TempPathFactory) -> GroupRunner:
             numpy=numpy,
             pg_timeout_s=pg_timeout_s,
             wall_timeout_s=wall_timeout_s,
+            servers=rank_servers,
+            fresh=fresh,
         )
 
     return launch
+
+
+# Workers of a local rank beyond these start afresh: a server costs as much as the one
+# worker it would serve, and only the 8-process example has more.
+SERVED_LOCAL_RANKS = 4
+
+
+@pytest.fixture
+def forked_python(rank_servers: RankServers) -> ForkedPython:
+    """``run(argv, env, timeout, cwd=None)``: ``python *argv`` as ``subprocess.run(...,
+    capture_output=True, text=True)`` runs it, but forked by a rank server, torch imported
+    already: for scripts whose run, not whose import, a test checks."""
+    return rank_servers.run
+
+
+@pytest.fixture
+def torchrun(rank_servers: RankServers, port: int) -> Torchrun:
+    """``python -m torch.distributed.run --nproc_per_node=N --master_port=PORT SCRIPT ARGS``
+    with the repository importable and one OpenMP thread, output captured as text. The
+    launcher and each worker's SCRIPT (through tests/rank_client.py) are forked by rank
+    servers."""
+
+    def run(
+        nproc: int, script: Path, *args: str, timeout: float
+    ) -> subprocess.CompletedProcess[str]:
+        rank_servers.ensure(min(nproc, SERVED_LOCAL_RANKS))
+        argv = [
+            "-m", "torch.distributed.run",
+            f"--nproc_per_node={nproc}", f"--master_port={port}",
+            str(REPO_ROOT / "tests" / "rank_client.py"), str(script), *args,
+        ]  # fmt: skip
+        env = {**process_env(), "RANK_SERVER_DIR": str(rank_servers.directory)}
+        return rank_servers.run(argv, env, timeout)
+
+    return run

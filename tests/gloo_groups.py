@@ -4,7 +4,9 @@ launcher (pytest's side) and the runner (each rank's side).
 A scenario script registers its scenarios with ``@scenario`` and ends with
 ``main()``; ``run_group`` starts it as ``python SCRIPT OUT.json PG_TIMEOUT_S
 NAME...`` in every rank, with torchrun's environment variables, and reads
-back each rank's {name: "ok" or the traceback}.
+back each rank's {name: "ok" or the traceback}. Given rank servers
+(tests/rank_server.py), a gloo group's ranks are forked from them, torch
+already imported, instead of started afresh.
 """
 
 from __future__ import annotations
@@ -26,11 +28,15 @@ import torch
 import torch.distributed as dist
 
 from pipeline.distributed import init_process_group_from_env
+from tests.rank_server import ForkedRank, RankServers
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 Outcomes = list[dict[str, str]]
 GroupRunner = Callable[..., Outcomes]
+# conftest.py's fixtures that run a process as subprocess.run(..., capture_output=True, text=True)
+ForkedPython = Callable[..., "subprocess.CompletedProcess[str]"]
+Torchrun = Callable[..., "subprocess.CompletedProcess[str]"]
 
 
 def free_port() -> int:
@@ -41,19 +47,26 @@ def free_port() -> int:
         return port
 
 
+def process_env() -> dict[str, str]:
+    """This environment, with the repository importable and one OpenMP thread."""
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+    }
+
+
 def rank_env(
     rank: int, world_size: int, port: int, backend: str = "gloo", numpy: bool = True
 ) -> dict[str, str]:
     """The environment torchrun would give process `rank`, and how its scenarios should run."""
     return {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
+        **process_env(),
         "RANK": str(rank),
         "LOCAL_RANK": str(rank),
         "WORLD_SIZE": str(world_size),
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
-        "OMP_NUM_THREADS": "1",
         "SCENARIO_BACKEND": backend,
         "SCENARIO_WITHOUT_NUMPY": "0" if numpy else "1",
     }
@@ -69,34 +82,40 @@ def run_group(
     numpy: bool = True,
     pg_timeout_s: float = 20,
     wall_timeout_s: float = 60,
+    servers: RankServers | None = None,
+    fresh: bool = False,
 ) -> Outcomes:
     """Run `scenarios` (names in `script`) in one process group; each rank's outcomes.
 
     Every rank reports {scenario: "ok" or the failure}. All processes are
     killed after `wall_timeout_s`, so a hang fails the test instead of
-    blocking the suite.
+    blocking the suite. With `servers`, a gloo group with NumPy forks its
+    ranks from them; NCCL, a group without NumPy (which torch's import must
+    not find) and one asked to be `fresh` (CUDA: a tier's GPU groups) start
+    fresh interpreters.
     """
+    if backend != "gloo" or not numpy or fresh:
+        servers = None
     for _ in range(3):
-        procs = _start(directory, scenarios, script, world_size, backend, numpy, pg_timeout_s)
+        procs = _start(
+            directory, scenarios, script, world_size, backend, numpy, pg_timeout_s, servers
+        )
         if _wait(procs, wall_timeout_s):
             break
     else:
         pytest.fail("rank 0 found its free port taken three times in a row (EADDRINUSE)")
     outcomes = []
     for proc, out, log in procs:
+        code = proc.wait()  # at once: every rank has ended
         if not out.exists():
-            pytest.fail(
-                f"a rank wrote no results (exit code {proc.returncode}):\n{log.read_text()}"
-            )
-        if proc.returncode < 0:
-            pytest.fail(
-                f"a rank died of signal {-proc.returncode} after its scenarios:\n{log.read_text()}"
-            )
+            pytest.fail(f"a rank wrote no results (exit code {code}):\n{log.read_text()}")
+        if code < 0:
+            pytest.fail(f"a rank died of signal {-code} after its scenarios:\n{log.read_text()}")
         outcomes.append(json.loads(out.read_text()))
     return outcomes
 
 
-Launched = list[tuple[subprocess.Popen[bytes], Path, Path]]
+Launched = list[tuple[subprocess.Popen[bytes] | ForkedRank, Path, Path]]
 
 
 def _start(
@@ -107,21 +126,27 @@ def _start(
     backend: str,
     numpy: bool,
     pg_timeout_s: float,
+    servers: RankServers | None,
 ) -> Launched:
     """Start every rank of a group on a free port; (process, outcomes file, log) per rank."""
+    if servers is not None:
+        servers.ensure(world_size)  # before the port is chosen: starting them takes seconds
     port = free_port()
-    procs = []
+    procs: Launched = []
     for rank in range(world_size):
         out, log = directory / f"rank{rank}.json", directory / f"rank{rank}.log"
         out.unlink(missing_ok=True)
-        cmd = [sys.executable, str(script), str(out), str(pg_timeout_s), *scenarios]
+        argv = [str(script), str(out), str(pg_timeout_s), *scenarios]
+        env = rank_env(rank, world_size, port, backend, numpy)
         with log.open("w") as log_file:
-            proc = subprocess.Popen(
-                cmd,
-                env=rank_env(rank, world_size, port, backend, numpy),
-                stdout=log_file,
-                stderr=log_file,
-            )
+            if servers is not None:
+                proc: subprocess.Popen[bytes] | ForkedRank = servers.fork(
+                    rank, argv, env, log_file, log_file
+                )
+            else:
+                proc = subprocess.Popen(
+                    [sys.executable, *argv], env=env, stdout=log_file, stderr=log_file
+                )
         procs.append((proc, out, log))
     return procs
 

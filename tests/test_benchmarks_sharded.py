@@ -8,10 +8,11 @@ docs' table takes, with the memory of a rank half a stage's (fsdp = 2).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tests.gloo_groups import Torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "benchmarks" / "sharded_stages.py"
@@ -20,14 +21,9 @@ TORCH = tuple(f"{torch_} {s}" for s in SCHEDULES for torch_ in ("torch", "torch 
 CANDIDATES = {f"ours {s}" for s in SCHEDULES} | set(TORCH)
 
 
-def test_quick_run_prints_the_comparison_as_json(port: int) -> None:
-    command = [
-        sys.executable, "-m", "torch.distributed.run",
-        "--nproc_per_node=4", f"--master_port={port}", str(SCRIPT), "--quick",
-    ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    # Four processes each import torch on a shared machine: the bound is generous.
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+def test_quick_run_prints_the_comparison_as_json(torchrun: Torchrun) -> None:
+    # Four processes on a shared machine: the bound is generous.
+    done = torchrun(4, SCRIPT, "--quick", timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["benchmark"] == "sharded_stages"

@@ -1,7 +1,8 @@
 """examples/benchmarks/gpu_check.py: says so and exits 0 without CUDA; its CPU dry run works.
 
 Both run with CUDA hidden (``CUDA_VISIBLE_DEVICES=""``), so on a GPU machine
-too they take seconds: the GPU run itself is the script's job.
+too they take seconds: the GPU run itself is the script's job. Each is forked by
+a rank server (conftest.py's ``forked_python``): torch's import is not paid again.
 """
 
 from __future__ import annotations
@@ -11,34 +12,35 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tests.gloo_groups import ForkedPython
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "benchmarks" / "gpu_check.py"
 TIMEOUT_S = 300
 
 
-def run(*arguments: str) -> subprocess.CompletedProcess[str]:
+def run(python: ForkedPython, *arguments: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), *arguments],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-    )
+    return python([str(SCRIPT), *arguments], env, TIMEOUT_S, cwd=ROOT)
 
 
-def test_without_cuda_it_says_so_and_exits_0() -> None:
-    done = run()
+def test_without_cuda_it_says_so_and_exits_0(forked_python: ForkedPython) -> None:
+    done = run(forked_python)
     assert done.returncode == 0, done.stderr
     assert "CUDA is not available" in done.stdout
     assert "run this on a machine with a GPU" in done.stdout
 
 
-def test_the_cpu_dry_run_times_checks_and_reports_every_part(tmp_path: Path) -> None:
+def test_the_cpu_dry_run_times_checks_and_reports_every_part(
+    tmp_path: Path, forked_python: ForkedPython
+) -> None:
     out, table = tmp_path / "check.json", tmp_path / "check.md"
-    done = run("--device", "cpu", "--quick", "--out", str(out), "--markdown", str(table))
+    done = run(
+        forked_python, "--device", "cpu", "--quick", "--out", str(out), "--markdown", str(table)
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     results = json.loads(out.read_text())
     steps = results["steps"]["times"]

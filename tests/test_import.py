@@ -11,6 +11,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 HEAVY = [
     "torch.distributed.checkpoint",
     "torch.distributed.fsdp",
@@ -22,22 +24,29 @@ HEAVY = [
 ]
 
 
-def modules_after(code: str) -> list[str]:
-    probe = f"import sys, json\n{code}\nprint(json.dumps(sorted(sys.modules)))"
+def modules_after(*steps: str) -> list[set[str]]:
+    """The modules loaded after each step of code, run in turn in one fresh interpreter."""
+    show = "print(json.dumps(sorted(sys.modules)))"
+    probe = "\n".join(["import sys, json", *(f"{step}\n{show}" for step in steps)])
     done = subprocess.run(
         [sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, check=True
     )
-    loaded: list[str] = json.loads(done.stdout.splitlines()[-1])
-    return loaded
+    return [set(json.loads(line)) for line in done.stdout.splitlines()[-len(steps) :]]
 
 
-def test_import_pipeline_loads_no_heavy_part_of_torch() -> None:
-    loaded = set(modules_after("import pipeline, pipeline.distributed"))
-    assert "pipeline.distributed.pipe" in loaded
-    assert [m for m in HEAVY if m in loaded] == []
+@pytest.fixture(scope="module")
+def loaded() -> list[set[str]]:
+    # One interpreter for both tests: each start imports torch again (seconds).
+    return modules_after(
+        "import pipeline, pipeline.distributed",
+        "from pipeline.distributed import load_checkpoint, save_checkpoint",
+    )
 
 
-def test_the_checkpoint_functions_load_on_first_use() -> None:
-    code = "from pipeline.distributed import load_checkpoint, save_checkpoint"
-    loaded = set(modules_after(code))
-    assert {"pipeline.distributed.checkpoints", "torch.distributed.checkpoint"} <= loaded
+def test_import_pipeline_loads_no_heavy_part_of_torch(loaded: list[set[str]]) -> None:
+    assert "pipeline.distributed.pipe" in loaded[0]
+    assert [m for m in HEAVY if m in loaded[0]] == []
+
+
+def test_the_checkpoint_functions_load_on_first_use(loaded: list[set[str]]) -> None:
+    assert {"pipeline.distributed.checkpoints", "torch.distributed.checkpoint"} <= loaded[1]

@@ -41,7 +41,11 @@ def test_stages_and_replicas_in_processes_equal_the_plain_model(
     group_runner: GroupRunner, monkeypatch: pytest.MonkeyPatch, backend: str, device: str
 ) -> None:
     monkeypatch.setenv("DEVICE_TIER_DEVICE", device)
-    outcomes = group_runner(NAMES, script=SCENARIOS, backend=backend, wall_timeout_s=180)
+    # A CUDA group's ranks start afresh, not forked from a rank server, as GPU programs do.
+    fresh = device != "cpu"
+    outcomes = group_runner(
+        NAMES, script=SCENARIOS, backend=backend, wall_timeout_s=180, fresh=fresh
+    )
     failures = [
         f"rank {r}, {n}:\n{o.get(n)}"
         for r, o in enumerate(outcomes)

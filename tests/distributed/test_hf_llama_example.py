@@ -2,28 +2,23 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+if TYPE_CHECKING:
+    from tests.gloo_groups import Torchrun
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 pytest.importorskip("transformers")
 
 
-def test_hf_llama_example_trains_across_processes_like_the_plain_model(port: int) -> None:
-    command = [
-        sys.executable, "-m", "torch.distributed.run",
-        "--nproc_per_node=2", f"--master_port={port}",
-        str(REPO_ROOT / "examples" / "hf_llama.py"),
-        "--steps", "3", "--log-every", "3", "--layers", "2", "--width", "16",
-        "--batch", "4", "--chunks", "2", "--context", "16",
-    ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+def test_hf_llama_example_trains_across_processes_like_the_plain_model(torchrun: Torchrun) -> None:
+    args = ["--steps", "3", "--log-every", "3", "--layers", "2", "--width", "16"]
+    args += ["--batch", "4", "--chunks", "2", "--context", "16"]
+    done = torchrun(2, EXAMPLES / "hf_llama.py", *args, timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "split on meta into 4 pieces" in done.stdout
     assert "2 processes, balance [2, 2]" in done.stdout

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
+import os
 import xml.etree.ElementTree as ET
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -15,6 +15,9 @@ import pipeline
 from pipeline.trace.event import Event
 from pipeline.trace.svg import COLOURS, render_svg
 from tests.helpers import mlp
+
+if TYPE_CHECKING:
+    from tests.gloo_groups import ForkedPython
 
 SVG = "{http://www.w3.org/2000/svg}"
 ROOT = Path(__file__).resolve().parents[2]
@@ -63,12 +66,12 @@ def test_bad_calls_are_refused() -> None:
         render_svg([event], width=100)
 
 
-def test_the_example_draws_gpipe_1f1b_and_zb_h1(tmp_path: Path) -> None:
+def test_the_example_draws_gpipe_1f1b_and_zb_h1(
+    tmp_path: Path, forked_python: ForkedPython
+) -> None:
     script = ROOT / "examples" / "schedule_pictures.py"
     small = ["--rows", "4", "--width", "16", "--out", str(tmp_path)]
-    done = subprocess.run(
-        [sys.executable, str(script), *small], capture_output=True, text=True, timeout=240
-    )
+    done = forked_python([str(script), *small], dict(os.environ), 240)
     assert done.returncode == 0, done.stderr
     for schedule in ("gpipe", "1f1b", "zb-h1"):
         tree = ET.parse(tmp_path / f"{schedule}.svg").getroot()
