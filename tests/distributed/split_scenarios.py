@@ -243,6 +243,7 @@ def split_mixtral_with_eager_experts_on_meta_trains_like_the_plain_model() -> No
         assert_like_the_plain_model(pipe, plain, f"Mixtral, {schedule}")
         pipe.close()
 
+
 def set_dropout(model: nn.Module, p: float) -> None:
     """Inside GPT-2's blocks (each called as itself), a dropout's p is read at each call."""
     for module in model.modules():
