@@ -20,6 +20,12 @@ __all__ = ["captured_modules", "refuse_hooks", "refuse_recorded_outputs"]
 # What transformers' models record with hooks when asked by an ``output_<key>`` flag;
 # a model adds its own keys in its class's ``_can_record_outputs``.
 RECORDED = ("hidden_states", "attentions", "router_logits")
+# Why the loss the router logits feed could not be the plain model's under micro-batches anyway.
+ROUTER_LOSS = (
+    " The Mixture-of-Experts auxiliary loss they feed is, besides, a product of two means over "
+    "the whole batch's tokens (each expert's share of the tokens and its mean probability), "
+    "which no sum of per-micro-batch losses equals."
+)
 
 
 def captured_modules(model: nn.Module, blocks: dict[nn.Module, str]) -> list[tuple[str, nn.Module]]:
@@ -89,8 +95,8 @@ def refuse_recorded_outputs(
                 f"{source}, but split cannot give that output: transformers collects it with "
                 "hooks on the blocks and on modules inside them while its forward runs, and the "
                 "pieces of a split model run without that collection (it would come out empty, "
-                f"or wrong). Pass {flag}=False in the example's kwargs (it overrides the config) "
-                "or set it False in the config before splitting; to read a block's output, "
-                "register a forward hook on the block itself (blocks run as themselves, hooks "
-                "included)"
+                f"or wrong).{ROUTER_LOSS if flag == 'output_router_logits' else ''} Pass "
+                f"{flag}=False in the example's kwargs (it overrides the config) or set it False "
+                "in the config before splitting; to read a block's output, register a forward "
+                "hook on the block itself (blocks run as themselves, hooks included)"
             )
