@@ -45,7 +45,13 @@ from pipeline.distributed.sharded import check_sharding, sharding_kind
 from pipeline.distributed.stage_arguments import check_alone, disagreement
 from pipeline.distributed.ties import TiedWeights
 from pipeline.distributed.wire_format import DEFAULT_MAX_MESSAGE_BYTES
-from pipeline.runtime.agreement import camps, fingerprint, gather_rows, ranks_text, refused_text
+from pipeline.runtime.agreement import (
+    camps,
+    fingerprint,
+    gather_rows,
+    ranks_text,
+    refusal_elsewhere,
+)
 from pipeline.runtime.lazy import instance_of
 from pipeline.runtime.microbatch import Batch, Value, gather
 from pipeline.runtime.process_group import collective_device, resolve_group
@@ -439,12 +445,11 @@ class DistributedPipe(PipeBase):
             raise self._transport.explain("the step's agreement", error) from error
         if refusal is not None:
             raise refusal
-        refused = [r for r, theirs in enumerate(rows) if theirs[0]]
-        if refused:
-            raise ValueError(
-                f"{refused_text(refused)} of the pipeline refused this step's arguments (its "
-                "error says why); no process ran anything"
-            )
+        elsewhere = refusal_elsewhere(
+            rows, "of the pipeline refused this step's arguments", "no process ran anything"
+        )
+        if elsewhere is not None:
+            raise elsewhere
         choices = camps([theirs[1] for theirs in rows])
         if len(choices) > 1:
             raise ValueError(

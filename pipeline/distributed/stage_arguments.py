@@ -24,7 +24,7 @@ from pipeline.runtime.agreement import (
     fingerprint,
     gather_rows,
     ranks_text,
-    refused_text,
+    refusal_elsewhere,
 )
 from pipeline.runtime.layers import named_layers
 
@@ -98,12 +98,11 @@ def disagreement(
     row = [int(arguments is None), len(layers), fingerprint(str(layer_hashes))]
     row += [fingerprint(texts[name]) if texts else 0 for name in _HINTS]
     rows = gather_rows(row, group)
-    refused = [r for r, theirs in enumerate(rows) if theirs[0]]
-    if refused:
-        return ValueError(
-            f"{refused_text(refused)} of the pipeline refused its DistributedPipe arguments (its "
-            "error says why); no process built anything"
-        )
+    elsewhere = refusal_elsewhere(
+        rows, "of the pipeline refused its DistributedPipe arguments", "no process built anything"
+    )
+    if elsewhere is not None:
+        return elsewhere
     if len(camps([theirs[2] for theirs in rows])) > 1:
         return _model_difference(layers, layer_hashes, max(r[1] for r in rows), group)
     for column, name in enumerate(_HINTS, start=3):

@@ -18,7 +18,13 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from pipeline.runtime.agreement import camps, fingerprint, gather_rows, ranks_text, refused_text
+from pipeline.runtime.agreement import (
+    camps,
+    fingerprint,
+    gather_rows,
+    ranks_text,
+    refusal_elsewhere,
+)
 from pipeline.runtime.process_group import collective_device
 
 __all__ = ["agree_inputs", "from_rank_zero", "largest"]
@@ -33,12 +39,9 @@ def agree_inputs(group: dist.ProcessGroup, refusal: Exception | None, text: str)
     rows = gather_rows([int(refusal is not None), fingerprint(text)], group)
     if refusal is not None:
         raise refusal
-    refused = [r for r, row in enumerate(rows) if row[0]]
-    if refused:
-        raise ValueError(
-            f"{refused_text(refused)} refused its pipeline.plan arguments (its error says why); "
-            "no process planned"
-        )
+    elsewhere = refusal_elsewhere(rows, "refused its pipeline.plan arguments", "no process planned")
+    if elsewhere is not None:
+        raise elsewhere
     split = camps([row[1] for row in rows])
     if len(split) > 1:
         raise ValueError(

@@ -20,7 +20,15 @@ import torch.distributed as dist
 
 from pipeline.runtime.process_group import collective_device
 
-__all__ = ["camps", "fingerprint", "gather_rows", "gather_texts", "ranks_text", "refused_text"]
+__all__ = [
+    "camps",
+    "fingerprint",
+    "gather_rows",
+    "gather_texts",
+    "ranks_text",
+    "refusal_elsewhere",
+    "refused_text",
+]
 
 
 def fingerprint(text: str) -> int:
@@ -74,6 +82,17 @@ def ranks_text(groups: Sequence[Sequence[int]]) -> str:
     """``ranks [0, 2] and ranks [1]`` (or ``ranks [0], ranks [1] and ranks [2]``)."""
     parts = [f"ranks {list(g)}" for g in groups]
     return parts[0] if len(parts) == 1 else f"{', '.join(parts[:-1])} and {parts[-1]}"
+
+
+def refusal_elsewhere(rows: Sequence[Sequence[int]], what: str, undone: str) -> ValueError | None:
+    """The error naming the ranks whose row starts with 1 (they refused ``what``), or None.
+
+    ``undone``: what no process did, since one refused.
+    """
+    refused = [rank for rank, row in enumerate(rows) if row[0]]
+    if not refused:
+        return None
+    return ValueError(f"{refused_text(refused)} {what} (its error says why); {undone}")
 
 
 def refused_text(refused: Sequence[int]) -> str:

@@ -53,10 +53,16 @@ def early_late() -> EarlyLate:
     return EarlyLate().double()
 
 
-def gpt2(**config: Any) -> nn.Module:
-    """A tiny GPT-2 (tied head), no dropout unless asked, no cache."""
+def quiet_transformers() -> Any:
+    """transformers, its warnings off (the test is skipped where it is not installed)."""
     transformers = pytest.importorskip("transformers")
     transformers.logging.set_verbosity_error()
+    return transformers
+
+
+def gpt2(**config: Any) -> nn.Module:
+    """A tiny GPT-2 (tied head), no dropout unless asked, no cache."""
+    transformers = quiet_transformers()
     options = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "use_cache": False}
     settings = transformers.GPT2Config(
         n_layer=3, n_embd=16, n_head=2, vocab_size=VOCAB, n_positions=32, **{**options, **config}
@@ -66,8 +72,7 @@ def gpt2(**config: Any) -> nn.Module:
 
 def llama() -> nn.Module:
     """A tiny Llama: rotary tables, grouped-query attention (4 heads, 2 key/value heads)."""
-    transformers = pytest.importorskip("transformers")
-    transformers.logging.set_verbosity_error()
+    transformers = quiet_transformers()
     settings = transformers.LlamaConfig(
         num_hidden_layers=3,
         hidden_size=16,
@@ -83,8 +88,7 @@ def llama() -> nn.Module:
 
 def t5() -> nn.Module:
     """A tiny T5: an encoder and a decoder of 2 blocks each, relative position biases, tied head."""
-    transformers = pytest.importorskip("transformers")
-    transformers.logging.set_verbosity_error()
+    transformers = quiet_transformers()
     settings = transformers.T5Config(
         d_model=16,
         d_kv=8,
@@ -101,8 +105,7 @@ def t5() -> nn.Module:
 
 def bart() -> nn.Module:
     """A tiny BART: stacks of 2 encoder and 3 decoder layers, of two classes."""
-    transformers = pytest.importorskip("transformers")
-    transformers.logging.set_verbosity_error()
+    transformers = quiet_transformers()
     settings = transformers.BartConfig(
         d_model=16,
         encoder_layers=2,
@@ -127,8 +130,7 @@ def mixtral(experts: str | None = "eager", dtype: torch.dtype = torch.float64) -
     ``"eager"`` routes in Python (which experts run depends on the router's values);
     ``None`` leaves transformers' default.
     """
-    transformers = pytest.importorskip("transformers")
-    transformers.logging.set_verbosity_error()
+    transformers = quiet_transformers()
     chosen = {} if experts is None else {"experts_implementation": experts}
     settings = transformers.MixtralConfig(
         vocab_size=VOCAB,
@@ -148,8 +150,7 @@ def mixtral(experts: str | None = "eager", dtype: torch.dtype = torch.float64) -
 
 def qwen2_moe() -> nn.Module:
     """A tiny Qwen2-MoE, eager routing: 4 experts (2 per token) beside a gated shared expert."""
-    transformers = pytest.importorskip("transformers")
-    transformers.logging.set_verbosity_error()
+    transformers = quiet_transformers()
     settings = transformers.Qwen2MoeConfig(
         vocab_size=VOCAB,
         hidden_size=16,
@@ -171,8 +172,7 @@ def qwen2_moe() -> nn.Module:
 def deepseek_v3() -> nn.Module:
     """A tiny DeepSeek-V3 shape, eager routing: a dense layer, then a layer of 4 routed experts
     in 2 groups (1 chosen per token), a shared expert, latent attention."""
-    transformers = pytest.importorskip("transformers")
-    transformers.logging.set_verbosity_error()
+    transformers = quiet_transformers()
     settings = transformers.DeepseekV3Config(
         vocab_size=VOCAB,
         hidden_size=16,
