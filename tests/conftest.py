@@ -3,12 +3,14 @@ torchrun and python scripts, their processes forked by rank servers (tests/rank_
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import itertools
+import os
 import subprocess
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 
 import pytest
@@ -42,6 +44,28 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 
 
 _FAILED = pytest.StashKey[bool]()
+
+# A test that runs longer than this, its setup and teardown included, is
+# hung: no test needs a tenth of it on a loaded machine.
+HUNG_AFTER_S = 1200
+_real_stderr = pytest.StashKey[int]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Capture is suspended while pytest configures: fd 2 is the terminal's or CI's log.
+    config.stash[_real_stderr] = os.dup(2)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, object, object]:
+    """A hung test ends the run with every thread's stack on stderr, instead of
+    holding it until CI's own timeout kills it with none."""
+    with os.fdopen(os.dup(item.config.stash[_real_stderr]), "w") as stderr:
+        faulthandler.dump_traceback_later(HUNG_AFTER_S, exit=True, file=stderr)
+        try:
+            return (yield)
+        finally:
+            faulthandler.cancel_dump_traceback_later()
 
 
 @pytest.fixture(autouse=True)

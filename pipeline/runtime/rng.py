@@ -51,7 +51,7 @@ from __future__ import annotations
 import sys
 import threading
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,16 +82,17 @@ def _mix(*values: int) -> int:
     return state & _SEED_MASK
 
 
-def _lock(generator: torch.Generator) -> _Held:
+def _lock(generator: torch.Generator) -> threading.Lock:
+    """The lock around every use of ``generator``; enter it after ``_compile_lock()``."""
     lock = _locks.get(id(generator))
     if lock is None:
         with _locks_guard:
             lock = _locks.setdefault(id(generator), threading.Lock())
-    return _Held(lock)
+    return lock
 
 
-class _Held:
-    """Dynamo's compile lock (once dynamo is loaded), then one generator's lock.
+def _compile_lock() -> AbstractContextManager[Any]:
+    """Dynamo's compile lock once dynamo is loaded; entered before a generator's lock.
 
     Dynamo notes the default generators' states when it starts compiling a
     frame and sets them back when it is done (``preserve_global_state``), on
@@ -101,25 +102,16 @@ class _Held:
     Dynamo compiles under its ``compile_lock``, a reentrant lock, so holding
     it around every use of a generator keeps compilations out. Taken first
     everywhere, it cannot deadlock: a compilation that draws already holds it.
+
+    Both locks are entered by a ``with`` of their own, never by Python code
+    between an acquire and the block: a KeyboardInterrupt raised there (a
+    blocked acquire in the main thread is interruptible) would leave a lock
+    held and every worker that draws waiting for it forever. A ``with`` on a
+    lock, whose ``__enter__`` is C, releases it whatever interrupts the block.
     """
-
-    __slots__ = ("_compiling", "_lock")
-
-    def __init__(self, lock: threading.Lock) -> None:
-        self._lock = lock
-        self._compiling: AbstractContextManager[Any] | None = None
-
-    def __enter__(self) -> None:
-        convert_frame = sys.modules.get("torch._dynamo.convert_frame")
-        self._compiling = getattr(convert_frame, "compile_lock", None)
-        if self._compiling is not None:
-            self._compiling.__enter__()
-        self._lock.acquire()
-
-    def __exit__(self, *exc_info: object) -> None:
-        self._lock.release()
-        if self._compiling is not None:
-            self._compiling.__exit__(None, None, None)
+    convert_frame = sys.modules.get("torch._dynamo.convert_frame")
+    compiling: AbstractContextManager[Any] | None = getattr(convert_frame, "compile_lock", None)
+    return nullcontext() if compiling is None else compiling
 
 
 def default_generator(device: torch.device) -> torch.Generator | None:
@@ -171,7 +163,7 @@ def _random(func: Any) -> bool:
 
 def _state(generator: torch.Generator) -> torch.Tensor:
     """The generator's state, never read inside another thread's seeded draw."""
-    with _lock(generator):
+    with _compile_lock(), _lock(generator):
         return generator.get_state()
 
 
@@ -221,7 +213,7 @@ class BaseSeed:
             with self._lock:
                 if self._value is None:
                     generator = torch.default_generator
-                    with _lock(generator), _disable_current_modes():
+                    with _compile_lock(), _lock(generator), _disable_current_modes():
                         self._value = int(torch.randint(0, _SEED_MASK, (), generator=generator))
         return self._value
 
@@ -311,12 +303,12 @@ class TaskRandomness:
         assert self._span is not None, "replaying() follows a checkpointed drawing()"
         start, keys = self._span
         count = len(start)
-        found = []
-        for generator, state in zip(self._generators, start, strict=True):
-            with _lock(generator):
-                found.append(generator.get_state())
-                generator.set_state(state)
+        found: list[torch.Tensor] = []
         try:
+            for generator, state in zip(self._generators, start, strict=True):
+                with _compile_lock(), _lock(generator):
+                    found.append(generator.get_state())
+                    generator.set_state(state)
             with _Acting(self):
                 yield
             for k, generator in enumerate(self._generators):
@@ -324,8 +316,9 @@ class TaskRandomness:
                 if ended != keys[count + k] and ended != keys[k]:
                     raise self._foreign_draw(generator, "its forward or this recomputation")
         finally:
-            for generator, state in zip(self._generators, found, strict=True):
-                with _lock(generator):
+            # An interrupt may have come before every state was set: put back those found.
+            for generator, state in zip(self._generators, found, strict=False):
+                with _compile_lock(), _lock(generator):
                     generator.set_state(state)
 
     # Seeded draws
@@ -359,10 +352,10 @@ class TaskRandomness:
         kwargs: dict[str, Any],
         replay: bool,
     ) -> Any:
-        with _lock(generator):
+        with _compile_lock(), _lock(generator):
             saved = generator.get_state()
-            generator.manual_seed(seed)
             try:
+                generator.manual_seed(seed)
                 result = func(*args, **kwargs)
                 if self._checkpointed:
                     self._check_end(generator, replay)
@@ -396,7 +389,7 @@ class TaskRandomness:
         kwargs: dict[str, Any],
         replay: bool,
     ) -> Any:
-        with _lock(generator):
+        with _compile_lock(), _lock(generator):
             if not replay:
                 self._recorded[self._draws] = generator.get_state()
                 return func(*args, **kwargs)
@@ -408,8 +401,8 @@ class TaskRandomness:
                     "differ between forward and recomputation"
                 )
             saved = generator.get_state()
-            generator.set_state(recorded)
             try:
+                generator.set_state(recorded)
                 return func(*args, **kwargs)
             finally:
                 generator.set_state(saved)

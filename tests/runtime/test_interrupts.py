@@ -523,3 +523,47 @@ def test_interrupt_while_waiting_leaves_no_stale_result_for_the_next_call(
         pipe(torch.ones(2, 1))
     out = pipe(torch.full((2, 1), 3.0))
     assert torch.equal(out, torch.full((2, 1), 6.0))  # type: ignore[arg-type]
+
+
+def test_ctrl_c_while_waiting_for_a_generator_leaves_no_lock_held(sigints: Sigints) -> None:
+    """The main thread, blocked on a generator's lock that a worker holds, gets Ctrl-C:
+    neither that lock nor dynamo's compile lock, taken before it, stays held (a held one
+    left every later draw of every Pipe waiting forever)."""
+    from torch._dynamo import convert_frame
+
+    from pipeline.runtime import rng
+
+    generator = torch.Generator()
+    lock = rng._lock(generator)
+    lock.acquire()
+
+    def waits_for_the_generator() -> bool:
+        frame = sys._current_frames().get(threading.main_thread().ident or 0)
+        return frame is not None and frame.f_code is rng._state.__code__
+
+    def press_then_release() -> None:
+        try:
+            wait_until(waits_for_the_generator, "the main thread waits for the generator")
+            sigints.press()
+        finally:
+            lock.release()
+
+    presser = threading.Thread(target=press_then_release, daemon=True)
+    presser.start()
+    with pytest.raises(KeyboardInterrupt):
+        rng._state(generator)
+    presser.join(60)
+    assert not presser.is_alive()
+
+    free: list[bool] = []
+
+    def try_both() -> None:
+        for other in (convert_frame.compile_lock, lock):
+            free.append(other.acquire(timeout=5))
+            if free[-1]:
+                other.release()
+
+    checker = threading.Thread(target=try_both, daemon=True)
+    checker.start()
+    checker.join(60)
+    assert free == [True, True]
