@@ -10,8 +10,10 @@ works on an autograd graph of its own, on the stage's worker:
   mailed, an output is kept as the autograd edge its backward starts from,
   not as a tensor: its storage goes as soon as the receiver (or the wire) is
   done with it, as Megatron's ``deallocate_pipeline_outputs`` frees it, and
-  whatever the graph saved of it stays. A checkpointed forward runs without
-  grad and keeps only its inputs.
+  whatever the graph saved of it stays. A checkpointed forward records its
+  graph, so that each output it mails says whether it needs a gradient as
+  in the plain model, but keeps none of what that graph would save: only
+  its inputs.
 - ``B``: recompute if checkpointed (same random draws, same buffers, same
   autocast), run backward from the outputs with the gradients the next stage
   mailed back (from the loss on the last stage, scaled by the step's
@@ -213,7 +215,7 @@ class StageRun:
         if not context.forward_only:
             self.stash[i] = stashed
             self.peak_in_flight = max(self.peak_in_flight, len(self.stash))
-        with randomness.drawing():
+        with randomness.drawing(), _nothing_saved() if checkpointed else _NOTHING:
             if stashed.checkpointed:
                 output = self._checkpointed_forward(stashed)
             else:
@@ -226,6 +228,9 @@ class StageRun:
             self._send_output(i, stashed, output)
             stashed.outputs = [_root(x) for x in output.leaves]
         stashed.skips_out = {key: _root(x) for key, x in stashed.skips_out.items()}
+        if checkpointed:
+            # Its graph saved nothing: the backward recomputes one that does.
+            stashed.outputs, stashed.loss = [], None
 
     def _inputs(self, i: int) -> tuple[Batch, list[Any]]:
         """Micro-batch ``i`` as leaves of this stage's graph; and what they came from."""
@@ -250,7 +255,7 @@ class StageRun:
             context.compute_streams[self.j],
             lock=None,
         )
-        with stashed.recomputation.checkpointed(stashed.inputs), torch.no_grad():
+        with stashed.recomputation.checkpointed(stashed.inputs):
             return self._call(-1, stashed, recomputing=False)
 
     def _call(self, i: int, stashed: _Stashed, recomputing: bool) -> Batch:
@@ -290,12 +295,7 @@ class StageRun:
         return scaled(loss, context.scales[i])
 
     def _send_output(self, i: int, stashed: _Stashed, output: Batch) -> None:
-        # A checkpointed forward records no graph, so it cannot tell which
-        # outputs need a gradient: any floating one may (an unneeded gradient
-        # comes back as None).
-        differentiable = [
-            _needs_grad(x) or (stashed.checkpointed and _floating(x)) for x in output.leaves
-        ]
+        differentiable = [_needs_grad(x) for x in output.leaves]
         message = Message([_detached(x) for x in output.leaves], output.spec, differentiable)
         self._send(("act", self.j + 1, i), message, self.j + 1, i)
 
@@ -463,8 +463,7 @@ class _StageTracker(SkipTracker):
             self.stashed.skips_out[key] = tensor  # the tensor whose graph backward starts from
         if not self.recomputing:
             i = self.stashed.i
-            needs = _needs_grad(tensor) or (self.stashed.checkpointed and _floating(tensor))
-            message = Message([_detached(tensor)], None, [needs])
+            message = Message([_detached(tensor)], None, [_needs_grad(tensor)])
             self.stage._send(self.stage._skip_mail("skip", key, i), message, route.target, i)
 
     def load(self, input: Carrier, key: SkipKey) -> Tensor:
@@ -510,8 +509,18 @@ def _needs_grad(x: Any) -> bool:
     return isinstance(x, Tensor) and x.requires_grad
 
 
-def _floating(x: Any) -> bool:
-    return isinstance(x, Tensor) and (x.is_floating_point() or x.is_complex())
+def _nothing_saved() -> AbstractContextManager[None]:
+    """A checkpointed forward: its graph is recorded, so that each output says whether it
+    needs a gradient as in the plain model, but none of what it would save is kept."""
+    return torch.autograd.graph.saved_tensors_hooks(_drop, _never_unpacked)
+
+
+def _drop(tensor: Tensor) -> None:
+    return None
+
+
+def _never_unpacked(packed: None) -> Tensor:
+    raise RuntimeError("a checkpointed forward's graph is never backpropagated")
 
 
 def _detached(x: Any) -> Any:
