@@ -72,15 +72,26 @@ class _SkipSandbox(SkipTracker):
     """Keeps stashed skip tensors as fresh copies, so each layer is profiled alone.
 
     A popping layer then gets the stashed tensor without the stashing layer's
-    graph: its backward stops at its own inputs, as for the main path.
+    graph: its backward stops at its own inputs, as for the main path. A
+    layer timed several times in a row pops again what it popped: the
+    sandbox serves it a fresh copy each time.
     """
 
     def __init__(self, device: torch.device) -> None:
         super().__init__()
         self.device = device
+        self.popped: dict[SkipKey, Tensor] = {}
 
     def save(self, output: Carrier, key: SkipKey, tensor: Tensor) -> None:
+        self.popped.pop(key, None)
         super().save(output, key, _fresh_tensor(tensor, self.device))
+
+    def load(self, input: Carrier, key: SkipKey) -> Tensor:
+        if key in self.popped:
+            return _fresh_tensor(self.popped[key], self.device)
+        tensor = super().load(input, key)
+        self.popped[key] = tensor.detach()
+        return tensor
 
 
 def run_layer(index: int, layer: nn.Module, inputs: Value) -> Value:

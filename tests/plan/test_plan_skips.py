@@ -1,0 +1,65 @@
+"""Planning a model whose skip connections cross partitions: each layer profiled alone,
+its popped skip served as often as it is timed; the plan's pipe as exact as the plain model."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Generator
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import pipeline
+from pipeline.skip import pop, skippable, stash
+from tests.helpers import grads
+from tests.plan.plan_models import WIDTH, batch, one_thread
+
+pytestmark = pytest.mark.usefixtures(one_thread.__name__)
+
+
+@skippable(stash=["skip"])
+class Keep(nn.Module):
+    def forward(self, x: Tensor) -> Generator[Any, Any, Tensor]:
+        yield stash("skip", torch.tanh(x))
+        return x
+
+
+@skippable(pop=["skip"])
+class Gate(nn.Module):
+    """Multiplies by the popped skip: its backward saves both, so the skip is an activation."""
+
+    def forward(self, x: Tensor) -> Generator[Any, Any, Tensor]:
+        skip = yield pop("skip")
+        return x * skip
+
+
+def skip_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [nn.Linear(WIDTH, WIDTH), Keep()]
+    layers += [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.GELU()) for _ in range(4)]
+    layers += [Gate(), nn.Linear(WIDTH, WIDTH)]
+    return nn.Sequential(*layers).double()
+
+
+@pytest.mark.parametrize("mode", ["never", "except_last", "always"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+def test_a_planned_skip_model_steps_like_the_plain_model_with_the_predicted_activations(
+    schedule: str, mode: str
+) -> None:
+    x, y = batch()
+    model = skip_model()
+    plan = pipeline.plan(
+        copy.deepcopy(model), x, y, F.mse_loss, devices=["cpu"] * 2, batch_size=len(x),
+        memory_limit=2**30, chunks=[4], schedules=[schedule], checkpoints=[mode], repeats=1,
+    )  # fmt: skip
+    pipe = plan.pipe()
+    assert 2 <= plan.balance[0] <= 6  # Keep and Gate in different partitions
+    pipe.step(x, y, F.mse_loss, schedule=plan.schedule, measure_memory=True)
+    check = plan.check(pipe)
+    assert check.measured_activations == check.predicted_activations
+    F.mse_loss(model(x), y).backward()
+    for name, expected in grads(model).items():
+        torch.testing.assert_close(grads(pipe)[name], expected, rtol=0, atol=1e-12)
