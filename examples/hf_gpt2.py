@@ -117,6 +117,22 @@ def verdict(losses: list[float], plain_losses: list[float], tolerance: float) ->
     return 0 if worst <= tolerance and after < before else 1
 
 
+def gpt2(vocab: int, args: argparse.Namespace) -> nn.Module:
+    """A GPT-2 of ``args.layers`` blocks of ``args.width``, dropout off, in float64."""
+    config = transformers.GPT2Config(
+        vocab_size=vocab,
+        n_positions=args.context,
+        n_embd=args.width,
+        n_head=args.heads,
+        n_layer=args.layers,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        use_cache=False,
+    )
+    return transformers.GPT2LMHeadModel(config).double()  # why float64: see the docstring
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=20, help="training steps")
@@ -141,19 +157,8 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     transformers.logging.set_verbosity_error()
     corpus = Corpus(load_text(), args.context, args.seed)
-    config = transformers.GPT2Config(
-        vocab_size=len(corpus.chars),
-        n_positions=args.context,
-        n_embd=args.width,
-        n_head=args.heads,
-        n_layer=args.layers,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        use_cache=False,
-    )
     torch.manual_seed(args.seed)
-    model = transformers.GPT2LMHeadModel(config).double()  # why float64: see the docstring
+    model = gpt2(len(corpus.chars), args)
     plain = copy.deepcopy(model)
 
     ids, _ = corpus.batch(max(args.batch // args.chunks, 1))  # one micro-batch

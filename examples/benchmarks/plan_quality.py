@@ -1,10 +1,19 @@
-"""Benchmark: the planner's predictions against the measured grid, for the GPT of examples/gpt.py.
+"""Benchmark: the planner's predictions against the measured grid, for the examples' models.
 
-``pipeline.plan`` profiles the GPT (``gpt.build_model``: embedding, blocks,
-tied head; character batches of the pydoc text; cross-entropy) and predicts
-every configuration of the grid (schedule x chunks x checkpoint mode, each
-with its balance) on two CPU partitions. Then every configuration is built
-as a Pipe and measured:
+``pipeline.plan`` profiles a model and predicts every configuration of the
+grid (schedule x chunks x checkpoint mode, each with its balance) on two
+CPU partitions. ``--model`` picks it:
+
+- ``gpt``: the GPT of ``examples/gpt.py`` (embedding, blocks, tied head;
+  character batches of the pydoc text; cross-entropy);
+- ``unet``: the U-Net of ``examples/unet.py``, whose skip connections cross
+  partitions (noisy blobs, their masks, binary cross-entropy);
+- ``gpt2`` and ``llama``: transformers' GPT-2 and Llama (``examples/hf_gpt2.py``,
+  ``examples/hf_llama.py``, float64 as there) cut by ``pipeline.split``, the
+  attention mask a keyword argument split like the input (needs the ``hf``
+  extra).
+
+Then every configuration is built as a Pipe and measured:
 
 - *time*: one ``pipe.step`` (gradients zeroed), every configuration once
   per round, in turn (``pipe_common.round_times``), the median over the
@@ -19,7 +28,8 @@ the plan's choice: its measured time against the best measured time of the
 grid, among the configurations whose predicted memory fits
 ``--memory-limit``. The last line is JSON.
 
-Run: python examples/benchmarks/plan_quality.py [--quick] [--memory-limit MIB]
+Run: python examples/benchmarks/plan_quality.py [--model gpt|unet|gpt2|llama] [--quick]
+     [--memory-limit MIB]
 """
 
 from __future__ import annotations
@@ -28,33 +38,103 @@ import argparse
 import copy
 import statistics
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.nn.functional as F
 from pipe_common import print_json, round_times, start_single_threaded
+from torch import Tensor, nn
 
 import pipeline
 from pipeline.plan import Candidate
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/: gpt
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/
 import gpt
+import unet
 
 MiB = 2**20
+MODELS = ("gpt", "unet", "gpt2", "llama")
 
 
-def options(quick: bool) -> dict[str, Any]:
-    """The model's size and the grid: small and short with ``--quick``."""
+@dataclass
+class Workload:
+    """A model as the Pipe's Sequential, one mini-batch, its loss and keyword arguments."""
+
+    model: nn.Sequential
+    x: Any
+    y: Any
+    loss_fn: Callable[[Any, Any], Tensor]
+    kwargs: dict[str, Tensor] | None = None
+
+
+def grid(quick: bool) -> dict[str, Any]:
+    """The configurations measured and how: small and short with ``--quick``."""
     if quick:
-        model = {"width": 32, "heads": 2, "layers": 2, "context": 16, "batch": 8}
-        grid = {"chunks": [2], "schedules": ["gpipe", "1f1b"], "checkpoints": ["never", "always"]}
-        return {**model, **grid, "rounds": 2, "repeats": 1}
-    model = {"width": 64, "heads": 4, "layers": 4, "context": 64, "batch": 16}
-    grid = {
+        return {"chunks": [2], "schedules": ["gpipe", "1f1b"], "checkpoints": ["never", "always"],
+                "rounds": 2, "repeats": 1}  # fmt: skip
+    return {
         "chunks": [1, 2, 4, 8],
         "schedules": ["gpipe", "1f1b", "interleaved", "zb-h1"],
         "checkpoints": ["never", "except_last", "always"],
+        "rounds": 7,
+        "repeats": 5,
     }
-    return {**model, **grid, "rounds": 7, "repeats": 5}
+
+
+def shape(quick: bool) -> argparse.Namespace:
+    """The transformers' size: 4 blocks of width 64, context 64, batch 16 (2, 32, 16, 8 quick)."""
+    if quick:
+        return argparse.Namespace(width=32, heads=2, kv_heads=1, layers=2, context=16, batch=8,
+                                  dropout=0.0)  # fmt: skip
+    return argparse.Namespace(width=64, heads=4, kv_heads=2, layers=4, context=64, batch=16,
+                              dropout=0.0)  # fmt: skip
+
+
+def gpt_workload(quick: bool) -> Workload:
+    size = shape(quick)
+    corpus = gpt.Corpus(gpt.load_text(), size.context, seed=0)
+    x, y = corpus.batch(size.batch)
+    return Workload(gpt.build_model(len(corpus.chars), size), x, y, gpt.language_model_loss)
+
+
+def unet_workload(quick: bool) -> Workload:
+    rows, side = (4, 16) if quick else (16, 32)
+    x, y = unet.generated_data(1, rows, side)[0]
+    torch.manual_seed(0)
+    return Workload(unet.unet(), x, y, F.binary_cross_entropy_with_logits)
+
+
+def split_workload(quick: bool, build: Callable[[int, argparse.Namespace], nn.Module]) -> Workload:
+    """A transformers model cut by ``pipeline.split`` at one micro-batch of the largest chunks."""
+    import transformers
+    from hf_gpt2 import lm_loss
+
+    transformers.logging.set_verbosity_error()
+    size = shape(quick)
+    corpus = gpt.Corpus(gpt.load_text(), size.context, seed=0)
+    x, y = corpus.batch(size.batch)
+    torch.manual_seed(0)
+    model = build(len(corpus.chars), size)
+    example = x[: size.batch // max(grid(quick)["chunks"])]
+    seq = pipeline.split(model, (example,), {"attention_mask": torch.ones_like(example)})
+    return Workload(seq, x, y, lm_loss, {"attention_mask": torch.ones_like(x)})
+
+
+def workload(name: str, quick: bool) -> Workload:
+    if name == "gpt":
+        return gpt_workload(quick)
+    if name == "unet":
+        return unet_workload(quick)
+    if name == "gpt2":
+        from hf_gpt2 import gpt2
+
+        return split_workload(quick, gpt2)
+    from hf_llama import llama
+
+    return split_workload(quick, llama)
 
 
 def built(model: Any, c: Candidate) -> pipeline.Pipe:
@@ -65,10 +145,20 @@ def built(model: Any, c: Candidate) -> pipeline.Pipe:
                          chunks=c.chunks, checkpoint=checkpoint)  # fmt: skip
 
 
-def measured_activations(pipe: pipeline.Pipe, x: Any, y: Any, schedule: str) -> list[int]:
+def stepper(pipe: pipeline.Pipe, w: Workload, schedule: str) -> Callable[[], None]:
+    """One training step of ``pipe`` on the workload's batch, gradients zeroed first."""
+
+    def run() -> None:
+        pipe.zero_grad(set_to_none=True)
+        pipe.step(w.x, w.y, w.loss_fn, kwargs=w.kwargs, schedule=schedule)
+
+    return run
+
+
+def measured_activations(pipe: pipeline.Pipe, w: Workload, schedule: str) -> list[int]:
     """Each stage's peak saved bytes in one step measured with ``measure_memory=True``."""
     pipe.zero_grad(set_to_none=True)
-    pipe.step(x, y, gpt.language_model_loss, schedule=schedule, measure_memory=True)
+    pipe.step(w.x, w.y, w.loss_fn, kwargs=w.kwargs, schedule=schedule, measure_memory=True)
     report = pipe.last_step
     assert report is not None
     return [p.peak_activation_bytes or 0 for p in report.partitions]
@@ -76,43 +166,32 @@ def measured_activations(pipe: pipeline.Pipe, x: Any, y: Any, schedule: str) -> 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a small GPT and a small grid")
+    parser.add_argument("--model", choices=MODELS, default="gpt", help="what is planned")
+    parser.add_argument("--quick", action="store_true", help="a small model and a small grid")
     parser.add_argument("--memory-limit", type=float, default=1024.0, help="MiB per device")
     args = parser.parse_args(argv)
-    o = options(args.quick)
+    o = grid(args.quick)
     info, _ = start_single_threaded()
-    corpus = gpt.Corpus(gpt.load_text(), o["context"], seed=0)
-    shape = argparse.Namespace(width=o["width"], heads=o["heads"], layers=o["layers"],
-                               context=o["context"], dropout=0.0)  # fmt: skip
-    model = gpt.build_model(len(corpus.chars), shape)
-    x, y = corpus.batch(o["batch"])
+    w = workload(args.model, args.quick)
     limit = int(args.memory_limit * MiB)
     plan = pipeline.plan(
-        copy.deepcopy(model), x, y, gpt.language_model_loss, devices=["cpu", "cpu"],
-        batch_size=o["batch"], memory_limit=limit, chunks=o["chunks"], schedules=o["schedules"],
+        copy.deepcopy(w.model), w.x, w.y, w.loss_fn, devices=["cpu", "cpu"], kwargs=w.kwargs,
+        batch_size=len(w.x), memory_limit=limit, chunks=o["chunks"], schedules=o["schedules"],
         checkpoints=o["checkpoints"], optimizer_bytes_per_param=8, repeats=o["repeats"],
     )  # fmt: skip
     print(plan, flush=True)
-    grid: list[Candidate] = plan.candidates
-    pipes = [built(model, c) for c in grid]
-    pairs = list(zip(pipes, grid, strict=True))
-    activations = [measured_activations(p, x, y, c.schedule) for p, c in pairs]
-
-    def stepper(pipe: pipeline.Pipe, schedule: str) -> Any:
-        def run() -> None:
-            pipe.zero_grad(set_to_none=True)
-            pipe.step(x, y, gpt.language_model_loss, schedule=schedule)
-
-        return run
-
-    runs = {str(k): stepper(p, c.schedule) for k, (p, c) in enumerate(pairs)}
+    candidates: list[Candidate] = plan.candidates
+    pipes = [built(w.model, c) for c in candidates]
+    pairs = list(zip(pipes, candidates, strict=True))
+    activations = [measured_activations(p, w, c.schedule) for p, c in pairs]
+    runs = {str(k): stepper(p, w, c.schedule) for k, (p, c) in enumerate(pairs)}
     times = round_times(runs, o["rounds"])
-    measured = [statistics.median(times[str(k)]) for k in range(len(grid))]
+    measured = [statistics.median(times[str(k)]) for k in range(len(candidates))]
     rows = []
     print("| configuration | predicted ms | measured ms | time error | predicted activations "
           "(largest stage, KiB) | measured | memory error |")  # fmt: skip
     print("|---|---|---|---|---|---|---|")
-    for c, seconds, saved in zip(grid, measured, activations, strict=True):
+    for c, seconds, saved in zip(candidates, measured, activations, strict=True):
         predicted = [s.activations for s in c.memory]
         worst = max(range(len(saved)), key=lambda j: abs(saved[j] - predicted[j]))
         memory_error = saved[worst] / predicted[worst] - 1 if predicted[worst] else 0.0
@@ -124,12 +203,12 @@ def main(argv: list[str] | None = None) -> None:
                      "measured_ms": seconds * 1e3, "time_error": time_error,
                      "predicted_activations": predicted, "measured_activations": saved,
                      "memory_error": memory_error, "fits": c.fits})  # fmt: skip
-    fitting = [k for k, c in enumerate(grid) if c.fits]
+    fitting = [k for k, c in enumerate(candidates) if c.fits]
     best = min(fitting, key=lambda k: measured[k])
-    chosen = grid.index(plan.chosen)
+    chosen = candidates.index(plan.chosen)
     print(f"chosen: {plan.chosen.describe()}, measured {measured[chosen] * 1e3:.2f} ms; best "
-          f"measured: {grid[best].describe()}, {measured[best] * 1e3:.2f} ms; chosen / best "
-          f"{measured[chosen] / measured[best]:.2f}")  # fmt: skip
+          f"measured: {candidates[best].describe()}, {measured[best] * 1e3:.2f} ms; chosen / "
+          f"best {measured[chosen] / measured[best]:.2f}")  # fmt: skip
     errors = [abs(r["time_error"]) for r in rows]
     memory = [abs(r["memory_error"]) for r in rows]
     print(f"time error: median {statistics.median(errors):.0%}, largest {max(errors):.0%}; "
@@ -137,10 +216,10 @@ def main(argv: list[str] | None = None) -> None:
           f"({sum(m == 0 for m in memory)} of {len(memory)} exact)")  # fmt: skip
     for pipe in pipes:
         pipe.close()
-    print_json({"benchmark": "plan_quality", "quick": args.quick, "machine": info,
-                "memory_limit": limit, "chosen": plan.chosen.describe(),
+    print_json({"benchmark": "plan_quality", "model": args.model, "quick": args.quick,
+                "machine": info, "memory_limit": limit, "chosen": plan.chosen.describe(),
                 "chosen_over_best_measured": measured[chosen] / measured[best],
-                "best_measured": grid[best].describe(), "rows": rows})  # fmt: skip
+                "best_measured": candidates[best].describe(), "rows": rows})  # fmt: skip
 
 
 if __name__ == "__main__":
