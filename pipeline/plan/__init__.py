@@ -21,7 +21,12 @@ from torch import Tensor, nn
 
 from pipeline.plan.agreement import agree_inputs, from_rank_zero
 from pipeline.plan.checks import CHECKPOINTS, SCHEDULES, check_placement, check_plan_arguments
-from pipeline.plan.contention import cpu_contention, process_contention
+from pipeline.plan.contention import (
+    NO_CONTENTION,
+    Contention,
+    cpu_contention,
+    process_contention,
+)
 from pipeline.plan.links import Link, measure_link
 from pipeline.plan.memory import layer_parameters
 from pipeline.plan.overhead import action_overhead as measured_overhead
@@ -82,10 +87,10 @@ def plan(
     fastest that fits is chosen. ``optimizer_bytes_per_param``: the
     optimizer's state per trained element (8 for AdamW in float32).
     ``contention``: how much slower CPU stages run when all the pipe's CPU
-    workers run at once (None: measured now, on the model; 1.0: each its
-    own idle core). ``action_overhead``: seconds the library adds per
-    action (None: measured now, with a pipe of tiny layers). The model:
-    docs/plan.md.
+    workers run at once (None: measured now, on the model, for forwards and
+    backwards apart; a number: both; 1.0: each its own idle core).
+    ``action_overhead``: seconds the library adds per action (None: measured
+    now, with a pipe of tiny layers). The model: docs/plan.md.
 
     With ``processes``, every process of ``group`` (default: the default
     group, of N processes) calls ``plan`` with the same arguments, and gets
@@ -155,9 +160,13 @@ def plan(
         """The first of ``m`` micro-batches of the input and the target, as a step splits them."""
         return scatter(value, m)[0].value, scatter(target, m)[0].value
 
+    # A Pipe seeds each random op of partitions that share the CPU's generator across
+    # threads (runtime/ownership.py); a DistributedPipe's process owns its generators.
+    seeded = pg is None and count is None and sum(d.type == "cpu" for d in resolved) > 1
+
     def timed(rows: int) -> LayerTimes:
         micro, aim = first(size // rows)
-        return layer_times(sequential, micro, aim, loss_fn, resolved[0], repeats)
+        return layer_times(sequential, micro, aim, loss_fn, resolved[0], repeats, seeded)
 
     def profiled(rows: int) -> tuple[Saved, LayerTimes]:
         if rows not in profiles:
@@ -186,15 +195,14 @@ def plan(
             profiles[rows] = (memory, _from_rank_zero(pg, rows, len(sequential) + 1, timed))
 
     link = None if count is None else _link(pg, link_latency, link_seconds_per_byte, repeats)
+    factor = NO_CONTENTION if contention is None else Contention(contention, contention)
     if contention is None:
         micro, aim = first(counts[len(counts) // 2])
         if pg is None:
             workers = sum(d.type == "cpu" for d in resolved)
-            contention = cpu_contention(sequential, micro, aim, loss_fn, workers, repeats)
+            factor = cpu_contention(sequential, micro, aim, loss_fn, workers, repeats, seeded)
         elif resolved[0].type == "cpu":
-            contention = process_contention(pg, sequential, micro, aim, loss_fn, repeats)
-        else:
-            contention = 1.0
+            factor = process_contention(pg, sequential, micro, aim, loss_fn, repeats)
     if action_overhead is None:
         if pg is None or link is None:  # outside a group, check_placement wanted it given
             action_overhead = measured_overhead(resolved, _OVERHEAD_CHUNKS, repeats)
@@ -213,13 +221,13 @@ def plan(
         profiled,
         layer_parameters(sequential, int(optimizer_bytes_per_param)),
         action_overhead,
-        contention,
+        factor,
         link,
     )
     placement = None
     if count is not None and link is not None:
         placement = Processes(count, pg, resolved[0], link)
-    return choose(sequential, found, limit, contention, action_overhead, placement)
+    return choose(sequential, found, limit, factor, action_overhead, placement)
 
 
 def _link(

@@ -4,16 +4,21 @@ Layers are profiled one at a time, on one thread (``profile.py``). A Pipe
 over CPU partitions runs a worker thread per partition, and those threads
 share the machine's cores with each other and with whatever else runs
 there: on a 2-core machine that other jobs load, each thread can run two or
-three times slower than alone. The factor measured here, the time a thread
-takes for forward and backward passes of the model while ``workers``
-threads run them at once over the time it takes alone (at least 1), slows
-CPU stages in the time model (``timing.py``). It is the
-load of the moment it is measured; docs/plan.md says what that leaves out.
+three times slower than alone. And they share the interpreter: a forward
+under the seeding mode (``pipeline/runtime/rng.py``) sends every op through
+Python, holding the GIL, where a backward runs in autograd's engine
+without it; so two threads' forwards wait for each other where their
+backwards do not. The factors measured here, the time a thread takes for
+forward passes, then for backward passes, while ``workers`` threads run
+them at once, over the time each takes alone (at least 1), slow CPU stages'
+forwards and backwards in the time model (``timing.py``). They are the
+load of the moment they are measured; docs/plan.md says what that leaves
+out.
 
 Planned for processes (``process_contention``), the workers are the
-processes of the group: each times its passes alone, in turn while the
-others wait, then all at once, and the largest ratio of the ranks is
-every rank's factor.
+processes of the group, with an interpreter each: each times whole passes
+alone, in turn while the others wait, then all at once, and the largest
+ratio of the ranks is every rank's factor, forward and backward alike.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,11 +37,27 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeline.plan.agreement import largest
-from pipeline.plan.profile import call_layer
+from pipeline.plan.profile import call_layer, task_forward
 
-__all__ = ["cpu_contention", "process_contention"]
+__all__ = ["NO_CONTENTION", "Contention", "cpu_contention", "process_contention"]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Contention:
+    """How much slower a stage's forward and its backward run while every worker computes."""
+
+    forward: float = 1.0
+    backward: float = 1.0
+
+    def __str__(self) -> str:
+        if self.forward == self.backward:
+            return f"x{self.forward:.2f}"
+        return f"x{self.forward:.2f} forward, x{self.backward:.2f} backward"
+
+
+NO_CONTENTION = Contention()  # a core per worker and no lock
 
 
 def cpu_contention(
@@ -45,23 +67,31 @@ def cpu_contention(
     loss_fn: LossFn,
     workers: int,
     repeats: int,
-) -> float:
-    """How much longer a training pass takes while ``workers`` threads each run one (>= 1).
+    seeded: bool = False,
+) -> Contention:
+    """How much longer forward and backward passes take while ``workers`` threads each run
+    them (each >= 1).
 
-    Each thread times its own passes, started together at a barrier, so
-    that starting threads is not counted; the passes are repeated for about
-    20 ms so that a small model is timed over more than the clock's noise.
+    Each thread times its own forward passes, then its own backward passes,
+    each phase started together at a barrier, so that starting threads is
+    not counted; the passes are repeated for about 20 ms so that a small
+    model is timed over more than the clock's noise. ``seeded``: each
+    forward runs under the mode that seeds random ops, as the pipe's tasks
+    will.
     """
     if workers < 2:
-        return 1.0
-    work = _training_passes(model, sample, target, loss_fn, workers)
+        return NO_CONTENTION
+    forward = _forward_passes(model, sample, target, loss_fn, workers, seeded)
     with torch.random.fork_rng(devices=[]), torch.enable_grad():
-        passes = _passes(work)
-        alone = statistics.median(_seconds(work, 0, passes) for _ in range(repeats))
-        together = statistics.median(
-            statistics.median(_concurrent(work, workers, passes)) for _ in range(repeats)
-        )
-    return max(1.0, together / alone) if alone > 0 else 1.0
+        passes = _passes(lambda k: forward(k).backward())
+        alone = [_phases(forward, [0], passes) for _ in range(repeats)]
+        together = [_phases(forward, list(range(workers)), passes) for _ in range(repeats)]
+    ratios = []
+    for phase in range(2):
+        single = statistics.median(a[0][phase] for a in alone)
+        shared = statistics.median(statistics.median(t[phase] for t in run) for run in together)
+        ratios.append(max(1.0, shared / single) if single > 0 else 1.0)
+    return Contention(*ratios)
 
 
 def process_contention(
@@ -71,14 +101,18 @@ def process_contention(
     target: Any,
     loss_fn: LossFn,
     repeats: int,
-) -> float:
+) -> Contention:
     """How much longer a training pass takes while every process of ``group`` runs one (>= 1).
 
     A collective, the same on every rank. Each rank times ``repeats``
     batches of passes alone, in turn, the others waiting at a barrier, then
     with all ranks at once, started at a barrier.
     """
-    work = _training_passes(model, sample, target, loss_fn, 1)
+    forward = _forward_passes(model, sample, target, loss_fn, 1)
+
+    def work(k: int) -> None:
+        forward(k).backward()
+
     me, size = dist.get_rank(group), dist.get_world_size(group)
     with torch.random.fork_rng(devices=[]), torch.enable_grad():
         passes = _passes(work)
@@ -92,22 +126,30 @@ def process_contention(
             dist.barrier(group=group)
             together.append(_seconds(work, 0, passes))
     mine = statistics.median(together) / statistics.median(alone) if min(alone) > 0 else 1.0
-    return max(1.0, largest(group, mine))
+    factor = max(1.0, largest(group, mine))
+    return Contention(factor, factor)
 
 
-def _training_passes(
-    model: nn.Sequential, sample: Any, target: Any, loss_fn: LossFn, workers: int
-) -> Callable[[int], None]:
-    """A forward and backward of worker ``k``'s own copy of ``model``, for each of ``workers``."""
+def _forward_passes(
+    model: nn.Sequential,
+    sample: Any,
+    target: Any,
+    loss_fn: LossFn,
+    workers: int,
+    seeded: bool = False,
+) -> Callable[[int], torch.Tensor]:
+    """Worker ``k``'s forward pass of its own copy of ``model`` and the loss, for each of
+    ``workers``: the loss, whose backward is the pass's backward."""
     copies = [copy.deepcopy(model).train() for _ in range(workers)]
 
-    def work(k: int) -> None:
+    def forward(k: int) -> torch.Tensor:
         value = sample
-        for index, layer in enumerate(copies[k]):
-            value = call_layer(copies[k], index, layer, value)
-        loss_fn(value, target).backward()
+        with task_forward(seeded):
+            for index, layer in enumerate(copies[k]):
+                value = call_layer(copies[k], index, layer, value)
+            return loss_fn(value, target)
 
-    return work
+    return forward
 
 
 def _passes(work: Callable[[int], None]) -> int:
@@ -116,16 +158,26 @@ def _passes(work: Callable[[int], None]) -> int:
     return max(1, math.ceil(0.02 / max(once, 1e-6)))
 
 
-def _concurrent(work: Callable[[int], None], workers: int, passes: int) -> list[float]:
-    """Each thread's seconds for ``passes`` of ``work``, all started at one barrier."""
-    barrier = threading.Barrier(workers)
-    seconds = [0.0] * workers
+def _phases(
+    forward: Callable[[int], torch.Tensor], workers: list[int], passes: int
+) -> list[tuple[float, float]]:
+    """Each worker's seconds for ``passes`` forwards, then for their backwards, each phase
+    started by all of ``workers`` at one barrier."""
+    barrier = threading.Barrier(len(workers))
+    seconds = [(0.0, 0.0)] * len(workers)
 
-    def run(k: int) -> None:
+    def run(slot: int, k: int) -> None:
         barrier.wait()
-        seconds[k] = _seconds(work, k, passes)
+        start = time.perf_counter()
+        losses = [forward(k) for _ in range(passes)]
+        middle = time.perf_counter()
+        barrier.wait()
+        again = time.perf_counter()
+        for loss in losses:
+            loss.backward()
+        seconds[slot] = (middle - start, time.perf_counter() - again)
 
-    threads = [threading.Thread(target=run, args=(k,)) for k in range(workers)]
+    threads = [threading.Thread(target=run, args=(s, k)) for s, k in enumerate(workers)]
     for thread in threads:
         thread.start()
     for thread in threads:

@@ -20,7 +20,11 @@ model, its gradients and the random generators are left as they were:
   (``balance.layerwise``), its forward, its whole backward and its input
   gradient alone (``autograd.grad`` to the inputs: what a zero-bubble ``I``
   computes; ``W`` is taken as the rest), each the median of a few runs;
-  the loss is timed as one more layer.
+  the loss is timed as one more layer. Where the pipe will seed its tasks'
+  draws (``seeded``: CPU partitions on threads of their own,
+  ``pipeline/runtime/ownership.py``), each forward is timed under the same
+  seeding mode (``task_forward``): it sends every op through Python, about
+  30 us an op, which on a model of many small ops is more than the op.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import copy
 import statistics
 import time
 from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +42,7 @@ from torch import Tensor, nn
 
 from pipeline.runtime.microbatch import to_device
 from pipeline.runtime.partitions import PositionalSequential
+from pipeline.runtime.rng import BaseSeed, TaskRandomness
 from pipeline.step.split_backward import backward_input
 
 __all__ = ["LayerTimes", "Saved", "call_layer", "layer_times", "saved_storages"]
@@ -236,6 +242,12 @@ def call_layer(model: nn.Sequential, index: int, layer: nn.Module, value: Value)
     return run_layer(index, Spread(layer) if spread else layer, value)
 
 
+def task_forward(seeded: bool) -> AbstractContextManager[None]:
+    """A forward as a pipe's task runs it: under the mode that seeds each random op, if
+    ``seeded`` (the planner's placement makes the partitions seeded), else plainly."""
+    return TaskRandomness(BaseSeed(), 0, 0).drawing() if seeded else nullcontext()
+
+
 def layer_times(
     model: nn.Sequential,
     sample: Value,
@@ -243,8 +255,10 @@ def layer_times(
     loss_fn: LossFn,
     device: torch.device,
     repeats: int,
+    seeded: bool = False,
 ) -> LayerTimes:
-    """Median forward, backward and input-gradient seconds of each layer and of the loss."""
+    """Median forward, backward and input-gradient seconds of each layer and of the loss;
+    each forward under ``task_forward(seeded)``."""
     from balance.layerwise import fresh_inputs, run_layer, walk_layers  # as in saved_storages
     from balance.profile import own_random_state
 
@@ -255,7 +269,10 @@ def layer_times(
     last: list[Value] = [None]
 
     def timed(index: int, layer: nn.Module, inputs: Value) -> Value:
-        call: Callable[[Value], Value] = lambda value: run_layer(index, layer, value)  # noqa: E731
+        def call(value: Value) -> Value:
+            with task_forward(seeded):
+                return run_layer(index, layer, value)
+
         outputs = _time_layer(call, inputs, device, repeats, index, layer,
                               (forward[index], backward[index], input_grad[index]))  # fmt: skip
         last[0] = outputs
@@ -266,7 +283,8 @@ def layer_times(
         loss_target = to_device(target, device)
 
         def loss(value: Value) -> Value:
-            return loss_fn(value, loss_target)
+            with task_forward(seeded):
+                return loss_fn(value, loss_target)
 
         with torch.enable_grad():
             _time_layer(loss, fresh_inputs(last[0], device), device, repeats, len(model), None,

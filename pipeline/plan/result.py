@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeline.pipe import Pipe
+from pipeline.plan.contention import NO_CONTENTION, Contention
 from pipeline.plan.links import Link
 from pipeline.plan.search import Candidate
 from pipeline.runtime.agreement import gather_rows
@@ -103,7 +104,7 @@ class Plan:
         model: nn.Sequential,
         chosen: Candidate,
         others: list[Candidate],
-        contention: float = 1.0,
+        contention: Contention = NO_CONTENTION,
         action_overhead: float = 0.0,
         processes: Processes | None = None,
     ) -> None:
@@ -272,7 +273,7 @@ class Plan:
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)) for r in rows]
         each = "device" if self.processes is None else "process"
         limit = f"memory limit {_bytes(self.chosen.limit)} per {each}"
-        factor = f"CPU contention x{self.contention:.2f}"
+        factor = f"CPU contention {self.contention}"
         overhead = f"{self.action_overhead * 1e6:.0f} us per action"
         parts = [limit, factor, overhead]
         if self.processes is not None:
@@ -306,7 +307,7 @@ def choose(
     model: nn.Sequential,
     found: list[Candidate],
     limit: int,
-    contention: float = 1.0,
+    contention: Contention = NO_CONTENTION,
     action_overhead: float = 0.0,
     processes: Processes | None = None,
 ) -> Plan:

@@ -19,6 +19,7 @@ from itertools import accumulate, pairwise
 
 import torch
 
+from pipeline.plan.contention import NO_CONTENTION, Contention
 from pipeline.plan.links import Link, cut_seconds
 from pipeline.plan.memory import LayerParameters, StageMemory, stage_memory
 from pipeline.plan.partition import fitting_balance
@@ -92,7 +93,7 @@ def candidates(
     profiled: Profiled,
     parameters: LayerParameters,
     overhead: float,
-    contention: float = 1.0,
+    contention: Contention = NO_CONTENTION,
     link: Link | None = None,
 ) -> list[Candidate]:
     """Every configuration's candidates; an interleaved one only where it can run.
@@ -113,7 +114,7 @@ def candidates(
             for j, d in enumerate(stage_devices)
         )
         share = [limit // places.count(p) for p in places]
-        factor = [contention if d.type == "cpu" else 1.0 for d in stage_devices]
+        factor = [contention if d.type == "cpu" else NO_CONTENTION for d in stage_devices]
         for m in chunks:
             if stages > layers or (virtual > 1 and m % len(devices)):
                 continue  # the interleaved schedule cannot run here (schedules.py)
@@ -147,7 +148,7 @@ class _Configuration:
     devices: tuple[torch.device, ...]
     places: tuple[str, ...]
     share: list[int]
-    factor: list[float]
+    factor: list[Contention]
     limit: int
     overhead: float
     link: Link | None

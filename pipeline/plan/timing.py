@@ -11,7 +11,9 @@ and its input has arrived; within one process communication costs nothing
 (one memory), between processes a message takes the time ``links.py``
 models: the predicted step time is the last action's end. On CPU,
 an action runs slower while other workers compute (``contention.py``): a
-second play slows each action by the share of the first play's overlap.
+second play slows each action by the share of the first play's overlap,
+its forward work (a forward, a recomputation, the library's own work) by
+the forward factor, its backward work by the backward one.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pipeline.plan.contention import NO_CONTENTION, Contention
 from pipeline.plan.links import CutSeconds, linked_programs
 from pipeline.plan.profile import LayerTimes
 from pipeline.step.actions import Action, Program
@@ -37,17 +40,19 @@ class StageCosts:
     weight: float
 
 
-def stage_costs(times: LayerTimes, first: int, stop: int, factor: float = 1.0) -> StageCosts:
+def stage_costs(
+    times: LayerTimes, first: int, stop: int, factor: Contention = NO_CONTENTION
+) -> StageCosts:
     """The costs of the stage of layers ``first..stop`` (and the loss if it is the last).
 
     ``factor`` scales them: the CPU's contention (``contention.py``) on a CPU stage.
     """
     end = stop + 1 if stop == len(times.forward) - 1 else stop
     return StageCosts(
-        factor * sum(times.forward[first:end]),
-        factor * sum(times.backward[first:end]),
-        factor * sum(times.input_grad[first:end]),
-        factor * sum(times.weight[first:end]),
+        factor.forward * sum(times.forward[first:end]),
+        factor.backward * sum(times.backward[first:end]),
+        factor.backward * sum(times.input_grad[first:end]),
+        factor.backward * sum(times.weight[first:end]),
     )
 
 
@@ -56,7 +61,7 @@ def predicted_seconds(
     costs: list[StageCosts],
     checkpointed: set[tuple[int, int]],
     overhead: float,
-    contention: list[float] | None = None,
+    contention: list[Contention] | None = None,
     cuts: CutSeconds | None = None,
 ) -> float:
     """The step's predicted seconds: ``programs`` played with ``costs[s]`` for stage ``s``.
@@ -73,30 +78,40 @@ def predicted_seconds(
     >>> one = StageCosts(1.0, 2.0, 1.0, 1.0)
     >>> predicted_seconds(programs, [one, one], set(), 0.0)
     9.0
-    >>> predicted_seconds(programs, [one, one], set(), 0.0, [2.0, 2.0]) > 9.0
+    >>> twice = Contention(2.0, 2.0)
+    >>> predicted_seconds(programs, [one, one], set(), 0.0, [twice, twice]) > 9.0
     True
     """
     worker = {a.stage: w for w, program in enumerate(programs) for a in program}
 
-    def cost(action: Action) -> float:
+    def parts(action: Action) -> tuple[float, float]:
+        """The action's forward work (the library's own with it) and its backward work."""
         stage = costs[action.stage]
         again = stage.forward if (action.microbatch, action.stage) in checkpointed else 0.0
-        seconds = {
-            "F": stage.forward,
-            "B": stage.backward + again,
-            "I": stage.input_grad + again,
-            "W": stage.weight,
+        forward, backward = {
+            "F": (stage.forward, 0.0),
+            "B": (again, stage.backward),
+            "I": (again, stage.input_grad),
+            "W": (0.0, stage.weight),
         }[action.kind]
-        return seconds + overhead
+        return forward + overhead, backward
+
+    def cost(action: Action) -> float:
+        return sum(parts(action))
 
     start, end = _played(programs, len(costs), cost, cuts)
-    if contention is not None and len(programs) > 1 and any(c != 1.0 for c in contention):
+    if contention is not None and len(programs) > 1 and any(c != NO_CONTENTION for c in contention):
         others = _others_busy(start, end, worker, len(programs))
-        slowed = {
-            a: cost(a) * (1 + (contention[a.stage] - 1) * others[a] / (len(programs) - 1))
-            for a in start
-        }
-        start, end = _played(programs, len(costs), slowed.__getitem__, cuts)
+
+        def slowed(action: Action) -> float:
+            share = others[action] / (len(programs) - 1)
+            factor = contention[action.stage]
+            forward, backward = parts(action)
+            return forward * (1 + (factor.forward - 1) * share) + backward * (
+                1 + (factor.backward - 1) * share
+            )
+
+        start, end = _played(programs, len(costs), slowed, cuts)
     return max(end.values(), default=0.0)
 
 

@@ -1,0 +1,53 @@
+"""CPU contention, forward and backward apart: a seeded forward holds the GIL, a backward not."""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+
+from pipeline.plan.contention import Contention, cpu_contention
+from pipeline.plan.timing import StageCosts, predicted_seconds
+from pipeline.step.actions import parse_program
+from tests.plan.plan_models import batch, gelu_mlp
+
+# Stage 1's forward of micro-batch 0 runs beside stage 0's of micro-batch 1, stage 0's
+# backward of micro-batch 0 beside stage 1's forward and half of its backward of 1.
+PROGRAMS = [parse_program("0F0 0F1 0B0 0B1"), parse_program("1F0 1B0 1F1 1B1")]
+ONE = StageCosts(forward=1.0, backward=2.0, input_grad=1.0, weight=1.0)
+
+
+def test_forward_work_is_slowed_by_the_forward_factor_and_backward_work_by_the_backward_one() -> (
+    None
+):
+    def seconds(factor: Contention) -> float:
+        return predicted_seconds(PROGRAMS, [ONE, ONE], set(), 0.0, [factor, factor])
+
+    assert seconds(Contention()) == 9.0
+    # Forwards twice as long where they overlap: 0F1 and 1F0 end at 3, 1F1 at 7, 0B1 at 11.
+    assert seconds(Contention(forward=2.0, backward=1.0)) == 11.0
+    # Backwards: 0B0 (all of it beside stage 1) takes 4, 1B1 (half) 3; 0B1 ends at 10.
+    assert seconds(Contention(forward=1.0, backward=2.0)) == 10.0
+
+
+def test_a_recomputation_is_forward_work() -> None:
+    # Backwards that cost nothing but their recomputation: only the forward factor slows them.
+    forward_only = StageCosts(forward=1.0, backward=0.0, input_grad=0.0, weight=0.0)
+    every_task = {(i, j) for i in range(2) for j in range(2)}
+
+    def seconds(factor: Contention) -> float:
+        costs = [forward_only, forward_only]
+        return predicted_seconds(PROGRAMS, costs, every_task, 0.0, [factor, factor])
+
+    assert seconds(Contention()) == 6.0
+    assert seconds(Contention(forward=1.0, backward=2.0)) == 6.0
+    assert seconds(Contention(forward=2.0, backward=1.0)) == 8.0
+
+
+def test_cpu_contention_is_measured_for_forwards_and_backwards_apart() -> None:
+    x, y = batch()
+    assert cpu_contention(gelu_mlp(), x, y, F.mse_loss, 1, 1) == Contention()
+    measured = cpu_contention(gelu_mlp(), x, y, F.mse_loss, 2, 1, seeded=True)
+    # How much slower depends on the machine's load: only the bounds are known.
+    assert isinstance(measured, Contention)
+    assert measured.forward >= 1.0 and measured.backward >= 1.0
+    assert str(Contention(2.0, 1.5)) == "x2.00 forward, x1.50 backward"
+    assert str(Contention(1.25, 1.25)) == "x1.25"
