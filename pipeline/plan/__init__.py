@@ -195,14 +195,21 @@ def plan(
             profiles[rows] = (memory, _from_rank_zero(pg, rows, len(sequential) + 1, timed))
 
     link = None if count is None else _link(pg, link_latency, link_seconds_per_byte, repeats)
-    factor = NO_CONTENTION if contention is None else Contention(contention, contention)
-    if contention is None:
-        micro, aim = first(counts[len(counts) // 2])
+
+    def contended(m: int) -> Contention:
+        """The contention among the workers with ``m`` micro-batches: the smaller they are,
+        the more of a seeded forward is Python, and the longer the workers wait for its lock."""
+        if contention is not None:
+            return Contention(contention, contention)
+        micro, aim = first(m)
         if pg is None:
             workers = sum(d.type == "cpu" for d in resolved)
-            factor = cpu_contention(sequential, micro, aim, loss_fn, workers, repeats, seeded)
-        elif resolved[0].type == "cpu":
-            factor = process_contention(pg, sequential, micro, aim, loss_fn, repeats)
+            return cpu_contention(sequential, micro, aim, loss_fn, workers, repeats, seeded)
+        if resolved[0].type == "cpu":  # a collective: every process measures each count in turn
+            return process_contention(pg, sequential, micro, aim, loss_fn, repeats)
+        return NO_CONTENTION
+
+    factors = {m: contended(m) for m in counts}
     if action_overhead is None:
         if pg is None or link is None:  # outside a group, check_placement wanted it given
             action_overhead = measured_overhead(resolved, _OVERHEAD_CHUNKS, repeats)
@@ -221,13 +228,13 @@ def plan(
         profiled,
         layer_parameters(sequential, int(optimizer_bytes_per_param)),
         action_overhead,
-        factor,
+        factors,
         link,
     )
     placement = None
     if count is not None and link is not None:
         placement = Processes(count, pg, resolved[0], link)
-    return choose(sequential, found, limit, factor, action_overhead, placement)
+    return choose(sequential, found, limit, factors, action_overhead, placement)
 
 
 def _link(

@@ -11,6 +11,7 @@ DistributedPipe.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -92,8 +93,9 @@ class Plan:
     ``checkpoint``, ``devices`` (one per partition), ``predicted_seconds``,
     ``predicted_memory`` (bytes per device), ``chosen`` (its ``Candidate``,
     with each stage's memory by term) and ``runner_ups`` (the next
-    candidates, each with why it lost), ``contention`` (how much slower a
-    CPU stage was taken to run beside the others), ``action_overhead``
+    candidates, each with why it lost), ``contention`` (by micro-batch
+    count, how much slower a CPU stage was taken to run beside the
+    others), ``action_overhead``
     (the seconds added per action) and ``processes`` (planned with
     ``processes=N``: their count, group, this process's device and the link
     between them; else None).
@@ -104,14 +106,14 @@ class Plan:
         model: nn.Sequential,
         chosen: Candidate,
         others: list[Candidate],
-        contention: Contention = NO_CONTENTION,
+        contention: Mapping[int, Contention] | None = None,
         action_overhead: float = 0.0,
         processes: Processes | None = None,
     ) -> None:
         self.model = model
         self.chosen = chosen
         self.candidates = others
-        self.contention = contention
+        self.contention: Mapping[int, Contention] = contention or {}
         self.action_overhead = action_overhead
         self.processes = processes
 
@@ -273,7 +275,7 @@ class Plan:
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)) for r in rows]
         each = "device" if self.processes is None else "process"
         limit = f"memory limit {_bytes(self.chosen.limit)} per {each}"
-        factor = f"CPU contention {self.contention}"
+        factor = f"CPU contention {_by_chunks(self.contention)}"
         overhead = f"{self.action_overhead * 1e6:.0f} us per action"
         parts = [limit, factor, overhead]
         if self.processes is not None:
@@ -303,11 +305,19 @@ class Plan:
         ]
 
 
+def _by_chunks(contention: Mapping[int, Contention]) -> str:
+    """``x1.20``, or ``x1.20 forward, x1.00 backward``, or one such per micro-batch count."""
+    factors = set(contention.values()) or {NO_CONTENTION}
+    if len(factors) == 1:
+        return str(factors.pop())
+    return "; ".join(f"{m} chunks {factor}" for m, factor in sorted(contention.items()))
+
+
 def choose(
     model: nn.Sequential,
     found: list[Candidate],
     limit: int,
-    contention: Contention = NO_CONTENTION,
+    contention: Mapping[int, Contention] | None = None,
     action_overhead: float = 0.0,
     processes: Processes | None = None,
 ) -> Plan:

@@ -13,7 +13,7 @@ device, and the messages between processes cost what ``links.py`` says.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import accumulate, pairwise
 
@@ -93,13 +93,14 @@ def candidates(
     profiled: Profiled,
     parameters: LayerParameters,
     overhead: float,
-    contention: Contention = NO_CONTENTION,
+    contention: Mapping[int, Contention] | None = None,
     link: Link | None = None,
 ) -> list[Candidate]:
     """Every configuration's candidates; an interleaved one only where it can run.
 
-    ``contention``: how much slower CPU stages run while all compute
-    (``contention.py``); the balance takes it as a scale of their costs.
+    ``contention``: by micro-batch count, how much slower CPU stages run
+    while all compute (``contention.py``; None or a count missing: not at
+    all); the balance takes it as a scale of their costs.
     ``link``: planned for processes, one per entry of ``devices`` (its
     device), stage ``j`` in process ``j % len(devices)`` and the messages
     between them costing what ``link`` says; None: stages of one process.
@@ -114,8 +115,9 @@ def candidates(
             for j, d in enumerate(stage_devices)
         )
         share = [limit // places.count(p) for p in places]
-        factor = [contention if d.type == "cpu" else NO_CONTENTION for d in stage_devices]
         for m in chunks:
+            contended = NO_CONTENTION if contention is None else contention.get(m, NO_CONTENTION)
+            factor = [contended if d.type == "cpu" else NO_CONTENTION for d in stage_devices]
             if stages > layers or (virtual > 1 and m % len(devices)):
                 continue  # the interleaved schedule cannot run here (schedules.py)
             saved, times = profiled(batch_size // m)

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch.nn.functional as F
 
+import pipeline
 from pipeline.plan.contention import Contention, cpu_contention
+from pipeline.plan.result import _by_chunks
 from pipeline.plan.timing import StageCosts, predicted_seconds
 from pipeline.step.actions import parse_program
 from tests.plan.plan_models import batch, gelu_mlp
@@ -51,3 +55,19 @@ def test_cpu_contention_is_measured_for_forwards_and_backwards_apart() -> None:
     assert measured.forward >= 1.0 and measured.backward >= 1.0
     assert str(Contention(2.0, 1.5)) == "x2.00 forward, x1.50 backward"
     assert str(Contention(1.25, 1.25)) == "x1.25"
+
+
+def test_the_contention_is_measured_for_each_micro_batch_count_and_shown_by_count() -> None:
+    x, y = batch()
+    options: dict[str, Any] = {
+        "devices": ["cpu"] * 2, "batch_size": len(x), "memory_limit": 2**30, "chunks": [2, 4],
+        "schedules": ["1f1b"], "checkpoints": ["never"], "repeats": 1,
+    }  # fmt: skip
+    measured = pipeline.plan(gelu_mlp(), x, y, F.mse_loss, **options)
+    assert sorted(measured.contention) == [2, 4]
+    assert all(c.forward >= 1.0 and c.backward >= 1.0 for c in measured.contention.values())
+    given = pipeline.plan(gelu_mlp(), x, y, F.mse_loss, contention=1.5, **options)
+    assert dict(given.contention) == {2: Contention(1.5, 1.5), 4: Contention(1.5, 1.5)}
+    assert "CPU contention x1.50," in str(given).splitlines()[0]
+    shown = _by_chunks({2: Contention(1.5, 1.0), 8: Contention(2.0, 1.25)})
+    assert shown == "2 chunks x1.50 forward, x1.00 backward; 8 chunks x2.00 forward, x1.25 backward"

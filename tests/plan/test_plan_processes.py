@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import pipeline
 from pipeline.plan import Candidate, PlanError
-from pipeline.plan.contention import Contention
+from pipeline.plan.contention import NO_CONTENTION
 from pipeline.plan.links import CutSeconds, Link, cut_seconds
 from pipeline.plan.memory import layer_parameters
 from pipeline.plan.profile import LayerTimes, Saved
@@ -114,7 +114,7 @@ def test_the_bytes_on_the_link_move_the_choice() -> None:
 def test_the_table_and_the_overflow_name_processes() -> None:
     found = made_up(Link(1e-4, 1e-9))
     processes = Processes(2, None, CPU, Link(1e-4, 1e-9))
-    plan = choose(gelu_mlp(LAYERS), found, 2**40, Contention(), 0.0, processes)
+    plan = choose(gelu_mlp(LAYERS), found, 2**40, {2: NO_CONTENTION}, 0.0, processes)
     lines = str(plan).splitlines()
     assert lines[0] == (
         "Plan (memory limit 1024.0 GiB per process, CPU contention x1.00, 0 us per action, "
