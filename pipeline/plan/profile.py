@@ -23,8 +23,8 @@ model, its gradients and the random generators are left as they were:
   the loss is timed as one more layer. Where the pipe will seed its tasks'
   draws (``seeded``: CPU partitions on threads of their own,
   ``pipeline/runtime/ownership.py``), each forward is timed under the same
-  seeding mode (``task_forward``): it sends every op through Python, about
-  30 us an op, which on a model of many small ops is more than the op.
+  seeding mode (``task_forward``): it sends every op through Python, which
+  on a model of many small ops costs more than the ops (docs/plan.md).
 """
 
 from __future__ import annotations
