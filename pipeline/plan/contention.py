@@ -165,23 +165,32 @@ def _phases(
     started by all of ``workers`` at one barrier."""
     barrier = threading.Barrier(len(workers))
     seconds = [(0.0, 0.0)] * len(workers)
+    errors: list[BaseException] = []
 
     def run(slot: int, k: int) -> None:
-        barrier.wait()
-        start = time.perf_counter()
-        losses = [forward(k) for _ in range(passes)]
-        middle = time.perf_counter()
-        barrier.wait()
-        again = time.perf_counter()
-        for loss in losses:
-            loss.backward()
-        seconds[slot] = (middle - start, time.perf_counter() - again)
+        try:
+            barrier.wait()
+            start = time.perf_counter()
+            losses = [forward(k) for _ in range(passes)]
+            middle = time.perf_counter()
+            barrier.wait()
+            again = time.perf_counter()
+            for loss in losses:
+                loss.backward()
+            seconds[slot] = (middle - start, time.perf_counter() - again)
+        except threading.BrokenBarrierError:
+            pass  # another worker failed: its error is raised
+        except BaseException as error:
+            errors.append(error)
+            barrier.abort()  # no worker waits at the barrier for this one
 
     threads = [threading.Thread(target=run, args=(s, k)) for s, k in enumerate(workers)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
+    if errors:
+        raise errors[0]
     return seconds
 
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
+import pytest
 import torch.nn.functional as F
 
 import pipeline
@@ -71,3 +73,19 @@ def test_the_contention_is_measured_for_each_micro_batch_count_and_shown_by_coun
     assert "CPU contention x1.50," in str(given).splitlines()[0]
     shown = _by_chunks({2: Contention(1.5, 1.0), 8: Contention(2.0, 1.25)})
     assert shown == "2 chunks x1.50 forward, x1.00 backward; 8 chunks x2.00 forward, x1.25 backward"
+
+
+def test_a_worker_failing_while_contention_is_measured_raises_instead_of_hanging() -> None:
+    before = threading.active_count()
+    failed = threading.Event()
+
+    def fails_once_beside_another_worker(output: Any, target: Any) -> Any:
+        # Both workers of the measurement are running: fail in one, the other goes on.
+        if threading.active_count() >= before + 2 and not failed.is_set():
+            failed.set()
+            raise RuntimeError("a worker failed")
+        return F.mse_loss(output, target)
+
+    x, y = batch()
+    with pytest.raises(RuntimeError, match="a worker failed"):
+        cpu_contention(gelu_mlp(), x, y, fails_once_beside_another_worker, 2, 1)
