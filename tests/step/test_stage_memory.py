@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pipeline import Pipe
+from pipeline.skip import pop, skippable, stash
 from tests.step.step_models import MODES, SCHEDULES, assert_same, grads
 
 ROWS, WIDTH, M, STAGES = 4, 16, 8, 4
@@ -159,4 +160,42 @@ def test_a_checkpointed_task_mails_an_output_that_needs_no_gradient_as_such(
         assert_same(grads(pipe), grads(model), checkpoint)
         model.zero_grad(set_to_none=True)
     # One micro-batch, recomputed: the second stage saves what it saves without checkpoints.
+    assert saved["always"] == saved["never"]
+
+
+@skippable(stash=["table"])
+class StashTable(WithTable):
+    """Stashes the buffer's table, a float that needs no gradient, for a later partition."""
+
+    def forward(self, x: Tensor) -> Any:  # type: ignore[override]
+        out, table = super().forward(x)
+        yield stash("table", table)
+        return out
+
+
+@skippable(pop=["table"])
+class PopTable(nn.Module):
+    def forward(self, x: Tensor) -> Any:
+        table = yield pop("table")
+        return x * table
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+def test_a_checkpointed_task_mails_a_skip_that_needs_no_gradient_as_such(schedule: str) -> None:
+    # The skip's mail, as the output's: it used to say that every float needed a gradient.
+    torch.manual_seed(0)
+    layers = [nn.Linear(WIDTH, WIDTH), StashTable(), nn.Linear(WIDTH, WIDTH), PopTable()]
+    model = nn.Sequential(*layers).double()
+    x, y = batch()
+    saved = {}
+    for checkpoint in ("never", "always"):
+        pipe = Pipe(copy.deepcopy(model), [2, 2], devices=["cpu"] * 2, chunks=1,
+                    checkpoint=checkpoint)  # type: ignore[arg-type]  # fmt: skip
+        pipe.step(x, y, F.mse_loss, schedule=schedule, measure_memory=True)
+        report = pipe.last_step
+        assert report is not None
+        saved[checkpoint] = report.partitions[1].peak_activation_bytes
+        F.mse_loss(model(x), y).backward()
+        assert_same(grads(pipe), grads(model), checkpoint)
+        model.zero_grad(set_to_none=True)
     assert saved["always"] == saved["never"]
