@@ -116,10 +116,10 @@ def candidates(
         )
         share = [limit // places.count(p) for p in places]
         for m in chunks:
-            contended = NO_CONTENTION if contention is None else contention.get(m, NO_CONTENTION)
-            factor = [contended if d.type == "cpu" else NO_CONTENTION for d in stage_devices]
             if stages > layers or (virtual > 1 and m % len(devices)):
                 continue  # the interleaved schedule cannot run here (schedules.py)
+            contended = NO_CONTENTION if contention is None else contention.get(m, NO_CONTENTION)
+            factor = [contended if d.type == "cpu" else NO_CONTENTION for d in stage_devices]
             saved, times = profiled(batch_size // m)
             programs = resolve_schedule(name).programs(m, stages)
             order = validate(programs, m, stages).one_thread_order

@@ -216,7 +216,7 @@ class StageRun:
             self.stash[i] = stashed
             self.peak_in_flight = max(self.peak_in_flight, len(self.stash))
         with randomness.drawing(), _nothing_saved() if checkpointed else _NOTHING:
-            if stashed.checkpointed:
+            if checkpointed:
                 output = self._checkpointed_forward(stashed)
             else:
                 output = self._call(i, stashed, recomputing=False)
@@ -226,11 +226,11 @@ class StageRun:
                 self._keep_result(i, stashed.loss, output)
         if not self.last:
             self._send_output(i, stashed, output)
-            stashed.outputs = [_root(x) for x in output.leaves]
+            # A checkpointed graph saved nothing: the backward recomputes one that does.
+            stashed.outputs = [] if checkpointed else [_root(x) for x in output.leaves]
         stashed.skips_out = {key: _root(x) for key, x in stashed.skips_out.items()}
         if checkpointed:
-            # Its graph saved nothing: the backward recomputes one that does.
-            stashed.outputs, stashed.loss = [], None
+            stashed.loss = None
 
     def _inputs(self, i: int) -> tuple[Batch, list[Any]]:
         """Micro-batch ``i`` as leaves of this stage's graph; and what they came from."""
