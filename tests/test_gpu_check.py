@@ -44,7 +44,10 @@ def test_the_cpu_dry_run_times_checks_and_reports_every_part(
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     results = json.loads(out.read_text())
     steps = results["steps"]["times"]
-    assert list(steps) == ["whole batch", "micro-batches", "pipe(x)", "gpipe", "1f1b", "zb-h1"]
+    assert list(steps) == [
+        *("whole batch", "micro-batches", "pipe(x)", "gpipe", "1f1b", "zb-h1"),
+        "pipe(x), checkpoint='except_last' (the default)",
+    ]
     assert all(figures["ms"] > 0 and figures["speedup"] > 0 for figures in steps.values())
     assert list(results["copy_streams"]["times"]) == ["copy streams", "compute streams"]
     assert results["compiled"]["frames_compiled"] > 0

@@ -77,10 +77,9 @@ class ClockDriver:
         self.thread_of = thread_of
         self.skip_layout = skip_layout
         self.copy_streams: list[list[Stream]] = [[] for _ in range(len(runtime))]
-        stages_by_worker = [
+        self.stages_by_worker = [
             [j for j, t in enumerate(thread_of) if t == w] for w in range(len(workers))
         ]
-        self.randomness = runtime.randomness(stages_by_worker)
 
     def run(
         self,
@@ -133,6 +132,7 @@ class _ForwardPass:
         self.compute_streams = [current_stream(d) for d in self.runtime.devices]
         self.copy_streams = driver.copy_streams_for(len(batches))
         self.seeds = rng.BaseSeed()
+        self.randomness = self.runtime.randomness(driver.stages_by_worker)
         self.completions = self._completions(completion_hooks)
         self.skips = skip_portals(driver.skip_layout, len(batches))
 
@@ -225,7 +225,7 @@ class _ForwardPass:
             function = self.skips.bind(i, function)
         function = traced(function, i, j)
         checkpointed = i < self.checkpoint_stop
-        randomness = rng.TaskRandomness(self.seeds, i, j, self.driver.randomness[j], checkpointed)
+        randomness = rng.TaskRandomness(self.seeds, i, j, self.randomness[j], checkpointed)
         self._mark_arrival(i, j)
         batch = self.batches[i]
         with (

@@ -13,6 +13,9 @@ default generators back to where it found them when it finishes compiling a
 frame (``preserve_global_state``), on its own thread, so a compilation on
 another thread can rewind an owned generator between two of the owner's
 draws (repeating its numbers). Seeded draws hold dynamo's compile lock.
+Each run (a forward pass, a step) looks at the partitions again: a layer
+compiled in place or a generator given to a layer after the pipe was built
+changes how its partition draws from the next run on.
 
 A partition whose thread owns its device's generator runs its tasks with
 nothing in the way, and its checkpointed tasks capture and replay the
@@ -92,6 +95,11 @@ def _drawn_from(device: torch.device) -> tuple[torch.Generator, ...]:
     return tuple(dict.fromkeys(g for g in generators if g is not None))
 
 
+# nn.Module's own attributes (parameters, buffers, submodules, hooks) hold no
+# generator, and skipping them keeps the search cheap enough for every run.
+_MODULE_INTERNALS = frozenset(vars(nn.Module()))
+
+
 def holds_generator(partition: nn.Module) -> bool:
     """Whether a module of ``partition`` keeps a ``torch.Generator`` (directly or in a container).
 
@@ -100,14 +108,28 @@ def holds_generator(partition: nn.Module) -> bool:
     new numbers (docs/guide.md, "Randomness").
     """
     for module in partition.modules():
-        for value in vars(module).values():
+        for name, value in vars(module).items():
+            if name in _MODULE_INTERNALS:
+                continue
             items = value.values() if isinstance(value, dict) else value
-            if isinstance(value, torch.Generator) or (
+            if _is_generator(type(value)) or (
                 isinstance(value, list | tuple | dict)
-                and any(isinstance(item, torch.Generator) for item in items)
+                and any(_is_generator(type(item)) for item in items)
             ):
                 return True
     return False
+
+
+_generator_types: dict[type, bool] = {}
+
+
+def _is_generator(kind: type) -> bool:
+    # By type, remembered: isinstance(value, torch.Generator) goes through a
+    # metaclass check that costs a microsecond for each attribute.
+    found = _generator_types.get(kind)
+    if found is None:
+        found = _generator_types[kind] = issubclass(kind, torch.Generator)
+    return found
 
 
 def holds_compiled(partition: nn.Module) -> bool:

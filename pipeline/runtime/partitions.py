@@ -67,8 +67,6 @@ class PartitionRuntime:
         self.deferred_batch_norm = deferred_batch_norm
         self.buffers = [PartitionBuffers(p, j) for j, p in enumerate(partitions)]
         self.protect_inputs = [starts_in_place(p) for p in partitions]
-        self.holding_generator = [holds_generator(p) for p in partitions]
-        self.compiled = [holds_compiled(p) for p in partitions]
         self.loans = find_loans(partitions, devices)
         # Held by each forward pass, each recomputation and each Pipe.step:
         # one thread at a time runs the partitions and touches their buffers.
@@ -78,9 +76,17 @@ class PartitionRuntime:
         return len(self.partitions)
 
     def randomness(self, stages_by_worker: list[list[int]]) -> list[PartitionRandomness]:
-        """How each partition draws when ``stages_by_worker[w]`` lists those worker ``w`` runs."""
+        """How each partition draws when ``stages_by_worker[w]`` lists those worker ``w`` runs.
+
+        Read from the partitions as they are now, at each run: a layer
+        compiled in place (``pipe[k].compile()``) or a generator given to a
+        layer after the pipe was built changes how its partition must draw.
+        """
         return randomness_plans(
-            self.devices, stages_by_worker, self.holding_generator, self.compiled
+            self.devices,
+            stages_by_worker,
+            [holds_generator(p) for p in self.partitions],
+            [holds_compiled(p) for p in self.partitions],
         )
 
     def call(self, j: int, value: Value) -> Value:

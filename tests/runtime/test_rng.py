@@ -22,6 +22,7 @@ from torch._dynamo import convert_frame
 from pipeline import Pipe, is_checkpointing, is_recomputing
 from pipeline.runtime import rng
 from pipeline.runtime.ownership import holds_compiled, randomness_plans
+from pipeline.runtime.partitions import PartitionRuntime
 from tests.helpers import Rendezvous, grads
 
 MODES = ("always", "except_last", "never")
@@ -528,6 +529,61 @@ def test_a_layer_compiled_on_another_thread_makes_every_partition_seed_its_draws
     assert seeded([False, True, False, False]) == [True] * 4
     # A compilation on the owner's own thread ends before its next draw.
     assert seeded([True, False, False, False]) == [False, True, False, True]
+
+
+def test_a_layer_compiled_after_the_pipe_was_built_makes_every_partition_seed_its_draws() -> None:
+    # The device tier's compiled layers are compiled in place once the Pipe
+    # exists: on a GPU, cuda:0 and the CPU in turn, the cuda:0 partitions
+    # kept owning their generator and the CPU thread's compilation rewound it.
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    partitions = [nn.Sequential(nn.Dropout()) for _ in range(3)]
+    runtime = PartitionRuntime(
+        partitions, [gpu, cpu, gpu], positional=False, deferred_batch_norm=False
+    )
+    assert [plan.seeded for plan in runtime.randomness([[0, 2], [1]])] == [False, True, False]
+    partitions[1][0].compile()
+    assert [plan.seeded for plan in runtime.randomness([[0, 2], [1]])] == [True] * 3
+
+
+class LinearTimesNoise(nn.Linear):
+    """linear(x) * uniform noise, drawn from ``self.generator`` once one is given."""
+
+    generator: torch.Generator | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.generator is None:
+            return super().forward(x)
+        return super().forward(x) * torch.rand(x.shape, generator=self.generator, dtype=x.dtype)
+
+
+@pytest.mark.parametrize("call", ["pipe(x)", "step"])
+def test_a_generator_given_to_a_layer_after_the_pipe_was_built_is_replayed(call: str) -> None:
+    # One thread owns the CPU generator; the layer's own generator, given
+    # later, is only replayed under the seeding mode (the recomputation drew
+    # new numbers: gradients 0.47 off, silently).
+    model = nn.Sequential(*(LinearTimesNoise(WIDTH, WIDTH) for _ in range(4))).double()
+    x = torch.randn(16, WIDTH, dtype=torch.double)
+    results = {}
+    for mode in ("never", "always"):
+        pipe = Pipe(
+            copy.deepcopy(model),
+            [2, 2],
+            devices=["cpu"] * 2,
+            chunks=4,
+            checkpoint=mode,  # type: ignore[arg-type]
+            threads="device",
+        )
+        pipe(x)  # a run before the generator is given
+        pipe[3].generator = torch.Generator().manual_seed(5)
+        if call == "pipe(x)":
+            results[mode] = step(pipe, x)[:2]
+        else:
+            pipe.zero_grad()
+            loss = pipe.step(x, x, F.mse_loss, schedule="1f1b")
+            results[mode] = (loss, grads(pipe))
+    assert torch.equal(results["always"][0], results["never"][0])
+    for name, grad in results["never"][1].items():
+        assert torch.equal(results["always"][1][name], grad), name
 
 
 def test_compiled_layers_are_found_whether_the_module_or_its_call_is_compiled() -> None:
