@@ -495,9 +495,17 @@ class PipeBase(nn.Module, ABC):
         return evaluating(self, self._runtime.devices, evaluation_seed(self._evaluations))
 
     @staticmethod
-    def _measured(run: StepRun, programs: list[Program]) -> Measured:
-        """What a report measures of ``run``'s stages here: a worker per program (or process)."""
-        return Measured(run.timed, programs, run.peak_in_flight, run.peak_activation_bytes)
+    def _measured(
+        run: StepRun, programs: list[Program], worker_of_program: list[int] | None = None
+    ) -> Measured:
+        """What a report measures of ``run``'s stages here.
+
+        ``worker_of_program[k]``: the thread that ran ``programs[k]``; by
+        default a worker per program (a process each, for a DistributedPipe).
+        """
+        return Measured(
+            run.timed, programs, run.peak_in_flight, run.peak_activation_bytes, worker_of_program
+        )
 
     def _one_pass(self) -> AbstractContextManager[None]:
         """Around one pass: DeferredBatchNorm statistics committed once, at its end."""

@@ -272,11 +272,14 @@ class Pipe(PipeBase):
             hooks,
             _worker_stages(programs, by_worker),
         )
-        begin_explicit_step(simulation.mean_idle_fraction)
+        thread_of_program = _thread_of_program(len(programs), by_worker)
+        begin_explicit_step(simulation.idle_on(programs, thread_of_program).stages)
         with self._one_pass(), run.holding_hooks():
             self._run_programs(run, programs, by_worker, simulation)
             run.finish()
-        self.last_step = StepReport(schedule, simulation, self._measured(run, programs))
+        self.last_step = StepReport(
+            schedule, simulation, self._measured(run, programs, thread_of_program)
+        )
         loss = run.loss()
         if call.return_outputs:
             return loss, gather(run.outputs)
@@ -446,6 +449,19 @@ def _refuse_sharded(pipe: Pipe, method: str) -> None:
 def _worker_stages(programs: list[Program], by_worker: dict[int, list[int]]) -> list[list[int]]:
     """The stages each worker runs: those of the programs ``by_worker`` gives it."""
     return [sorted({a.stage for k in ks for a in programs[k]}) for ks in by_worker.values()]
+
+
+def _thread_of_program(count: int, by_worker: dict[int, list[int]]) -> list[int]:
+    """The thread that runs each of ``count`` programs; an empty one counts as a worker of its own.
+
+    >>> _thread_of_program(3, {0: [0, 2], 1: [1]})
+    [0, 1, 0]
+    """
+    thread_of = [-1 - k for k in range(count)]
+    for worker, ks in by_worker.items():
+        for k in ks:
+            thread_of[k] = worker
+    return thread_of
 
 
 def _rows_of(batches: list[Batch], targets: list[Batch]) -> list[int]:

@@ -24,9 +24,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
-from pipeline.step.actions import Action
+from pipeline.step.actions import Action, Program
 from pipeline.step.schedules import Schedule
-from pipeline.step.simulate import Simulation
+from pipeline.step.simulate import Idle, Simulation
 
 __all__ = [
     "ActionRecord",
@@ -97,6 +97,11 @@ class _Readable:
     measured: Measured
 
     @property
+    def simulated_idle(self) -> Idle:
+        """The schedule's idle shares, simulated on the workers the step ran on."""
+        return self.simulation.idle_on(self.measured.programs, self.measured.worker_of_program)
+
+    @property
     def duration(self) -> float:
         """Seconds from the step's first action's start to its last action's end."""
         return self.measured.result[0]
@@ -130,7 +135,7 @@ class _Readable:
         text = (
             f"{self.schedule!r}, {m} micro-batches x {len(self.simulation.peak_in_flight)} "
             f"partitions, {self.duration * 1e3:.1f} ms: busy {busy:.0%}, waiting {waiting:.0%}, "
-            f"idle {idle:.0%} (simulated idle {self.simulation.mean_idle_fraction:.0%})"
+            f"idle {idle:.0%} (simulated idle {self.simulated_idle.workers:.0%})"
         )
         measured = [p.peak_activation_bytes for p in self.partitions]
         if measured and all(b is not None for b in measured):
@@ -233,26 +238,35 @@ class Timed:
 class Measured:
     """A step's actions as timed, and ``measure``'s result of them, taken when first read.
 
-    ``programs[w]`` ran on worker ``w`` (a thread, or a process's rank);
-    ``peak_in_flight`` and ``activations`` are as for ``measure``.
+    ``programs[k]`` ran on worker ``worker_of_program[k]`` (a thread, or a
+    process's rank; by default ``k``); ``peak_in_flight`` and
+    ``activations`` are as for ``measure``.
     """
 
     def __init__(
         self,
         timed: list[Timed],
-        programs: Sequence[Sequence[Action]],
+        programs: list[Program],
         peak_in_flight: dict[int, int],
         activations: dict[int, int | None],
+        worker_of_program: Sequence[int] | None = None,
     ) -> None:
         self._timed = timed
-        self._programs = programs
+        self.programs = programs
+        self.worker_of_program = (
+            list(range(len(programs))) if worker_of_program is None else list(worker_of_program)
+        )
         self._peak_in_flight = peak_in_flight
         self._activations = activations
 
     @cached_property
     def result(self) -> tuple[float, tuple[ActionRecord, ...], tuple[PartitionReport, ...]]:
         """The step's duration, its actions and its partitions' reports (``measure``)."""
-        worker_of = {a.stage: w for w, program in enumerate(self._programs) for a in program}
+        worker_of = {
+            a.stage: self.worker_of_program[k]
+            for k, program in enumerate(self.programs)
+            for a in program
+        }
         return measure(self._timed, worker_of, self._peak_in_flight, self._activations)
 
 

@@ -25,17 +25,31 @@ from __future__ import annotations
 import itertools
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pipeline.step.actions import Action, Kind, Program
 
-__all__ = ["COSTS", "ProgramError", "Simulation", "play", "validate"]
+__all__ = ["COSTS", "Idle", "ProgramError", "Simulation", "play", "validate"]
 
 COSTS: dict[Kind, float] = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
 
 
 class ProgramError(ValueError):
     """A set of programs that cannot run: incomplete, out of order, or deadlocked."""
+
+
+@dataclass(frozen=True)
+class Idle:
+    """The simulated idle shares of a step, its programs on the workers that run them.
+
+    ``workers``: the mean share of the makespan in which a worker (a thread,
+    a process) runs no action. ``stages``: the mean share in which a stage
+    runs none of its own; a worker running several stages (interleaved,
+    partitions sharing a thread) keeps each one idle while it runs another.
+    """
+
+    workers: float
+    stages: float
 
 
 @dataclass(frozen=True)
@@ -54,10 +68,52 @@ class Simulation:
     peak_in_flight: list[int]
     start: dict[Action, float]
     one_thread_order: tuple[Action, ...]
+    _idle: dict[tuple[int, ...], Idle] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def mean_idle_fraction(self) -> float:
         return sum(self.idle_fraction) / len(self.idle_fraction)
+
+    def idle_on(self, programs: list[Program], worker_of_program: Sequence[int]) -> Idle:
+        """The idle shares when worker ``worker_of_program[k]`` runs ``programs[k]``.
+
+        Programs that share a worker (partitions on one thread) run one at a
+        time, each worker's in ``thread_order``'s order; unit costs, as
+        ``validate``. With a worker each, ``workers`` is ``mean_idle_fraction``.
+
+        >>> from pipeline.step.actions import parse_program
+        >>> programs = [parse_program("0F0 0B0"), parse_program("1F0 1B0")]
+        >>> simulation = validate(programs, 1, 2)
+        >>> simulation.idle_on(programs, [0, 1])
+        Idle(workers=0.5, stages=0.5)
+        >>> simulation.idle_on(programs, [0, 0])
+        Idle(workers=0.0, stages=0.5)
+        """
+        key = tuple(worker_of_program)
+        found = self._idle.get(key)
+        if found is None:
+            found = self._idle[key] = self._idle_on(programs, key)
+        return found
+
+    def _idle_on(self, programs: list[Program], worker_of_program: tuple[int, ...]) -> Idle:
+        groups: dict[int, list[Program]] = {}
+        for k, program in enumerate(programs):
+            groups.setdefault(worker_of_program[k], []).append(program)
+        alone = len(groups) == 1
+        merged = [list(self.thread_order(group, alone)) for group in groups.values()]
+        stages = len(self.peak_in_flight)
+        start, end = play(merged, stages)
+        makespan = max(end.values(), default=0.0)
+        if not makespan:
+            return Idle(0.0, 0.0)
+        busy_by_stage = [0.0] * stages
+        for action, ended in end.items():
+            busy_by_stage[action.stage] += ended - start[action]
+        busy = [sum(end[a] - start[a] for a in program) for program in merged]
+        return Idle(
+            workers=sum(1.0 - b / makespan for b in busy) / len(busy),
+            stages=sum(1.0 - b / makespan for b in busy_by_stage) / stages,
+        )
 
     def thread_order(self, programs: list[Program], alone: bool) -> Sequence[Action]:
         """The actions of ``programs``, all run by one thread, in an order it can follow.

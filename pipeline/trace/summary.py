@@ -37,7 +37,8 @@ class Summary:
     over ``steps``; ``bubble_bound`` is GPipe's idle share (n-1)/(m+n-1) for
     ``microbatches`` (m) and ``partitions`` (n) equal tasks. For steps run
     with an explicit schedule (``Pipe.step``), ``schedule_bound`` is that
-    schedule's own idle share, simulated with unit costs. ``str()`` gives a
+    schedule's own idle share per partition, simulated with unit costs on
+    the threads the steps ran on (``StepReport.simulated_idle.stages``). ``str()`` gives a
     table::
 
         print(trace.summary())

@@ -44,6 +44,39 @@ def test_last_step_records_every_action_once(schedule: str) -> None:
     assert report.peak_in_flight == report.simulation.peak_in_flight
 
 
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_partitions_sharing_a_thread_are_one_worker_in_the_report_and_its_simulation(
+    schedule: str,
+) -> None:
+    # Seen on a GPU (4 partitions on cuda:0, one thread): "busy 25%, idle
+    # 75% (simulated idle 27%)" for a thread that was never idle, against a
+    # simulation that gave each partition a device of its own.
+    n = 4
+    pipe = Pipe(
+        nn.Sequential(*(block() for _ in range(n))),
+        [1] * n,
+        devices=["cpu"] * n,
+        chunks=4,
+        threads="device",
+    )
+    x = torch.randn(8, WIDTH)
+    with pipeline.trace() as t:
+        pipe.step(x, x, F.mse_loss, schedule=SCHEDULES[schedule]())
+    report = pipe.last_step
+    assert report is not None
+    assert {r.worker for r in report.actions} == {0}
+    in_actions = sum(r.end - r.start for r in report.actions)
+    for part in report.partitions:
+        assert part.worker == 0
+        assert part.idle == pytest.approx(max(report.duration - in_actions, 0.0))
+    # One thread running every program always has an action it can run; each
+    # stage computes a quarter of the step (unit costs: the same work each).
+    assert report.simulated_idle.workers == 0.0
+    assert report.simulated_idle.stages == pytest.approx(1 - 1 / n)
+    assert "(simulated idle 0%)" in repr(report)
+    assert t.summary().schedule_bound == pytest.approx(1 - 1 / n)
+
+
 class Sleep(nn.Module):
     """Takes a known time: sleeps in forward (backward takes next to none)."""
 

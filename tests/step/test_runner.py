@@ -192,7 +192,7 @@ def test_the_trace_shows_every_action_once_with_its_kind(
     assert "copy" in tasks
     summary = t.summary()
     assert pipe.last_step is not None
-    assert summary.schedule_bound == pipe.last_step.simulation.mean_idle_fraction
+    assert summary.schedule_bound == pipe.last_step.simulated_idle.stages
     assert "the schedule's simulated idle fraction" in str(summary)
     letters = {"backward": "B", "input_grad": "I", "weight_grad": "W"}
     rendered = t.render(width=200).lower()
