@@ -14,6 +14,7 @@ from pipeline.step.schedules import (
     Programs,
     Schedule,
     ZeroBubbleH1,
+    ZeroBubbleMemory,
     resolve_schedule,
 )
 from pipeline.step.simulate import ProgramError, Simulation, validate
@@ -28,6 +29,7 @@ __all__ = [
     "Schedule",
     "Simulation",
     "ZeroBubbleH1",
+    "ZeroBubbleMemory",
     "resolve_schedule",
     "validate",
 ]

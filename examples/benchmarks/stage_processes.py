@@ -11,7 +11,9 @@ intra-op thread each, share one model: 8 blocks of Linear(W, W) + ReLU
 - the single-process ``Pipe.step`` (``gpipe``, ``1f1b``) over P CPU
   partitions, in process 0, with ``threads="device"`` (one thread) and
   ``threads="partition"`` (a thread each);
-- ``DistributedPipe.step`` with ``gpipe``, ``1f1b`` and ``zb-h1``;
+- ``DistributedPipe.step`` with ``gpipe``, ``1f1b``, ``zb-h1`` and
+  ``ZeroBubbleH1(memory="peak")`` (every stage at 1F1B's peak, as torch's
+  zero-bubble schedule holds);
 - torch's ``PipelineStage`` with ``ScheduleGPipe``, ``Schedule1F1B`` and, beside
   ``zb-h1``, its zero-bubble ``ScheduleInterleavedZeroBubble`` (one stage per
   process);
@@ -53,6 +55,7 @@ from torch.distributed.pipelining import (
 
 from pipeline import Pipe
 from pipeline.distributed import DistributedPipe, init_process_group_from_env
+from pipeline.schedules import Schedule, ZeroBubbleH1
 
 Step = Callable[[], object]
 MODES = ("never", "except_last")
@@ -63,6 +66,13 @@ PAIRS = (
     ("1f1b", "Schedule1F1B"),
     ("zb-h1", "ScheduleInterleavedZeroBubble"),
 )
+# DistributedPipe's candidates without checkpointing: label -> schedule.
+OURS: dict[str, str | Schedule] = {
+    "gpipe": "gpipe",
+    "1f1b": "1f1b",
+    "zb-h1": "zb-h1",
+    "zb-h1 peak": ZeroBubbleH1(memory="peak"),
+}
 KINDS: dict[str, Any] = {
     "ScheduleGPipe": ScheduleGPipe,
     "Schedule1F1B": Schedule1F1B,
@@ -89,7 +99,7 @@ def plain_step(model: nn.Sequential, x: Tensor, y: Tensor, m: int) -> Step:
     return run
 
 
-def ours(model: nn.Module, x: Tensor, y: Tensor, schedule: str) -> Step:
+def ours(model: nn.Module, x: Tensor, y: Tensor, schedule: str | Schedule) -> Step:
     def run() -> None:
         model.zero_grad(set_to_none=True)
         model.step(x, y, F.mse_loss, schedule=schedule)  # type: ignore[operator]
@@ -192,8 +202,8 @@ def measure(m: int, args: argparse.Namespace) -> dict[str, Any]:
             checked[name] = (local, False)
     pipes = [DistributedPipe(mlp(width), balance, chunks=m, checkpoint=mode) for mode in MODES]
     for pipe, mode in zip(pipes, MODES, strict=True):
-        for schedule in ("gpipe", "1f1b", "zb-h1") if mode == "never" else ("1f1b",):
-            name = f"DistributedPipe {schedule}" + ("" if mode == "never" else f" {mode}")
+        for label, schedule in OURS.items() if mode == "never" else [("1f1b", "1f1b")]:
+            name = f"DistributedPipe {label}" + ("" if mode == "never" else f" {mode}")
             candidates[name] = (ours(pipe, x, y, schedule), True)
             checked[name] = (pipe, True)
     for _, label in PAIRS:
@@ -228,6 +238,10 @@ def measure(m: int, args: argparse.Namespace) -> dict[str, Any]:
             for schedule, label in PAIRS
         },
     }
+    # The zero-bubble program whose later stages hold 1F1B's peak, as torch's does.
+    result["ours_over_torch_throughput"]["DistributedPipe zb-h1 peak"] = median_ratio(
+        times["torch ScheduleInterleavedZeroBubble"], times["DistributedPipe zb-h1 peak"]
+    )
     for threads in ("device", "partition"):
         name = f"Pipe.step 1f1b (1 process, threads={threads})"
         result["ours_over_torch_throughput"][name] = median_ratio(

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from typing import Literal
 
 from pipeline.step.actions import Action, Kind, Program, parse_program
 
@@ -34,6 +35,7 @@ __all__ = [
     "Programs",
     "Schedule",
     "ZeroBubbleH1",
+    "ZeroBubbleMemory",
     "resolve_schedule",
 ]
 
@@ -86,25 +88,51 @@ class OneFOneB(Schedule):
         return [_one_f_one_b(s, m, stages, backward=["B"]) for s in range(stages)]
 
 
+ZeroBubbleMemory = Literal["stage", "peak"]
+
+
 class ZeroBubbleH1(Schedule):
     """1F1B's memory, with backward split into input (I) and weight (W) gradients.
 
     The programs come from playing the dependencies with unit costs (F, I, W
     = 1): a worker runs an input gradient as soon as it can (it is on the
-    critical path back to stage 0), else a forward, while it holds fewer than
-    ``stages - s`` micro-batches whose weight gradient is still to come (a
-    graph waiting for W is held as much as one waiting for I), else a weight
-    gradient: the weight work fills the gaps where 1F1B waits, and stage
-    ``s`` never holds more than 1F1B's ``min(stages - s, m)``.
+    critical path back to stage 0), else a forward, while it holds fewer
+    micro-batches whose weight gradient is still to come than ``memory``
+    allows (a graph waiting for W is held as much as one waiting for I),
+    else a weight gradient: the weight work fills the gaps where 1F1B waits.
+
+    ``memory="stage"`` (the default): stage ``s`` never holds more than
+    1F1B's ``min(stages - s, m)``, every stage at 1F1B's memory.
+    ``memory="peak"``: every stage may hold 1F1B's largest count, the first
+    stage's ``min(stages, m)``: the pipeline's peak stays 1F1B's, and the
+    later stages hold more to fill more of their bubble (the zero-bubble
+    paper's bound; torch's zero-bubble schedule holds as much). With unit
+    costs, 2 stages and 4 micro-batches: 1F1B 15, ``"stage"`` 14, ``"peak"``
+    13; 4 stages and 4 micro-batches: 21, 18, 15.
 
     >>> [" ".join(map(str, p)) for p in ZeroBubbleH1().programs(3, 2)]
     ['0F0 0F1 0I0 0W0 0F2 0I1 0W1 0I2 0W2', '1F0 1I0 1W0 1F1 1I1 1W1 1F2 1I2 1W2']
+    >>> [" ".join(map(str, p)) for p in ZeroBubbleH1(memory="peak").programs(3, 2)]
+    ['0F0 0F1 0I0 0W0 0I1 0F2 0W1 0I2 0W2', '1F0 1I0 1F1 1I1 1W0 1W1 1F2 1I2 1W2']
     """
 
     name = "zb-h1"
 
+    def __init__(self, memory: ZeroBubbleMemory = "stage") -> None:
+        if memory not in ("stage", "peak"):
+            raise ValueError(
+                f"memory must be 'stage' (each stage at 1F1B's memory) or 'peak' (each stage "
+                f"at 1F1B's peak, the first stage's), got {memory!r}"
+            )
+        self.memory = memory
+
     def programs(self, m: int, stages: int) -> list[Program]:
-        return _zero_bubble_programs(m, stages)
+        if self.memory == "stage":
+            return _zero_bubble_programs(m, stages, [stages - s for s in range(stages)])
+        return _zero_bubble_programs(m, stages, [stages] * stages)
+
+    def __repr__(self) -> str:
+        return "ZeroBubbleH1()" if self.memory == "stage" else "ZeroBubbleH1(memory='peak')"
 
 
 class Interleaved1F1B(Schedule):
@@ -201,8 +229,11 @@ def _one_f_one_b(s: int, m: int, stages: int, backward: list[Kind]) -> Program:
     return program
 
 
-def _zero_bubble_programs(m: int, stages: int) -> list[Program]:
-    """ZB-H1's programs: a list schedule of the dependencies with unit costs (see the class)."""
+def _zero_bubble_programs(m: int, stages: int, held: list[int]) -> list[Program]:
+    """ZB-H1's programs: a list schedule of the dependencies with unit costs (see the class).
+
+    Stage ``s`` holds fewer than ``held[s]`` micro-batches before a forward.
+    """
     clock = [0.0] * stages
     forwarded: dict[tuple[int, int], float] = {}
     input_grads: dict[tuple[int, int], float] = {}
@@ -218,7 +249,7 @@ def _zero_bubble_programs(m: int, stages: int) -> list[Program]:
             ready = forwarded.get((s, i)) if s == stages - 1 else input_grads.get((s + 1, i))
             if ready is not None:
                 found.append((max(clock[s], ready), 0, "I"))
-        if done["F"] < m and done["F"] - done["W"] < stages - s:
+        if done["F"] < m and done["F"] - done["W"] < held[s]:
             ready = 0.0 if s == 0 else forwarded.get((s - 1, done["F"]))
             if ready is not None:
                 found.append((max(clock[s], ready), 1, "F"))

@@ -19,6 +19,7 @@ SCHEDULES: dict[str, Callable[[], Any]] = {
     "1f1b": OneFOneB,
     "interleaved": lambda: Interleaved1F1B(virtual=2),
     "zb-h1": ZeroBubbleH1,
+    "zb-h1 peak": lambda: ZeroBubbleH1(memory="peak"),
 }
 
 

@@ -19,6 +19,7 @@ from pipeline.schedules import (
     ProgramError,
     Programs,
     Schedule,
+    ZeroBubbleH1,
     validate,
 )
 
@@ -36,8 +37,16 @@ def test_peak_micro_batches_held_equal_the_simulation(schedule: str) -> None:
         "1f1b": [4, 3, 2, 1],
         "interleaved": [4, 3, 2, 1],
         "zb-h1": [4, 3, 2, 1],
+        "zb-h1 peak": [4, 4, 4, 4],
     }[schedule]
     assert report.peak_in_flight == expected
+
+
+def test_zero_bubble_memory_other_than_stage_or_peak_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"memory must be 'stage'.*or 'peak'.*got 'pipeline'"):
+        ZeroBubbleH1(memory="pipeline")  # type: ignore[arg-type]
+    assert repr(ZeroBubbleH1(memory="peak")) == "ZeroBubbleH1(memory='peak')"
+    assert repr(ZeroBubbleH1()) == "ZeroBubbleH1()"
 
 
 def test_programs_of_ones_own_run_and_bad_ones_are_refused_before_any_work() -> None:
@@ -110,6 +119,10 @@ def test_built_in_programs_are_valid_and_hold_what_their_schedule_promises(
     elif schedule == "1f1b":
         assert simulation.peak_in_flight == one_f_one_b
         assert simulation.mean_idle_fraction == pytest.approx(gpipe_idle)
+    elif schedule == "zb-h1 peak":  # 1F1B's peak on every stage, less idle than zb-h1's
+        assert simulation.peak_in_flight == [min(m, n)] * n
+        per_stage = validate(ZeroBubbleH1().programs(m, n), m, n)
+        assert simulation.makespan < per_stage.makespan
     else:  # interleaved, and zb-h1 at 1F1B's memory (a graph waiting for W counts)
         assert simulation.peak_in_flight == one_f_one_b
         assert simulation.mean_idle_fraction < gpipe_idle
