@@ -92,7 +92,9 @@ ZeroBubbleMemory = Literal["stage", "peak"]
 
 
 class ZeroBubbleH1(Schedule):
-    """1F1B's memory, with backward split into input (I) and weight (W) gradients.
+    """1F1B's memory (each stage's, or its peak), with backward split into I and W.
+
+    I: the input gradient; W: the weight gradient.
 
     The programs come from playing the dependencies with unit costs (F, I, W
     = 1): a worker runs an input gradient as soon as it can (it is on the
@@ -232,7 +234,8 @@ def _one_f_one_b(s: int, m: int, stages: int, backward: list[Kind]) -> Program:
 def _zero_bubble_programs(m: int, stages: int, held: list[int]) -> list[Program]:
     """ZB-H1's programs: a list schedule of the dependencies with unit costs (see the class).
 
-    Stage ``s`` holds fewer than ``held[s]`` micro-batches before a forward.
+    Stage ``s`` runs a forward only while it holds fewer than ``held[s]``
+    micro-batches whose weight gradient is still to come.
     """
     clock = [0.0] * stages
     forwarded: dict[tuple[int, int], float] = {}
