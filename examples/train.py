@@ -219,7 +219,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--schedule",
         default="1f1b",
-        choices=["1f1b", "gpipe", "interleaved", "zb-h1", "call"],
+        choices=["1f1b", "gpipe", "interleaved", "zb-h1", "zb-h1-peak", "call"],
         help="the schedule of pipe.step; 'call': pipe(x) then loss.backward()",
     )
     parser.add_argument("--width", type=int, default=128, help="the blocks' width")

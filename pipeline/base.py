@@ -218,7 +218,8 @@ class PipeBase(nn.Module, ABC):
         backward runs on the workers too, so that it overlaps across
         partitions, in the order ``schedule`` gives: ``"gpipe"``, ``"1f1b"``
         (the default: each partition holds at most as many micro-batches as
-        there are partitions after it), ``"interleaved"``, ``"zb-h1"``, or a
+        there are partitions after it), ``"interleaved"``, ``"zb-h1"``,
+        ``"zb-h1-peak"``, or a
         ``pipeline.schedules.Schedule`` (``Programs([...])`` for programs of
         your own, in torch's notation: ``"0F0 0F1 0B0 0B1"``).
 

@@ -23,7 +23,8 @@ Every program is checked by ``simulate.validate`` before it runs.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Literal
 
 from pipeline.step.actions import Action, Kind, Program, parse_program
@@ -105,7 +106,7 @@ class ZeroBubbleH1(Schedule):
 
     ``memory="stage"`` (the default): stage ``s`` never holds more than
     1F1B's ``min(stages - s, m)``, every stage at 1F1B's memory.
-    ``memory="peak"``: every stage may hold 1F1B's largest count, the first
+    ``memory="peak"`` (``"zb-h1-peak"``): every stage may hold 1F1B's largest count, the first
     stage's ``min(stages, m)``: the pipeline's peak stays 1F1B's, and the
     later stages hold more to fill more of their bubble (the zero-bubble
     paper's bound; torch's zero-bubble schedule holds as much). With unit
@@ -118,8 +119,6 @@ class ZeroBubbleH1(Schedule):
     ['0F0 0F1 0I0 0W0 0I1 0F2 0W1 0I2 0W2', '1F0 1I0 1F1 1I1 1W0 1W1 1F2 1I2 1W2']
     """
 
-    name = "zb-h1"
-
     def __init__(self, memory: ZeroBubbleMemory = "stage") -> None:
         if memory not in ("stage", "peak"):
             raise ValueError(
@@ -127,6 +126,7 @@ class ZeroBubbleH1(Schedule):
                 f"at 1F1B's peak, the first stage's), got {memory!r}"
             )
         self.memory = memory
+        self.name = "zb-h1" if memory == "stage" else "zb-h1-peak"
 
     def programs(self, m: int, stages: int) -> list[Program]:
         if self.memory == "stage":
@@ -277,16 +277,21 @@ def _zero_bubble_programs(m: int, stages: int, held: list[int]) -> list[Program]
     return programs
 
 
-_BY_NAME: dict[str, type[Schedule]] = {
+_BY_NAME: dict[str, Callable[[], Schedule]] = {
     "gpipe": GPipe,
     "1f1b": OneFOneB,
     "interleaved": Interleaved1F1B,
     "zb-h1": ZeroBubbleH1,
+    "zb-h1-peak": partial(ZeroBubbleH1, memory="peak"),
 }
 
 
 def resolve_schedule(schedule: str | Schedule) -> Schedule:
-    """The schedule named ``schedule`` ("gpipe", "1f1b", "interleaved", "zb-h1"), or itself."""
+    """The schedule named ``schedule`` (a key of ``_BY_NAME``), or itself.
+
+    >>> resolve_schedule("zb-h1-peak")
+    ZeroBubbleH1(memory='peak')
+    """
     if isinstance(schedule, Schedule):
         return schedule
     if isinstance(schedule, str) and schedule.lower() in _BY_NAME:

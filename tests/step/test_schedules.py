@@ -20,6 +20,7 @@ from pipeline.schedules import (
     Programs,
     Schedule,
     ZeroBubbleH1,
+    resolve_schedule,
     validate,
 )
 
@@ -47,6 +48,12 @@ def test_zero_bubble_memory_other_than_stage_or_peak_is_refused() -> None:
         ZeroBubbleH1(memory="pipeline")  # type: ignore[arg-type]
     assert repr(ZeroBubbleH1(memory="peak")) == "ZeroBubbleH1(memory='peak')"
     assert repr(ZeroBubbleH1()) == "ZeroBubbleH1()"
+    # By name too; the name tells the two apart (a plan's check compares names).
+    assert repr(resolve_schedule("zb-h1-peak")) == "ZeroBubbleH1(memory='peak')"
+    assert (resolve_schedule("zb-h1-peak").name, resolve_schedule("zb-h1").name) == (
+        "zb-h1-peak",
+        "zb-h1",
+    )
 
 
 def test_programs_of_ones_own_run_and_bad_ones_are_refused_before_any_work() -> None:
