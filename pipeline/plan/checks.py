@@ -19,7 +19,7 @@ __all__ = [
     "default_chunks",
 ]
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h1-peak")
 CHECKPOINTS = ("never", "except_last", "always")
 
 

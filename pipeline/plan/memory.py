@@ -103,8 +103,9 @@ class MicroBatchBytes:
     ``unsaved`` the part of that its layers do not save; ``grad`` the
     gradient mailed back to it (0 on the last stage); ``recorded`` what
     zero-bubble's ``I`` keeps for ``W``; ``released`` the saved bytes ``I``
-    lets go (the loss's, which ``W`` does not need, where ``I`` starts from
-    the stage's received input).
+    lets go (what lies above the stage's topmost anchor, the loss's
+    included, where ``I`` starts from the stage's received input:
+    ``Saved.released_bytes``).
     """
 
     saved: int
@@ -213,7 +214,7 @@ def stage_memory(
         unsaved=saved.input_bytes(first, stop, last, kept=False),
         grad=saved.grad_bytes(stop),
         recorded=saved.recorded_bytes(first, stop),
-        released=saved.loss_only_bytes(first, stop) if last and first > 0 else 0,
+        released=saved.released_bytes(first, stop, last),
     )
     peaks = held_peaks(order, stage, checkpointed, one)
     return StageMemory(

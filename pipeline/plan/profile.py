@@ -43,6 +43,7 @@ from torch import Tensor, nn
 from pipeline.runtime.microbatch import to_device
 from pipeline.runtime.partitions import PositionalSequential
 from pipeline.runtime.rng import BaseSeed, TaskRandomness
+from pipeline.step.activations import ActivationMeter
 from pipeline.step.split_backward import backward_input
 
 __all__ = ["LayerTimes", "Saved", "call_layer", "layer_times", "saved_storages"]
@@ -62,7 +63,12 @@ class Saved:
     when a cut follows layer ``i``), ``output_grads[i]`` the bytes of their
     gradient (those that require grad); ``recorded[i]`` the bytes of the
     gradients a zero-bubble ``I`` records in layer ``i`` for its ``W``
-    when the layer's input requires grad.
+    when the layer's input requires grad; ``tops[i]`` what layer ``i``
+    alone saved above its topmost anchor (its input requiring grad), which
+    that ``I`` lets go when the layer is the last of its stage with weights;
+    ``anchored[i]`` whether layer ``i`` has one (weights it computes
+    gradients of); ``whole[i]`` whether its ``I`` is a whole backward (a
+    Python function's node among its anchors).
     """
 
     storages: tuple[int, ...]
@@ -70,6 +76,9 @@ class Saved:
     outputs: tuple[tuple[int, ...], ...]
     output_grads: tuple[int, ...]
     recorded: tuple[int, ...]
+    tops: tuple[int, ...]
+    anchored: tuple[bool, ...]
+    whole: tuple[bool, ...]
 
     def saved_bytes(self, first: int, stop: int, loss: bool) -> int:
         """Bytes saved by layers ``first`` to ``stop - 1`` (and the loss): each storage once."""
@@ -98,14 +107,29 @@ class Saved:
             if kept or self.saved_by[k].isdisjoint(layers)
         )
 
-    def loss_only_bytes(self, first: int, stop: int) -> int:
-        """Bytes the loss alone saves on the last stage of layers ``first..stop``."""
-        layers = set(range(first, stop))
-        return sum(
+    def released_bytes(self, first: int, stop: int, loss: bool) -> int:
+        """Bytes zero-bubble's ``I`` lets go on the stage of layers ``first..stop`` (and the loss).
+
+        ``I`` keeps the graph below the stage's topmost anchor for ``W`` and
+        lets the nodes above it go: what the layers after the last one with
+        weights saved, the loss's, and the top of that layer itself. A whole
+        backward at ``I`` lets everything go. Stage 0, whose input needs no
+        gradient, runs its whole backward at ``W``: nothing.
+        """
+        if first == 0:
+            return 0
+        if any(self.whole[first:stop]):
+            return self.saved_bytes(first, stop, loss)
+        anchored = [k for k in range(first, stop) if self.anchored[k]]
+        top = anchored[-1] if anchored else first - 1
+        mine = set(range(first, stop)) | ({len(self.outputs)} if loss else set())
+        above = {k for k in mine if k > top}
+        only_above = sum(
             size
             for size, by in zip(self.storages, self.saved_by, strict=True)
-            if len(self.outputs) in by and by.isdisjoint(layers)
+            if by & mine and by & mine <= above
         )
+        return only_above + (self.tops[top] if anchored else 0)
 
     def grad_bytes(self, stop: int) -> int:
         """Bytes of the gradient mailed back to the stage ending before layer ``stop``."""
@@ -195,8 +219,8 @@ def saved_storages(
         current[0] = len(layers)
         kept.append(loss_fn(value, target))
     with own_random_state(device), torch.inference_mode(False), torch.enable_grad():
-        recorded = [
-            _recorded_bytes(model, index, layer, sample if index == 0 else kept[index - 1], device)
+        splits = [
+            _split_alone(model, index, layer, sample if index == 0 else kept[index - 1], device)
             for index, layer in enumerate(layers)
         ]
     return Saved(
@@ -204,24 +228,51 @@ def saved_storages(
         tuple(frozenset(s) for s in savers),
         tuple(outputs),
         tuple(grads),
-        tuple(recorded),
+        tuple(split.recorded for split in splits),
+        tuple(split.top for split in splits),
+        tuple(split.anchored for split in splits),
+        tuple(split.whole for split in splits),
     )
 
 
-def _recorded_bytes(
+@dataclass(frozen=True)
+class _Split:
+    """Zero-bubble's ``I`` on one layer alone: what it records, lets go, and whether it splits."""
+
+    recorded: int
+    top: int
+    anchored: bool
+    whole: bool
+
+
+def _split_alone(
     model: nn.Sequential, index: int, layer: nn.Module, value: Value, device: torch.device
-) -> int:
-    """The bytes zero-bubble's ``I`` records in layer ``index`` alone, its input requiring grad."""
+) -> _Split:
+    """``I`` on layer ``index`` alone, its input requiring grad, as a stage runs it.
+
+    ``recorded``: the bytes of the gradients ``I`` records at the anchors,
+    which the stage keeps until ``W``; ``top``: the bytes saved above the
+    topmost anchor, which go with the outputs once ``I`` is done.
+    """
     from balance.layerwise import fresh_inputs, tensors_in  # as in saved_storages
 
     inputs = fresh_inputs(value, device)
-    roots = [t for t in tensors_in(call_layer(model, index, layer, inputs)) if t.requires_grad]
+    meter = ActivationMeter(layer.parameters())  # counts as a stage's meter does
+    with meter.hooks():
+        outputs = call_layer(model, index, layer, inputs)
+    roots = [t for t in tensors_in(outputs) if t.requires_grad]
     halves = backward_input(roots, [torch.ones_like(t) for t in roots], list(tensors_in(inputs)))
     if halves is None:  # a Python function's node: I runs a whole backward, W has nothing left
-        return 0
+        return _Split(0, 0, anchored=False, whole=True)
+    weights = halves[1]
+    before = meter.current
+    del outputs, roots, halves
     # The gradients I recorded at each anchor, which the stage keeps until W.
-    recorded = halves[1]._recorded.values()
-    return _storage_bytes(g for grads in recorded for g in grads if g is not None)
+    recorded = _storage_bytes(
+        g for grads in weights._recorded.values() for g in grads if g is not None
+    )
+    anchored = any(group.weights for group in weights._groups)
+    return _Split(recorded, before - meter.current, anchored, whole=False)
 
 
 def _storage_bytes(tensors: Iterable[Tensor]) -> int:

@@ -17,7 +17,7 @@ MODES = ["never", "except_last", "always"]
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1", "zb-h1-peak"])
 def test_predicted_activations_equal_the_measured_peak_of_each_stage(
     schedule: str, mode: str
 ) -> None:

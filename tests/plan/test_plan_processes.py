@@ -38,6 +38,9 @@ def made_up_saved(rows: int, boundary: int = 1000) -> Saved:
         outputs=tuple((LAYERS + k,) for k in range(LAYERS)),
         output_grads=(boundary,) * LAYERS,
         recorded=(0,) * LAYERS,
+        tops=(0,) * LAYERS,
+        anchored=(True,) * LAYERS,
+        whole=(False,) * LAYERS,
     )
 
 

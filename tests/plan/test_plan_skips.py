@@ -45,7 +45,7 @@ def skip_model() -> nn.Sequential:
 
 
 @pytest.mark.parametrize("mode", ["never", "except_last", "always"])
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1", "zb-h1-peak"])
 def test_a_planned_skip_model_steps_like_the_plain_model_with_the_predicted_activations(
     schedule: str, mode: str
 ) -> None:

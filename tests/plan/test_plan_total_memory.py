@@ -47,7 +47,7 @@ def predicted(schedule: str, mode: str) -> Candidate:
 
 
 @pytest.mark.parametrize("mode", ["never", "except_last", "always"])
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zb-h1"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-h1-peak"])
 def test_predicted_total_is_within_ten_percent_of_each_stages_measured_total(
     schedule: str, mode: str
 ) -> None:
