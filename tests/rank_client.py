@@ -1,7 +1,7 @@
 """``python tests/rank_client.py SCRIPT ARGS...`` runs ``python SCRIPT ARGS...`` forked by the
-rank server of this process's LOCAL_RANK, when RANK_SERVER_DIR names the directory of
-running rank servers (tests/rank_server.py) and that one is there; else it becomes a fresh
-``python SCRIPT ARGS...`` itself.
+rank server of this process's LOCAL_RANK (modulo RANK_SERVERS, how many run), when
+RANK_SERVER_DIR names the directory of running rank servers (tests/rank_server.py) and that
+one is there; else it becomes a fresh ``python SCRIPT ARGS...`` itself.
 
 torchrun starts it as its workers' script: each worker keeps torchrun's environment and
 rendezvous, its stdout and stderr, and torchrun's signals (passed on to the forked process),
@@ -28,7 +28,8 @@ def main() -> None:
     """Run the script forked by the rank server, or exec it where there is none."""
     argv = sys.argv[1:]
     unbuffered = isinstance(getattr(sys.stdout, "buffer", None), io.FileIO)  # python -u
-    server = Path(os.environ.get("RANK_SERVER_DIR", "/nonexistent")) / os.environ["LOCAL_RANK"]
+    index = int(os.environ["LOCAL_RANK"]) % int(os.environ.get("RANK_SERVERS", "1"))
+    server = Path(os.environ.get("RANK_SERVER_DIR", "/nonexistent")) / str(index)
     if not server.exists():
         os.execv(sys.executable, [sys.executable, *(["-u"] if unbuffered else []), *argv])
     forked = request_fork(server, argv, dict(os.environ), 1, 2, unbuffered)
