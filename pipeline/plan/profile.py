@@ -15,7 +15,7 @@ model, its gradients and the random generators are left as they were:
   leave each layer (what crosses a cut there) are noted too, with the bytes
   of their gradient (what is mailed back across the cut); and, each layer
   run alone on inputs that require grad, the gradients that zero-bubble's
-  ``I`` records for ``W`` (``pipeline/step/split_backward.py``).
+  ``I`` records for ``W`` (``pipeline/step/backward_in_two.py``).
 - **time** (``layer_times``): each layer alone on a fresh copy of its input
   (``balance.layerwise``), its forward, its whole backward and its input
   gradient alone (``autograd.grad`` to the inputs: what a zero-bubble ``I``
@@ -44,7 +44,7 @@ from pipeline.runtime.microbatch import to_device
 from pipeline.runtime.partitions import PositionalSequential
 from pipeline.runtime.rng import BaseSeed, TaskRandomness
 from pipeline.step.activations import ActivationMeter
-from pipeline.step.split_backward import backward_input
+from pipeline.step.backward_in_two import backward_input
 
 __all__ = ["LayerTimes", "Saved", "call_layer", "layer_times", "saved_storages"]
 

@@ -2,7 +2,7 @@
 backward, run by workers.
 
 ``actions.py`` and ``schedules.py`` say what each worker runs, ``simulate.py`` checks it first,
-``runner.py`` runs it, ``stage.py`` is one partition's actions, ``mail.py`` carries values between
-stages, ``split_backward.py`` splits a backward in two, ``reports.py`` says what a step ran. No
+``runner.py`` runs it, ``stage.py`` is one stage's actions, ``mail.py`` carries values between
+stages, ``backward_in_two.py`` splits a backward in two, ``reports.py`` says what a step ran. No
 imports here: import the module you mean.
 """

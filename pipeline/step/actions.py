@@ -1,6 +1,6 @@
 """Actions and programs: what a worker does in an explicit schedule, in torch's notation.
 
-An action is one piece of work of one stage (partition) on one micro-batch:
+An action is one piece of work of one stage on one micro-batch:
 ``F`` (forward), ``B`` (backward), or backward split into ``I`` (input
 gradient) and ``W`` (weight gradient). It is written as torch.distributed.
 pipelining writes it: stage, kind, micro-batch, so ``1F3`` is the forward of

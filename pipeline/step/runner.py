@@ -74,7 +74,7 @@ class StepRun:
         hooks: list[Hook],
         keep_outputs: bool,
         randomness: list[PartitionRandomness],
-        split_backward: bool,
+        backward_in_two: bool,
         *,
         transport: Transport | None = None,
         stages: Iterable[int] | None = None,
@@ -85,7 +85,7 @@ class StepRun:
     ) -> None:
         """The step's ``StepContext``, and a ``StageRun`` per stage run here.
 
-        ``randomness[j]``: how stage ``j``'s tasks draw. ``split_backward``:
+        ``randomness[j]``: how stage ``j``'s tasks draw. ``backward_in_two``:
         the programs split backward into I and W. ``transport`` and
         ``stages`` (the stages this process runs) default to every stage of
         ``runtime`` in this process; the other options are ``StepContext``'s.
@@ -94,10 +94,10 @@ class StepRun:
         """
         local = list(range(len(runtime)) if stages is None else stages)
         state = ThreadState.capture()
-        if split_backward:
+        if backward_in_two:
             # A compiled node on the input path without weights of its own
             # runs in I with the graph kept for W (one with weights makes I a
-            # whole backward: split_backward.py): AOTAutograd must not donate
+            # whole backward: backward_in_two.py): AOTAutograd must not donate
             # its saved buffers to that call.
             # Set in the step's context only: it reaches the graphs compiled
             # in this step, and the caller keeps its own setting.

@@ -5,7 +5,7 @@ parameters before it runs, and after each backward through it,
 reduce-scatters the gradients of the unsharded parameters into the sharded
 ones (``.grad`` of the parameters the optimizer holds). A step runs a
 stage's backward once per micro-batch, and ``zb-h1`` splits it in two
-(``split_backward.py``): I, whose end is where FSDP reduces, then W, which
+(``backward_in_two.py``): I, whose end is where FSDP reduces, then W, which
 computes the weights' gradients afterwards, so FSDP would reduce before they
 exist and they would never reach the sharded parameters. Hence, for the
 units of the stages run here::

@@ -1,4 +1,4 @@
-"""Stage: one partition's actions in an explicit schedule, and what it keeps between them.
+"""Stage: one stage's actions in an explicit schedule, and what it keeps between them.
 
 A stage runs its partition on detached inputs, so that each of its actions
 works on an autograd graph of its own, on the stage's worker:
@@ -23,7 +23,7 @@ works on an autograd graph of its own, on the stage's worker:
   has ended (``gradients.py``); on stage 0
   the inputs' gradients continue into the caller's graph at the step's end
   (the input may require grad). ``I`` and ``W`` do the same in two halves
-  (``split_backward.py``).
+  (``backward_in_two.py``).
 
 An evaluation runs the ``F`` actions alone (``forward_only``), without grad:
 a stage keeps nothing of a micro-batch once its forward is done.
@@ -64,11 +64,11 @@ from pipeline.skip.layout import SkipLayout
 from pipeline.skip.tracker import SkipKey, SkipTracker, use_tracker
 from pipeline.step.actions import Action
 from pipeline.step.activations import ActivationMeter
+from pipeline.step.backward_in_two import WeightWork, backward_input
 from pipeline.step.gradients import Root, StepGradients, backward_to_leaves
 from pipeline.step.losses import LossFn, Scale, scaled
 from pipeline.step.mail import Message, Transport
 from pipeline.step.reports import Timed
-from pipeline.step.split_backward import WeightWork, backward_input
 from pipeline.trace.event import Kind as EventKind
 from pipeline.trace.recording import span
 
@@ -198,7 +198,7 @@ class StageRun:
         else:
             kind: EventKind = "backward" if action.kind == "B" else "input_grad"
             with span(kind, i, self.j), self._backward_context():
-                self.backward(i, split=action.kind == "I")
+                self.backward(i, inputs_only=action.kind == "I")
         if action.kind != "I":
             self._release(i)
 
@@ -301,7 +301,7 @@ class StageRun:
 
     # Backward
 
-    def backward(self, i: int, split: bool) -> None:
+    def backward(self, i: int, inputs_only: bool) -> None:
         stashed = self.stash[i]
         if stashed.checkpointed:
             start = time.perf_counter()
@@ -313,7 +313,7 @@ class StageRun:
         # A skip that needs no gradient (integer labels) gets None back, not a target.
         skips = [key for key, leaf in stashed.skips_in.items() if _needs_grad(leaf)]
         targets = inputs + [stashed.skips_in[key] for key in skips]
-        halves = backward_input(roots, grads, targets) if split else None
+        halves = backward_input(roots, grads, targets) if inputs_only else None
         if halves is not None:
             found, stashed.weight_work = halves
         else:
@@ -322,7 +322,7 @@ class StageRun:
             )
             if leaves:
                 self.context.gradients.add(self.j, leaves, leaf_grads)
-            if split:
+            if inputs_only:
                 stashed.weight_work = WeightWork()
         skip_grads = dict(zip(skips, found[len(inputs) :], strict=True))
         for key in stashed.skips_in:

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pipeline import Pipe
-from pipeline.step.split_backward import backward_input
+from pipeline.step.backward_in_two import backward_input
 from tests.helpers import grads
 
 
