@@ -12,8 +12,7 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def test_train_dp_example_keeps_replicas_identical(torchrun: Torchrun) -> None:
-    args = ["--steps", "20", "--batch", "64", "--width", "32"]
-    done = torchrun(2, EXAMPLES / "train_dp.py", *args, timeout=90)
+    done = torchrun(2, EXAMPLES / "train_dp.py", timeout=240)  # as a user runs it: defaults
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "step   20  loss" in done.stdout and "samples/s" in done.stdout
+    assert "step  300  loss" in done.stdout and "samples/s" in done.stdout
     assert "max weight difference between replicas: 0\n" in done.stdout

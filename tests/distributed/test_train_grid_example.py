@@ -12,11 +12,10 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def test_train_grid_example_keeps_replicas_and_tied_copies_identical(torchrun: Torchrun) -> None:
-    args = ["--steps", "12", "--log-every", "6", "--layers", "2", "--width", "32"]
-    done = torchrun(4, EXAMPLES / "train_grid.py", *args, timeout=120)
+    done = torchrun(4, EXAMPLES / "train_grid.py", timeout=240)  # as a user runs it: defaults
     assert done.returncode == 0, done.stdout + done.stderr
     assert "2 replicas x 2 stages" in done.stdout
-    assert "step   12/12  loss" in done.stdout and "tokens/s" in done.stdout
+    assert "step   60/60  loss" in done.stdout and "tokens/s" in done.stdout
     assert "max weight difference between replicas: 0\n" in done.stdout
     assert "max difference between the tied embedding's copies: 0\n" in done.stdout
     assert "loss fell from" in done.stdout
