@@ -6,19 +6,24 @@ sent to it. A message carries its own description, so nothing is declared
 up front and shapes may change from step to step: an envelope, its
 description and its tensors' raw bytes, in the format of ``wire_format.py``,
 which decodes to data, never to code, with every size a peer announces
-checked before anything is allocated.
+checked before anything is allocated. A message that fits in the room the
+receiver posted for its envelope (the size of the peer's last message, up
+to ``MAX_ROOM_BYTES``) travels whole in it: a stage's activations, alike
+from one micro-batch to the next, take one send and one receive each.
 
 Every process listens to each peer on a thread of its own, receiving in
 the order the peer sent and filing each message under its key. Once it
-knows a message's tensors it posts their receives and the next envelope's
-together, so the next message arrives while this one is filed (one wake-up
-of the listener per message, not one per part). An action
+knows a message's tensors it posts their receives, if they did not come in
+the envelope, and the next envelope's together, so the next message arrives
+while this one is filed (one wake-up of the listener per message, not one
+per part). An action
 takes what it needs by key, waiting at most ``timeout`` seconds. Messages
 are therefore matched by key, not by order, and no schedule can make two
 processes wait for each other's receives. Sends are asynchronous: a
 message's sends are waited for when the next message to the same peer is
 posted (the peer's listener has taken it by then), which lets go of what they
-read (a stage's output, kept for nothing else), and at the step's end.
+read (a stage's output sent apart, kept for nothing else; an envelope holds a
+copy, and so does what its receiver takes out of it), and at the step's end.
 
 Faults: an action that fails tells every peer (an ``abort`` message), whose
 waiting actions then fail at once, naming the process and its action; a
@@ -73,13 +78,16 @@ from pipeline.distributed.wire_format import (
     DATA,
     DEFAULT_MAX_MESSAGE_BYTES,
     ENVELOPE_BYTES,
+    HEAD_BYTES,
     STOP,
+    Layout,
     MalformedMessageError,
     TensorSlot,
     decode,
     encode,
-    envelope,
-    read_envelope,
+    head,
+    layout,
+    read_head,
 )
 from pipeline.runtime.process_group import collective_device
 from pipeline.step.mail import AbortedError, Mailboxes, MailTimeoutError, Message, describe
@@ -142,6 +150,9 @@ class P2PTransport:
         self._received_lock = threading.Lock()
         self._mailboxes = Mailboxes(timeout)
         self._send_locks = {peer: threading.Lock() for peer in self.peers}
+        # The room each peer's listener posted for the next envelope from here (under the
+        # peer's send lock); its listener keeps the same number (wire_format.layout).
+        self._room = dict.fromkeys(self.peers, ENVELOPE_BYTES)
         # Sends posted and not yet waited for, by peer: the tensors they read stay alive.
         self._pending: dict[int, list[tuple[dist.Work, torch.Tensor]]] = {}
         self._pending_lock = threading.Lock()
@@ -339,12 +350,8 @@ class P2PTransport:
         description, tensors = encode(
             key, message.leaves, message.spec, message.differentiable, where, self.max_message_bytes
         )
-        head, separate = envelope(kind, description, len(tensors))
-        parts = [torch.frombuffer(head, dtype=torch.uint8)]
-        if separate is not None:
-            parts.append(torch.frombuffer(bytearray(separate), dtype=torch.uint8))
-        parts += [_raw_bytes(t) for t in tensors]
         with self._send_locks[peer]:
+            parts = self._parts(peer, kind, description, tensors)
             if kind == DATA:
                 # The peer's listener has taken the earlier messages by now
                 # (it posts their receives as their envelopes come): their
@@ -359,9 +366,31 @@ class P2PTransport:
                 with self._pending_lock:
                     self._pending.setdefault(peer, []).append((work, on_wire))
 
+    def _parts(
+        self, peer: int, kind: int, description: bytes, tensors: list[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        """A message's sends to ``peer``: its envelope, then what did not fit in the room."""
+        room = self._room[peer]
+        laid = layout(room, len(description), [t.nbytes for t in tensors])
+        self._room[peer] = laid.next_room
+        first = head(kind, description, len(tensors), laid.description_inline)
+        if laid.offsets is None:
+            parts = [torch.frombuffer(bytearray(first), dtype=torch.uint8)]
+            if not laid.description_inline:
+                parts.append(torch.frombuffer(bytearray(description), dtype=torch.uint8))
+            return parts + [_raw_bytes(t) for t in tensors]
+        envelope = torch.empty(laid.size, dtype=torch.uint8, device=self.wire)
+        end = len(first)
+        envelope[:end].copy_(torch.frombuffer(bytearray(first), dtype=torch.uint8))
+        for tensor, at in zip(tensors, laid.offsets, strict=True):
+            envelope[end:at].zero_()  # the padding: nothing of this process's memory leaks
+            end = at + tensor.nbytes
+            envelope[at:end].copy_(_raw_bytes(tensor))
+        return [envelope]
+
     def _listen(self, peer: int) -> None:
         try:
-            envelope = self._expect(torch.empty(ENVELOPE_BYTES, dtype=torch.uint8), peer)
+            envelope = self._expect(_room(ENVELOPE_BYTES), peer)
             while True:
                 kind, key, message, envelope = self._receive_one(peer, envelope)
                 if kind == STOP:
@@ -426,21 +455,27 @@ class P2PTransport:
 
         Nothing a peer announces is allocated before it is checked.
         """
-        kind, length, count, description = read_envelope(_as_bytes(_waited(envelope)))
-        if description is None:
-            separate = self._expect(torch.empty(length, dtype=torch.uint8), peer)
-            description = _as_bytes(_waited(separate))
+        received = _waited(envelope)
+        room = received.numel()
+        kind, length, count = read_head(_as_bytes(received[:HEAD_BYTES]))
+        if HEAD_BYTES + length <= room:
+            description = _as_bytes(received[HEAD_BYTES : HEAD_BYTES + length])
+        else:
+            description = _as_bytes(_waited(self._expect(_room(length), peer)))
         described = decode(description, kind, count, self.max_message_bytes)
-        tensors = {
-            k: self._expect(torch.empty(slot.nbytes, dtype=torch.uint8), peer)
-            for k, slot in described.slots()
-        }
+        slots = dict(described.slots())
+        laid = layout(room, length, [slot.nbytes for slot in slots.values()])
+        tensors: dict[int, torch.Tensor | _Arriving] = (
+            _inline(received, laid, slots)
+            if laid.offsets is not None
+            else {
+                k: _Arriving(self._expect(_room(slot.nbytes), peer), slot)
+                for k, slot in slots.items()
+            }
+        )
         if kind != STOP:
-            envelope = self._expect(torch.empty(ENVELOPE_BYTES, dtype=torch.uint8), peer)
-        values = [
-            _Arriving(tensors[k], leaf) if k in tensors else leaf
-            for k, leaf in enumerate(described.leaves)
-        ]
+            envelope = self._expect(_room(laid.next_room), peer)
+        values = [tensors.get(k, leaf) for k, leaf in enumerate(described.leaves)]
         message = Message(values, described.spec, described.differentiable)
         return kind, described.key, message, envelope
 
@@ -509,6 +544,24 @@ def _waited(receipt: _Receipt) -> torch.Tensor:
     work, buffer = receipt
     work.wait()
     return buffer
+
+
+def _room(nbytes: int) -> torch.Tensor:
+    """An empty buffer for ``nbytes`` of a message (``_expect`` moves it to the wire's device)."""
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
+def _inline(
+    envelope: torch.Tensor, laid: Layout, slots: dict[int, TensorSlot]
+) -> dict[int, torch.Tensor | _Arriving]:
+    """The tensors an envelope holds, each copied out of it: a view would keep the whole
+    envelope alive as long as the tensor (autograd saves a stage's input), head and room
+    included, so that what a stage holds would no longer be what it received."""
+    assert laid.offsets is not None
+    return {
+        k: envelope[at : at + slot.nbytes].view(slot.dtype).reshape(slot.shape).clone()
+        for (k, slot), at in zip(slots.items(), laid.offsets, strict=True)
+    }
 
 
 def _raw_bytes(tensor: torch.Tensor) -> torch.Tensor:

@@ -1,13 +1,21 @@
 """Messages between processes as bytes: a fixed format that decodes to data, never to code.
 
-A message travels as a 1 KiB envelope, its description (inline in the
-envelope when it fits), then each tensor's raw bytes::
+A message travels as an envelope, then what did not fit in it: its
+description, then each tensor's raw bytes, a send each::
 
     envelope     kind, description length, tensor count (int64 each), then
-                 the description if it fits in the rest of the 1 KiB
+                 the description if it fits, then every tensor's bytes if
+                 they all fit, each at an offset a multiple of 64
     description  one encoded value: (key, structured, differentiable, value),
                  each tensor of the value replaced by its dtype name, shape
                  and byte count
+
+What fits is decided by the room the receiver posted for the envelope
+(``layout``): 1 KiB for a peer's first message, then the size the last
+message from that peer would have taken whole, between 1 KiB and
+``MAX_ROOM_BYTES``. Sender and receiver follow the same messages, so both
+know the room, and a stage's activations of the same shape each step
+travel in one send: one receive to post and wait for, not two.
 
 An encoded value is a tag byte and what the tag says follows (little-endian)::
 
@@ -45,22 +53,34 @@ __all__ = [
     "DATA",
     "DEFAULT_MAX_MESSAGE_BYTES",
     "ENVELOPE_BYTES",
+    "HEAD_BYTES",
     "MAX_DESCRIPTION_BYTES",
+    "MAX_ROOM_BYTES",
     "STOP",
     "Description",
+    "Layout",
     "MalformedMessageError",
     "TensorSlot",
     "decode",
     "encode",
-    "envelope",
-    "read_envelope",
+    "head",
+    "layout",
+    "read_head",
 ]
 
 # What a message is: values for a stage, a peer's failure, or its goodbye.
 DATA, ABORT, STOP = 0, 1, 2
-ENVELOPE_BYTES = 1024
 _HEAD = struct.Struct("<qqq")  # kind, description length, tensor count
-_INLINE_BYTES = ENVELOPE_BYTES - _HEAD.size
+HEAD_BYTES = _HEAD.size
+# The room for a peer's first message, and the least ever posted.
+ENVELOPE_BYTES = 1024
+# The most a receiver posts ahead for a message: a buffer this large waits between
+# steps for the next one, and what comes in it is copied out. Larger messages send
+# their tensors apart, where a send more costs little beside the bytes and a copy would
+# cost as much as it saves.
+MAX_ROOM_BYTES = 2**20
+# Tensors in an envelope start at multiples of this, so that any dtype can view them.
+_ALIGN = 64
 
 # A description holds shapes, dtype names, keys and small plain values: a
 # few dozen bytes per tensor. Larger ones are refused before allocating.
@@ -117,17 +137,51 @@ class Description:
 # Envelopes
 
 
-def envelope(kind: int, description: bytes, count: int) -> tuple[bytearray, bytes | None]:
-    """The envelope of a message; and its description when it does not fit in it."""
-    head = _HEAD.pack(kind, len(description), count)
-    fits = len(description) <= _INLINE_BYTES
-    data = bytearray(ENVELOPE_BYTES)
-    data[: _HEAD.size + (len(description) if fits else 0)] = head + description if fits else head
-    return data, None if fits else description
+@dataclass(frozen=True)
+class Layout:
+    """What of a message its envelope holds, given the room its receiver posted.
+
+    ``offsets`` are the tensors' places in the envelope when they all fit
+    (else None: each follows in a send of its own); ``size`` is the
+    envelope's length; ``next_room`` the room for the next message from the
+    same peer.
+    """
+
+    description_inline: bool
+    offsets: tuple[int, ...] | None
+    size: int
+    next_room: int
 
 
-def read_envelope(data: bytes) -> tuple[int, int, int, bytes | None]:
-    """Kind, description length, tensor count and (if inline) description, all checked."""
+def layout(room: int, description_length: int, tensor_bytes: list[int]) -> Layout:
+    """How a message of these sizes travels into ``room`` bytes (sender and receiver alike).
+
+    >>> layout(1024, 40, [256])
+    Layout(description_inline=True, offsets=(64,), size=320, next_room=1024)
+    >>> layout(1024, 40, [4096])
+    Layout(description_inline=True, offsets=None, size=64, next_room=4160)
+    """
+    start = HEAD_BYTES + description_length
+    offsets, end = [], start
+    for nbytes in tensor_bytes:
+        at = -(-end // _ALIGN) * _ALIGN
+        offsets.append(at)
+        end = at + nbytes
+    next_room = min(max(end, ENVELOPE_BYTES), MAX_ROOM_BYTES)
+    if end <= room:
+        return Layout(True, tuple(offsets), end, next_room)
+    if start <= room:
+        return Layout(True, None, start, next_room)
+    return Layout(False, None, HEAD_BYTES, next_room)
+
+
+def head(kind: int, description: bytes, count: int, inline: bool) -> bytes:
+    """An envelope's first bytes: its head, then the description if ``inline``."""
+    return _HEAD.pack(kind, len(description), count) + (description if inline else b"")
+
+
+def read_head(data: bytes) -> tuple[int, int, int]:
+    """Kind, description length and tensor count of an envelope, all checked."""
     kind, length, count = _HEAD.unpack_from(data)
     if kind not in (DATA, ABORT, STOP):
         raise MalformedMessageError(f"unknown message kind {kind}")
@@ -137,8 +191,7 @@ def read_envelope(data: bytes) -> tuple[int, int, int, bytes | None]:
         )
     if count < 0:
         raise MalformedMessageError(f"a tensor count of {count}")
-    inline = data[_HEAD.size : _HEAD.size + length] if length <= _INLINE_BYTES else None
-    return kind, length, count, inline
+    return kind, length, count
 
 
 # Encoding

@@ -804,6 +804,69 @@ def a_sent_message_is_let_go_of_once_the_next_to_its_peer_is_posted() -> None:
     pipe.close()
 
 
+class Multiply(nn.Module):
+    """Multiplies by one learned number: activations of any width, without a weight matrix."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.tensor(1.5, dtype=torch.double))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.weight
+
+
+def sends_per_step(width: int, steps: int) -> list[int]:
+    """How many sends this process posted to its peers in each of ``steps`` gpipe steps of 4
+    micro-batches, activations of ``width`` float64 per row, 2 rows each."""
+    model = nn.Sequential(*(Multiply() for _ in range(world())))
+    pipe = DistributedPipe(model, [1] * world(), chunks=4)
+    transport = pipe._transport
+    wire = transport._wire
+    sent: list[int] = []
+
+    class Counting:
+        def __init__(self, group: dist.ProcessGroup) -> None:
+            self.group = group
+
+        def send(self, tensors: list[Tensor], peer: int, tag: int) -> Any:
+            sent.append(1)
+            return self.group.send(tensors, peer, tag)
+
+    def counted(sender: int, receiver: int) -> Any:
+        group = wire(sender, receiver)
+        return Counting(group) if sender == transport.me else group
+
+    transport._wire = counted  # type: ignore[method-assign]
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(8, width, generator=gen, dtype=torch.double)
+    plain = nn.Sequential(*(Multiply() for _ in range(world())))
+    counts = []
+    for _ in range(steps):
+        before = len(sent)
+        pipe.step(x, x, F.mse_loss, schedule="gpipe")
+        counts.append(len(sent) - before)
+        F.mse_loss(plain(x), x).backward()
+    assert_grads_equal(pipe, plain, f"width {width}")
+    dist.barrier()  # else a peer's close could come first, and this process's answering stop
+    pipe.close()
+    return counts
+
+
+@scenario
+def a_message_that_fits_the_room_its_peer_posted_travels_in_one_send() -> None:
+    # Each process sends 4 messages a step (activations down, gradients up; the first
+    # and last process one way only, with two processes).
+    assert world() == 2
+    # 128 bytes of activation (width 8): in the 1 KiB envelope from the first message on.
+    # 4 KiB (256): the first message sends its tensor apart (a send more), and the room
+    # its peer posts next is its size, so every later one, the next step's too, fits whole.
+    # 2 MiB (2**17), over the most a receiver posts ahead (1 MiB): a send each for the
+    # envelope and the tensor, every time.
+    for width, steps, expected in [(8, 1, [4]), (256, 2, [5, 4]), (2**17, 2, [8, 8])]:
+        sent = sends_per_step(width, steps)
+        assert sent == expected, f"width {width}: {sent} sends per step, not {expected}"
+
+
 @scenario
 def last_step_reports_this_process_stages() -> None:
     x, y = batch()

@@ -16,14 +16,18 @@ from torch.utils._pytree import tree_flatten
 from pipeline.distributed.wire_format import (
     ABORT,
     DATA,
+    ENVELOPE_BYTES,
+    HEAD_BYTES,
     MAX_DESCRIPTION_BYTES,
+    MAX_ROOM_BYTES,
     STOP,
     MalformedMessageError,
     TensorSlot,
     decode,
     encode,
-    envelope,
-    read_envelope,
+    head,
+    layout,
+    read_head,
 )
 
 KEY = (3, ("act", 1, 0))
@@ -193,12 +197,11 @@ def test_an_unusable_key_is_refused() -> None:
         decode(data, DATA, 0)
 
 
-def test_an_envelope_is_read_back_and_bad_ones_are_refused() -> None:
-    small, large = b"x" * 10, b"y" * 2000
-    head, separate = envelope(DATA, small, 2)
-    assert separate is None and read_envelope(bytes(head)) == (DATA, 10, 2, small)
-    head, separate = envelope(DATA, large, 0)
-    assert separate == large and read_envelope(bytes(head)) == (DATA, 2000, 0, None)
+def test_an_envelope_head_is_read_back_and_bad_ones_are_refused() -> None:
+    small = b"x" * 10
+    first = head(DATA, small, 2, inline=True)
+    assert first[HEAD_BYTES:] == small and read_head(first) == (DATA, 10, 2)
+    assert head(DATA, small, 2, inline=False) == first[:HEAD_BYTES]
     bad = [
         (struct.pack("<qqq", 7, 0, 0), "unknown message kind 7"),
         (struct.pack("<qqq", DATA, 2**62, 0), f"at most {MAX_DESCRIPTION_BYTES} are accepted"),
@@ -207,5 +210,28 @@ def test_an_envelope_is_read_back_and_bad_ones_are_refused() -> None:
     ]
     for data, fragment in bad:
         with pytest.raises(MalformedMessageError) as caught:
-            read_envelope(data + bytes(1000))
+            read_head(data + bytes(1000))
         assert fragment in str(caught.value)
+
+
+def test_a_message_travels_whole_in_its_envelope_when_it_fits_the_room() -> None:
+    laid = layout(ENVELOPE_BYTES, 100, [8, 0, 300])
+    # Each tensor at a multiple of 64 (any dtype can view it there), after the description.
+    assert laid.description_inline and laid.offsets == (128, 192, 192)
+    assert laid.size == 492 and laid.next_room == ENVELOPE_BYTES
+
+
+def test_what_does_not_fit_goes_apart_and_the_next_room_is_the_whole_message() -> None:
+    tensors_apart = layout(ENVELOPE_BYTES, 100, [4096])
+    assert tensors_apart.description_inline and tensors_apart.offsets is None
+    assert tensors_apart.size == HEAD_BYTES + 100 and tensors_apart.next_room == 128 + 4096
+    # The next message alike then fits, whole.
+    assert layout(tensors_apart.next_room, 100, [4096]).offsets == (128,)
+    all_apart = layout(ENVELOPE_BYTES, 5000, [])
+    assert not all_apart.description_inline and all_apart.offsets is None
+    assert all_apart.size == HEAD_BYTES and all_apart.next_room == HEAD_BYTES + 5000
+
+
+def test_the_room_stays_within_its_bounds() -> None:
+    assert layout(MAX_ROOM_BYTES, 10, [2 * MAX_ROOM_BYTES]).next_room == MAX_ROOM_BYTES
+    assert layout(MAX_ROOM_BYTES, 10, []).next_room == ENVELOPE_BYTES
