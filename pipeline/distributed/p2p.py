@@ -390,7 +390,7 @@ class P2PTransport:
 
     def _listen(self, peer: int) -> None:
         try:
-            envelope = self._expect(_room(ENVELOPE_BYTES), peer)
+            envelope = self._expect(_buffer(ENVELOPE_BYTES), peer)
             while True:
                 kind, key, message, envelope = self._receive_one(peer, envelope)
                 if kind == STOP:
@@ -461,7 +461,7 @@ class P2PTransport:
         if HEAD_BYTES + length <= room:
             description = _as_bytes(received[HEAD_BYTES : HEAD_BYTES + length])
         else:
-            description = _as_bytes(_waited(self._expect(_room(length), peer)))
+            description = _as_bytes(_waited(self._expect(_buffer(length), peer)))
         described = decode(description, kind, count, self.max_message_bytes)
         slots = dict(described.slots())
         laid = layout(room, length, [slot.nbytes for slot in slots.values()])
@@ -469,12 +469,12 @@ class P2PTransport:
             _inline(received, laid, slots)
             if laid.offsets is not None
             else {
-                k: _Arriving(self._expect(_room(slot.nbytes), peer), slot)
+                k: _Arriving(self._expect(_buffer(slot.nbytes), peer), slot)
                 for k, slot in slots.items()
             }
         )
         if kind != STOP:
-            envelope = self._expect(_room(laid.next_room), peer)
+            envelope = self._expect(_buffer(laid.next_room), peer)
         values = [tensors.get(k, leaf) for k, leaf in enumerate(described.leaves)]
         message = Message(values, described.spec, described.differentiable)
         return kind, described.key, message, envelope
@@ -546,7 +546,7 @@ def _waited(receipt: _Receipt) -> torch.Tensor:
     return buffer
 
 
-def _room(nbytes: int) -> torch.Tensor:
+def _buffer(nbytes: int) -> torch.Tensor:
     """An empty buffer for ``nbytes`` of a message (``_expect`` moves it to the wire's device)."""
     return torch.empty(nbytes, dtype=torch.uint8)
 
@@ -558,10 +558,14 @@ def _inline(
     envelope alive as long as the tensor (autograd saves a stage's input), head and room
     included, so that what a stage holds would no longer be what it received."""
     assert laid.offsets is not None
-    return {
+    tensors: dict[int, torch.Tensor | _Arriving] = {
         k: envelope[at : at + slot.nbytes].view(slot.dtype).reshape(slot.shape).clone()
         for (k, slot), at in zip(slots.items(), laid.offsets, strict=True)
     }
+    if envelope.is_cuda:
+        # Copied on this listener's stream: done before any action's stream reads them.
+        torch.cuda.current_stream(envelope.device).synchronize()
+    return tensors
 
 
 def _raw_bytes(tensor: torch.Tensor) -> torch.Tensor:
