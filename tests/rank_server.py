@@ -41,8 +41,9 @@ from typing import Any, TextIO
 
 # What every scenario script imports, the heaviest first (torch.distributed's checkpoint,
 # FSDP and DTensor take seconds); transformers is left to the few scripts that use it.
-# Not torch.export, which pipeline.split imports when first called: preloaded, it made
-# ranks abort at exit now and then ("terminate called without an active exception").
+# Not torch.export, which pipeline.split imports when first called: preloaded, it saved a
+# rank half a second, and a group's rank aborted at exit in one of two runs ("terminate
+# called without an active exception"; the cause was not found).
 PRELOAD = [
     "torch",
     "torch.distributed",
