@@ -13,6 +13,13 @@ CPU partitions. ``--model`` picks it:
   attention mask a keyword argument split like the input (needs the ``hf``
   extra).
 
+With ``--processes`` (under ``torchrun --nproc_per_node=N``), the same for
+a ``DistributedPipe`` of N processes, one stage each (two with the
+interleaved schedule): every process plans (``processes=N``), builds every
+configuration and steps it in the same order; a configuration's time is the
+longest of the processes' medians, and each stage's activations are
+measured in its own process.
+
 Then every configuration is built as a Pipe and measured:
 
 - *time*: one ``pipe.step`` (gradients zeroed), every configuration once
@@ -30,6 +37,7 @@ grid, among the configurations whose predicted memory fits
 
 Run: python examples/benchmarks/plan_quality.py [--model gpt|unet|gpt2|llama] [--quick]
      [--memory-limit MIB]
+     torchrun --nproc_per_node=2 examples/benchmarks/plan_quality.py --processes [...]
 """
 
 from __future__ import annotations
@@ -44,12 +52,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from pipe_common import print_json, round_times, start_single_threaded
 from torch import Tensor, nn
 
 import pipeline
-from pipeline.plan import Candidate
+from pipeline.distributed import DistributedPipe, init_process_group_from_env
+from pipeline.plan import Candidate, Plan
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/
 import gpt
@@ -137,15 +147,33 @@ def workload(name: str, quick: bool) -> Workload:
     return split_workload(quick, llama)
 
 
-def built(model: Any, c: Candidate) -> pipeline.Pipe:
-    """Candidate ``c`` as a Pipe over a copy of ``model``."""
-    devices = [str(d) for d in c.devices]
+def built(model: Any, c: Candidate, processes: bool) -> pipeline.Pipe | DistributedPipe:
+    """Candidate ``c`` as a Pipe (or this process's stages of a DistributedPipe) over a copy
+    of ``model``."""
     checkpoint: Any = c.checkpoint
+    if processes:
+        return DistributedPipe(copy.deepcopy(model), list(c.balance), chunks=c.chunks,
+                               checkpoint=checkpoint)  # fmt: skip
+    devices = [str(d) for d in c.devices]
     return pipeline.Pipe(copy.deepcopy(model), list(c.balance), devices=devices,
                          chunks=c.chunks, checkpoint=checkpoint)  # fmt: skip
 
 
-def stepper(pipe: pipeline.Pipe, w: Workload, schedule: str) -> Callable[[], None]:
+def planned(w: Workload, o: dict[str, Any], limit: int, processes: bool) -> Plan:
+    """The plan of the grid ``o`` for two CPU partitions, or for this group's processes."""
+    where: dict[str, Any] = (
+        {"processes": dist.get_world_size()} if processes else {"devices": ["cpu", "cpu"]}
+    )
+    return pipeline.plan(
+        copy.deepcopy(w.model), w.x, w.y, w.loss_fn, **where, kwargs=w.kwargs,
+        batch_size=len(w.x), memory_limit=limit, chunks=o["chunks"], schedules=o["schedules"],
+        checkpoints=o["checkpoints"], optimizer_bytes_per_param=8, repeats=o["repeats"],
+    )  # fmt: skip
+
+
+def stepper(
+    pipe: pipeline.Pipe | DistributedPipe, w: Workload, schedule: str
+) -> Callable[[], None]:
     """One training step of ``pipe`` on the workload's batch, gradients zeroed first."""
 
     def run() -> None:
@@ -155,13 +183,31 @@ def stepper(pipe: pipeline.Pipe, w: Workload, schedule: str) -> Callable[[], Non
     return run
 
 
-def measured_activations(pipe: pipeline.Pipe, w: Workload, schedule: str) -> list[int]:
-    """Each stage's peak saved bytes in one step measured with ``measure_memory=True``."""
+def measured_activations(
+    pipe: pipeline.Pipe | DistributedPipe, w: Workload, schedule: str, stages: int
+) -> list[int]:
+    """Each stage's peak saved bytes in one step measured with ``measure_memory=True``, from
+    the process that runs it."""
     pipe.zero_grad(set_to_none=True)
     pipe.step(w.x, w.y, w.loss_fn, kwargs=w.kwargs, schedule=schedule, measure_memory=True)
     report = pipe.last_step
     assert report is not None
-    return [p.peak_activation_bytes or 0 for p in report.partitions]
+    mine = {p.partition: p.peak_activation_bytes or 0 for p in report.partitions}
+    if not isinstance(pipe, DistributedPipe):
+        return [mine[j] for j in range(stages)]
+    everyone: list[dict[int, int]] = [{} for _ in range(dist.get_world_size())]
+    dist.all_gather_object(everyone, mine)
+    return [next(found[j] for found in everyone if j in found) for j in range(stages)]
+
+
+def longest(seconds: list[float], processes: bool) -> list[float]:
+    """Each configuration's time: here, or the longest of the processes' (a step of a
+    DistributedPipe ends when its last process does)."""
+    if not processes:
+        return seconds
+    times = torch.tensor(seconds, dtype=torch.float64)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    return times.tolist()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -169,24 +215,45 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", choices=MODELS, default="gpt", help="what is planned")
     parser.add_argument("--quick", action="store_true", help="a small model and a small grid")
     parser.add_argument("--memory-limit", type=float, default=1024.0, help="MiB per device")
+    parser.add_argument(
+        "--processes", action="store_true", help="a DistributedPipe, a stage per process (torchrun)"
+    )
     args = parser.parse_args(argv)
     o = grid(args.quick)
     info, _ = start_single_threaded()
+    if args.processes:
+        init_process_group_from_env()
+    shown = not args.processes or dist.get_rank() == 0
     w = workload(args.model, args.quick)
     limit = int(args.memory_limit * MiB)
-    plan = pipeline.plan(
-        copy.deepcopy(w.model), w.x, w.y, w.loss_fn, devices=["cpu", "cpu"], kwargs=w.kwargs,
-        batch_size=len(w.x), memory_limit=limit, chunks=o["chunks"], schedules=o["schedules"],
-        checkpoints=o["checkpoints"], optimizer_bytes_per_param=8, repeats=o["repeats"],
-    )  # fmt: skip
-    print(plan, flush=True)
+    plan = planned(w, o, limit, args.processes)
     candidates: list[Candidate] = plan.candidates
-    pipes = [built(w.model, c) for c in candidates]
+    pipes = [built(w.model, c, args.processes) for c in candidates]
     pairs = list(zip(pipes, candidates, strict=True))
-    activations = [measured_activations(p, w, c.schedule) for p, c in pairs]
+    activations = [measured_activations(p, w, c.schedule, len(c.balance)) for p, c in pairs]
     runs = {str(k): stepper(p, w, c.schedule) for k, (p, c) in enumerate(pairs)}
     times = round_times(runs, o["rounds"])
-    measured = [statistics.median(times[str(k)]) for k in range(len(candidates))]
+    measured = longest([statistics.median(times[str(k)]) for k in range(len(candidates))],
+                       args.processes)  # fmt: skip
+    for pipe in pipes:
+        pipe.close()
+    if shown:
+        report(args, info, limit, plan, measured, activations)
+    if args.processes:
+        dist.destroy_process_group()
+
+
+def report(
+    args: argparse.Namespace,
+    info: dict[str, Any],
+    limit: int,
+    plan: Plan,
+    measured: list[float],
+    activations: list[list[int]],
+) -> None:
+    """The table of predicted against measured, the plan's choice against the best, JSON."""
+    candidates: list[Candidate] = plan.candidates
+    print(plan, flush=True)
     rows = []
     print("| configuration | predicted ms | measured ms | time error | predicted activations "
           "(largest stage, KiB) | measured | memory error |")  # fmt: skip
@@ -214,9 +281,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"time error: median {statistics.median(errors):.0%}, largest {max(errors):.0%}; "
           f"activation error: largest {max(memory):.1%} "
           f"({sum(m == 0 for m in memory)} of {len(memory)} exact)")  # fmt: skip
-    for pipe in pipes:
-        pipe.close()
     print_json({"benchmark": "plan_quality", "model": args.model, "quick": args.quick,
+                "processes": plan.processes.count if plan.processes else None,
                 "machine": info, "memory_limit": limit, "chosen": plan.chosen.describe(),
                 "chosen_over_best_measured": measured[chosen] / measured[best],
                 "best_measured": candidates[best].describe(), "rows": rows})  # fmt: skip
