@@ -136,18 +136,24 @@ def measure_link(group: dist.ProcessGroup, repeats: int) -> Link:
 
 
 def _round_trips(group: dist.ProcessGroup, nbytes: int, repeats: int) -> list[float]:
-    """Rank 0's seconds per round trip of ``nbytes`` to rank 1 and back; the first one warms up."""
+    """Rank 0's seconds per round trip of ``nbytes`` to rank 1 and back; the first one warms up.
+
+    Each receive lands in a buffer of its own, as a message of the transport
+    does (``p2p.py``): what the allocator costs a message is part of its cost.
+    """
     rank = dist.get_rank(group)
-    buffer = torch.zeros(nbytes, dtype=torch.uint8, device=collective_device(group))
+    device = collective_device(group)
+    sent = torch.zeros(nbytes, dtype=torch.uint8, device=device)
     times: list[float] = []
     for run in range(repeats + 1):
         start = time.perf_counter()
         if rank == 0:
-            dist.send(buffer, group=group, group_dst=1)
-            dist.recv(buffer, group=group, group_src=1)
+            dist.send(sent, group=group, group_dst=1)
+            dist.recv(torch.empty_like(sent), group=group, group_src=1)
         elif rank == 1:
-            dist.recv(buffer, group=group, group_src=0)
-            dist.send(buffer, group=group, group_dst=0)
+            received = torch.empty_like(sent)
+            dist.recv(received, group=group, group_src=0)
+            dist.send(received, group=group, group_dst=0)
         if run:
             times.append(time.perf_counter() - start)
     return times
