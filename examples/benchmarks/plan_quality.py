@@ -17,9 +17,9 @@ With ``--processes`` (under ``torchrun --nproc_per_node=N``), the same for
 a ``DistributedPipe`` of N processes, one stage each (two with the
 interleaved schedule): every process plans (``processes=N``), then builds,
 steps and closes each configuration in the same order, one alive at a time
-(45 DistributedPipes left open made a step a third slower: their threads
-wake); a configuration's time is the longest of the processes' medians, and
-each stage's activations are measured in its own process.
+(with the grid's other 44 left open, idle, a step took a third longer); a
+configuration's time is the longest of the processes' medians, and each
+stage's activations are measured in its own process.
 
 Then every configuration is built as a Pipe and measured:
 
