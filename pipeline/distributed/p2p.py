@@ -351,7 +351,6 @@ class P2PTransport:
             key, message.leaves, message.spec, message.differentiable, where, self.max_message_bytes
         )
         with self._send_locks[peer]:
-            parts = self._parts(peer, kind, description, tensors)
             if kind == DATA:
                 # The peer's listener has taken the earlier messages by now
                 # (it posts their receives as their envelopes come): their
@@ -360,6 +359,8 @@ class P2PTransport:
                     self._wait_for_sends(self.timeout, [peer])
                 except RuntimeError as error:
                     raise PeerError(f"a send to rank {peer} did not complete: {error}") from error
+            # Framed once nothing can stop it from going: the room moves on with it.
+            parts = self._parts(peer, kind, description, tensors)
             for part in parts:
                 on_wire = part.to(self.wire)
                 work = self._wire(self.me, peer).send([on_wire], self._wire_rank[peer], _TAG)
@@ -370,23 +371,24 @@ class P2PTransport:
         self, peer: int, kind: int, description: bytes, tensors: list[torch.Tensor]
     ) -> list[torch.Tensor]:
         """A message's sends to ``peer``: its envelope, then what did not fit in the room."""
-        room = self._room[peer]
-        laid = layout(room, len(description), [t.nbytes for t in tensors])
-        self._room[peer] = laid.next_room
+        laid = layout(self._room[peer], len(description), [t.nbytes for t in tensors])
         first = head(kind, description, len(tensors), laid.description_inline)
         if laid.offsets is None:
             parts = [torch.frombuffer(bytearray(first), dtype=torch.uint8)]
             if not laid.description_inline:
                 parts.append(torch.frombuffer(bytearray(description), dtype=torch.uint8))
-            return parts + [_raw_bytes(t) for t in tensors]
-        envelope = torch.empty(laid.size, dtype=torch.uint8, device=self.wire)
-        end = len(first)
-        envelope[:end].copy_(torch.frombuffer(bytearray(first), dtype=torch.uint8))
-        for tensor, at in zip(tensors, laid.offsets, strict=True):
-            envelope[end:at].zero_()  # the padding: nothing of this process's memory leaks
-            end = at + tensor.nbytes
-            envelope[at:end].copy_(_raw_bytes(tensor))
-        return [envelope]
+            parts += [_raw_bytes(t) for t in tensors]
+        else:
+            envelope = torch.empty(laid.size, dtype=torch.uint8, device=self.wire)
+            end = len(first)
+            envelope[:end].copy_(torch.frombuffer(bytearray(first), dtype=torch.uint8))
+            for tensor, at in zip(tensors, laid.offsets, strict=True):
+                envelope[end:at].zero_()  # the padding: nothing of this process's memory leaks
+                end = at + tensor.nbytes
+                envelope[at:end].copy_(_raw_bytes(tensor))
+            parts = [envelope]
+        self._room[peer] = laid.next_room  # the peer's listener moves on once it has this one
+        return parts
 
     def _listen(self, peer: int) -> None:
         try:
