@@ -868,6 +868,40 @@ def a_message_that_fits_the_room_its_peer_posted_travels_in_one_send() -> None:
 
 
 @scenario
+def a_message_that_could_not_go_leaves_both_ends_with_one_room() -> None:
+    # 4 KiB activations make the room 4 KiB; then a small message's post fails (the
+    # process's abort follows it to the peer). The next 4 KiB message must be framed for
+    # the room its peer posted: were the two ends' rooms apart, its tensor would be read
+    # from an envelope that does not hold it, or a send would overflow its receive.
+    assert world() == 2
+    model = nn.Sequential(*(Multiply() for _ in range(world())))
+    plain = copy.deepcopy(model)
+    pipe = DistributedPipe(model, [1] * world(), chunks=1)
+    gen = torch.Generator().manual_seed(6)
+    large = torch.randn(2, 256, generator=gen, dtype=torch.double)
+    small = torch.randn(2, 8, generator=gen, dtype=torch.double)
+    pipe.step(large, large, F.mse_loss)
+    transport = pipe._transport
+    wait = transport._wait_for_sends
+
+    def failing_once(seconds: float, peers: Any = None) -> None:
+        transport._wait_for_sends = wait  # type: ignore[method-assign]
+        raise RuntimeError("a send that did not complete (injected)")
+
+    if rank() == 0:
+        transport._wait_for_sends = failing_once  # type: ignore[method-assign]
+    expect_error(RuntimeError, lambda: pipe.step(small, small, F.mse_loss), "(injected)")
+    pipe.zero_grad()
+    loss = pipe.step(large, large, F.mse_loss)
+    expected = F.mse_loss(plain(large), large)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach())
+    assert_grads_equal(pipe, plain, "the step after a message that could not go")
+    dist.barrier()
+    pipe.close()
+
+
+@scenario
 def last_step_reports_this_process_stages() -> None:
     x, y = batch()
     pipe = DistributedPipe(blocks(4 * world()), [2] * (2 * world()), chunks=2 * world())

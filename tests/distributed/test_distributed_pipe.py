@@ -46,6 +46,7 @@ SHARED = [
     "last_step_reports_this_process_stages",
     "a_sent_message_is_let_go_of_once_the_next_to_its_peer_is_posted",
     "a_message_that_fits_the_room_its_peer_posted_travels_in_one_send",
+    "a_message_that_could_not_go_leaves_both_ends_with_one_room",
     "every_action_of_step_and_evaluate_shows_under_the_plain_profiler",
     "a_value_that_cannot_cross_is_refused_by_its_sender_naming_it",
     "an_output_that_cannot_cross_fails_evaluate_on_every_process",
