@@ -11,6 +11,7 @@ already imported, instead of started afresh.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import socket
@@ -226,6 +227,9 @@ def expect_error(kind: type[Exception], run: Callable[[], Any], *fragments: str)
 def main() -> None:
     """Run the scenarios named on the command line in this rank; write their outcomes."""
     global PG_TIMEOUT_S
+    # A rank that aborts (SIGABRT: "terminate called ...", now and then at exit) prints
+    # every thread's Python stack into its log, which the runner shows.
+    faulthandler.enable(all_threads=True)
     out, PG_TIMEOUT_S, names = Path(sys.argv[1]), float(sys.argv[2]), sys.argv[3:]
     backend = os.environ.get("SCENARIO_BACKEND", "gloo")
     init_process_group_from_env(backend=backend, timeout=timedelta(seconds=PG_TIMEOUT_S))
