@@ -11,6 +11,7 @@ already imported, instead of started afresh.
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import json
 import os
@@ -224,6 +225,11 @@ def expect_error(kind: type[Exception], run: Callable[[], Any], *fragments: str)
     raise AssertionError(f"expected {kind.__name__} mentioning {fragments}")
 
 
+def _destroy_at_exit() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def main() -> None:
     """Run the scenarios named on the command line in this rank; write their outcomes."""
     global PG_TIMEOUT_S
@@ -233,6 +239,13 @@ def main() -> None:
     out, PG_TIMEOUT_S, names = Path(sys.argv[1]), float(sys.argv[2]), sys.argv[3:]
     backend = os.environ.get("SCENARIO_BACKEND", "gloo")
     init_process_group_from_env(backend=backend, timeout=timedelta(seconds=PG_TIMEOUT_S))
+    # As a script's `finally: destroy_process_group()` would, also for the scenarios that
+    # end the group and the rank whose script raises: a group left to the interpreter's
+    # exit can abort the process (SIGABRT, "terminate called without an active
+    # exception"; torch's issue #190489), when a gloo worker thread lets go of a
+    # collective's tensors, which needs the GIL, while the interpreter finalizes. Run
+    # after the library's own exit handler (atexit runs the last registered first).
+    atexit.register(_destroy_at_exit)
     torch.set_num_threads(1)
     outcomes: dict[str, str] = {}
     for name in names:

@@ -42,8 +42,9 @@ from typing import Any, TextIO
 # What every scenario script imports, the heaviest first (torch.distributed's checkpoint,
 # FSDP and DTensor take seconds); transformers is left to the few scripts that use it.
 # Not torch.export, which pipeline.split imports when first called: preloaded, it saved a
-# rank half a second, and a group's rank aborted at exit in one of two runs ("terminate
-# called without an active exception"; the cause was not found).
+# rank half a second, which did not show in the suite's time. (A rank that aborted at exit
+# then, "terminate called without an active exception", was torch's gloo at exit, which
+# tests/gloo_groups.py now avoids, not the preload.)
 PRELOAD = [
     "torch",
     "torch.distributed",
