@@ -26,6 +26,7 @@ backward ends: a pp x dp grid in one ``torchrun`` job.
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
@@ -272,6 +273,7 @@ class DistributedPipe(PipeBase):
     )
 
     def _train(self, call: StepCall) -> Tensor | tuple[Tensor, Value | None]:
+        started = time.perf_counter()
         last = len(self.balance) - 1 in self.local_stages
         chosen, reduction, micro_batches = self._agreed_step(call)
         programs, simulation = self._programs(chosen, len(micro_batches.rows))
@@ -294,14 +296,15 @@ class DistributedPipe(PipeBase):
         for j in sorted(self._ties.stages):
             for hook in self._completion_hooks.values():
                 hook(j)
+        loss = self._loss_everywhere(run.loss() if last else None)
         self.last_step = DistributedStepReport(
             chosen,
             simulation,
             self._measured(run, programs),
             rank=self.rank,
             received=self._transport.received(),
+            call_duration=time.perf_counter() - started,
         )
-        loss = self._loss_everywhere(run.loss() if last else None)
         if not call.return_outputs:
             return loss
         return loss, gather(run.outputs) if last else None

@@ -21,16 +21,12 @@ from torch import Tensor, nn
 
 from pipeline.plan.agreement import agree_inputs, from_rank_zero
 from pipeline.plan.checks import CHECKPOINTS, SCHEDULES, check_placement, check_plan_arguments
-from pipeline.plan.contention import (
-    NO_CONTENTION,
-    Contention,
-    cpu_contention,
-    process_contention,
-)
+from pipeline.plan.contention import NO_CONTENTION, Contention, cpu_contention
 from pipeline.plan.links import Link, measure_link
 from pipeline.plan.memory import layer_parameters
 from pipeline.plan.overhead import action_overhead as measured_overhead
 from pipeline.plan.overhead import distributed_action_overhead
+from pipeline.plan.pace import Pace, Workload, measured_paces, virtual_stages
 from pipeline.plan.profile import LayerTimes, Saved, layer_times, saved_storages
 from pipeline.plan.result import Plan, PlanCheck, PlanError, Processes, choose
 from pipeline.plan.search import Candidate, candidates
@@ -88,7 +84,9 @@ def plan(
     optimizer's state per trained element (8 for AdamW in float32).
     ``contention``: how much slower CPU stages run when all the pipe's CPU
     workers run at once (None: measured now, on the model, for forwards and
-    backwards apart; a number: both; 1.0: each its own idle core).
+    backwards apart; a number: both; 1.0: each its own idle core). Planned
+    for processes in a group, None measures the model's pace in a
+    DistributedPipe of the group instead, for each count (``pace.py``).
     ``action_overhead``: seconds the library adds per action (None: measured
     now, with a pipe of tiny layers). The model: docs/plan.md.
 
@@ -205,9 +203,7 @@ def plan(
         if pg is None:
             workers = sum(d.type == "cpu" for d in resolved)
             return cpu_contention(sequential, micro, aim, loss_fn, workers, repeats, seeded)
-        if resolved[0].type == "cpu":  # a collective: every process measures each count in turn
-            return process_contention(pg, sequential, micro, aim, loss_fn, repeats)
-        return NO_CONTENTION
+        return NO_CONTENTION  # the pace measured in a DistributedPipe holds it (pace.py)
 
     factors = {m: contended(m) for m in counts}
     if action_overhead is None:
@@ -230,11 +226,47 @@ def plan(
         action_overhead,
         factors,
         link,
-    )
+        paces := _paces(
+            pg, resolved[0], Workload(sequential, sample_input, target, loss_fn, kwargs),
+            schedules, counts, lambda m: profiled(size // m), link, action_overhead,
+            contention, repeats,
+        ),
+    )  # fmt: skip
     placement = None
     if count is not None and link is not None:
-        placement = Processes(count, pg, resolved[0], link)
+        placement = Processes(count, pg, resolved[0], link, paces or {})
     return choose(sequential, found, limit, factors, action_overhead, placement)
+
+
+def _paces(
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    work: Workload,
+    schedules: Sequence[str],
+    counts: Sequence[int],
+    profiled: Callable[[int], tuple[Saved, LayerTimes]],
+    link: Link | None,
+    overhead: float,
+    contention: float | None,
+    repeats: int,
+) -> dict[tuple[int, int], Pace] | None:
+    """The model's pace in a DistributedPipe of ``group`` (``pace.py``), by stages per
+    process and micro-batch count, for each the schedules can run; None outside a group,
+    or where ``contention`` was given instead."""
+    if group is None or link is None or contention is not None:
+        return None
+    processes = dist.get_world_size(group)
+    names = sorted({"interleaved" if virtual_stages(s) > 1 else "1f1b" for s in schedules})
+    wanted = [
+        (name, m, profiled(m))
+        for name in names
+        for m in counts
+        # where the schedule can run (search.py skips the others too)
+        if len(work.model) >= processes * virtual_stages(name)
+        and not (virtual_stages(name) > 1 and m % processes)
+    ]
+    paces = measured_paces(group, device, work, wanted, link, overhead, repeats)
+    return {(virtual_stages(name), m): p for (name, m, _), p in zip(wanted, paces, strict=True)}
 
 
 def _link(

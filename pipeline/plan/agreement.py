@@ -6,9 +6,10 @@ of the memory profile) is compared first, as fixed-length rows of hashes
 (``pipeline/runtime/agreement.py``): a process whose model, batch or
 arguments differ makes every process raise, naming the ranks, before any
 measurement. What is timed is timed once, on rank 0 (the layers), or
-taken as the largest over the ranks (contention, the cost of an action),
-and sent to every rank as float64 tensors: the search then runs on the
-same numbers everywhere, so every process chooses the same configuration.
+taken as the largest over the ranks (a step's time in the pipeline, the
+cost of an action), and sent to every rank as float64 tensors: the search
+then runs on the same numbers everywhere, so every process chooses the
+same configuration.
 """
 
 from __future__ import annotations

@@ -15,10 +15,9 @@ forwards and backwards in the time model (``timing.py``). They are the
 load of the moment they are measured; docs/plan.md says what that leaves
 out.
 
-Planned for processes (``process_contention``), the workers are the
-processes of the group, with an interpreter each: each times whole passes
-alone, in turn while the others wait, then all at once, and the largest
-ratio of the ranks is every rank's factor, forward and backward alike.
+Planned for processes in a group, each stage is a process of its own, and
+what slows its layers there is measured in a DistributedPipe instead
+(``pace.py``).
 """
 
 from __future__ import annotations
@@ -33,13 +32,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from pipeline.plan.agreement import largest
 from pipeline.plan.profile import call_layer, task_forward
 
-__all__ = ["NO_CONTENTION", "Contention", "cpu_contention", "process_contention"]
+__all__ = ["NO_CONTENTION", "Contention", "cpu_contention"]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -50,6 +47,10 @@ class Contention:
 
     forward: float = 1.0
     backward: float = 1.0
+
+    def __mul__(self, other: Contention) -> Contention:
+        """Both slowdowns at once."""
+        return Contention(self.forward * other.forward, self.backward * other.backward)
 
     def __str__(self) -> str:
         if self.forward == self.backward:
@@ -92,42 +93,6 @@ def cpu_contention(
         shared = statistics.median(statistics.median(t[phase] for t in run) for run in together)
         ratios.append(max(1.0, shared / single) if single > 0 else 1.0)
     return Contention(*ratios)
-
-
-def process_contention(
-    group: dist.ProcessGroup,
-    model: nn.Sequential,
-    sample: Any,
-    target: Any,
-    loss_fn: LossFn,
-    repeats: int,
-) -> Contention:
-    """How much longer a training pass takes while every process of ``group`` runs one (>= 1).
-
-    A collective, the same on every rank. Each rank times ``repeats``
-    batches of passes alone, in turn, the others waiting at a barrier, then
-    with all ranks at once, started at a barrier.
-    """
-    forward = _forward_passes(model, sample, target, loss_fn, 1)
-
-    def work(k: int) -> None:
-        forward(k).backward()
-
-    me, size = dist.get_rank(group), dist.get_world_size(group)
-    with torch.random.fork_rng(devices=[]), torch.enable_grad():
-        passes = _passes(work)
-        alone: list[float] = []
-        for turn in range(size):
-            dist.barrier(group=group)
-            if turn == me:
-                alone = [_seconds(work, 0, passes) for _ in range(repeats)]
-        together = []
-        for _ in range(repeats):
-            dist.barrier(group=group)
-            together.append(_seconds(work, 0, passes))
-    mine = statistics.median(together) / statistics.median(alone) if min(alone) > 0 else 1.0
-    factor = max(1.0, largest(group, mine))
-    return Contention(factor, factor)
 
 
 def _forward_passes(

@@ -12,7 +12,7 @@ DistributedPipe.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -22,9 +22,10 @@ from torch import nn
 from pipeline.pipe import Pipe
 from pipeline.plan.contention import NO_CONTENTION, Contention
 from pipeline.plan.links import Link
+from pipeline.plan.pace import Pace
 from pipeline.plan.search import Candidate
 from pipeline.runtime.agreement import gather_rows
-from pipeline.step.reports import _bytes
+from pipeline.step.reports import DistributedStepReport, _bytes
 
 if TYPE_CHECKING:
     from pipeline.distributed import DistributedPipe
@@ -39,12 +40,15 @@ RUNNER_UPS = 8
 
 @dataclass(frozen=True)
 class Processes:
-    """A plan's processes: how many, their group (None: planned outside one), this one's device."""
+    """A plan's processes: how many, their group (None: planned outside one), this one's
+    device, the link between them and, by micro-batch count, the model's pace in a
+    DistributedPipe of the group (``pace.py``; empty where it was not measured)."""
 
     count: int
     group: dist.ProcessGroup | None
     device: torch.device
     link: Link
+    paces: Mapping[tuple[int, int], Pace] = field(default_factory=dict)
 
 
 class PlanError(ValueError):
@@ -59,8 +63,8 @@ class PlanCheck:
     ``peak_activation_bytes`` of stage ``j`` (None if the step did not
     measure memory); errors are measured / predicted - 1. For a
     DistributedPipe, every process's stages, and the longest of the
-    processes' step times (each from its first action's start to its last
-    action's end).
+    processes' step calls (``last_step.call_duration``: the actions and
+    what comes before and after them, as the plan's pace predicts it).
     """
 
     predicted_seconds: float
@@ -263,7 +267,10 @@ class Plan:
                 predicted,
                 tuple(measured[j] for j in range(len(predicted))),
             )
-        seconds, every = _from_every_process(pipe.group, report.duration, measured, len(predicted))
+        assert isinstance(report, DistributedStepReport), "a DistributedPipe reports its process"
+        seconds, every = _from_every_process(
+            pipe.group, report.call_duration, measured, len(predicted)
+        )
         return PlanCheck(self.predicted_seconds, seconds, predicted, every)
 
     def __str__(self) -> str:
@@ -275,7 +282,12 @@ class Plan:
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)) for r in rows]
         each = "device" if self.processes is None else "process"
         limit = f"memory limit {_bytes(self.chosen.limit)} per {each}"
-        factor = f"CPU contention {_by_chunks(self.contention)}"
+        paces = {} if self.processes is None else self.processes.paces
+        factor = (
+            f"pace in the pipeline {_paces_shown(paces)}"
+            if paces
+            else f"CPU contention {_by_chunks(self.contention)}"
+        )
         overhead = f"{self.action_overhead * 1e6:.0f} us per action"
         parts = [limit, factor, overhead]
         if self.processes is not None:
@@ -311,6 +323,14 @@ def _by_chunks(contention: Mapping[int, Contention]) -> str:
     if len(factors) == 1:
         return str(factors.pop())
     return "; ".join(f"{m} chunks {factor}" for m, factor in sorted(contention.items()))
+
+
+def _paces_shown(paces: Mapping[tuple[int, int], Pace]) -> str:
+    """``2 chunks x1.38 + 4.1 ms; ...; 2 chunks interleaved x1.52 + 4.0 ms``."""
+    return "; ".join(
+        f"{m} chunks{' interleaved' if virtual > 1 else ''} {pace}"
+        for (virtual, m), pace in sorted(paces.items())
+    )
 
 
 def choose(

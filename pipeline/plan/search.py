@@ -22,6 +22,7 @@ import torch
 from pipeline.plan.contention import NO_CONTENTION, Contention
 from pipeline.plan.links import Link, cut_seconds
 from pipeline.plan.memory import LayerParameters, StageMemory, stage_memory
+from pipeline.plan.pace import SAME_PACE, Pace, virtual_stages
 from pipeline.plan.partition import fitting_balance
 from pipeline.plan.profile import LayerTimes, Saved
 from pipeline.plan.timing import predicted_seconds, stage_costs
@@ -95,6 +96,7 @@ def candidates(
     overhead: float,
     contention: Mapping[int, Contention] | None = None,
     link: Link | None = None,
+    paces: Mapping[tuple[int, int], Pace] | None = None,
 ) -> list[Candidate]:
     """Every configuration's candidates; an interleaved one only where it can run.
 
@@ -104,10 +106,14 @@ def candidates(
     ``link``: planned for processes, one per entry of ``devices`` (its
     device), stage ``j`` in process ``j % len(devices)`` and the messages
     between them costing what ``link`` says; None: stages of one process.
+    ``paces``: by stages per process and micro-batch count, the model's
+    pace measured in a DistributedPipe (``pace.py``): every stage's costs
+    scaled by its factor, its seconds outside the actions added to every
+    step.
     """
     found: list[Candidate] = []
     for name in schedules:
-        virtual = 2 if name == "interleaved" else 1
+        virtual = virtual_stages(name)
         stages = len(devices) * virtual
         stage_devices = tuple(devices * virtual)
         places = tuple(
@@ -120,6 +126,7 @@ def candidates(
                 continue  # the interleaved schedule cannot run here (schedules.py)
             contended = NO_CONTENTION if contention is None else contention.get(m, NO_CONTENTION)
             factor = [contended if d.type == "cpu" else NO_CONTENTION for d in stage_devices]
+            pace = SAME_PACE if paces is None else paces.get((virtual, m), SAME_PACE)
             saved, times = profiled(batch_size // m)
             programs = resolve_schedule(name).programs(m, stages)
             order = validate(programs, m, stages).one_thread_order
@@ -127,7 +134,17 @@ def candidates(
                 checkpointed = checkpointed_tasks(programs, m, mode, training=True)  # type: ignore[arg-type]
                 found += _balanced(
                     _Configuration(
-                        name, m, mode, stage_devices, places, share, factor, limit, overhead, link
+                        name,
+                        m,
+                        mode,
+                        stage_devices,
+                        places,
+                        share,
+                        factor,
+                        pace,
+                        limit,
+                        overhead,
+                        link,
                     ),
                     programs,
                     order,
@@ -151,6 +168,7 @@ class _Configuration:
     places: tuple[str, ...]
     share: list[int]
     factor: list[Contention]
+    pace: Pace
     limit: int
     overhead: float
     link: Link | None
@@ -181,7 +199,7 @@ def _balanced(
         return memo[j, a, b]
 
     def cost(j: int, a: int, b: int) -> float:
-        c = stage_costs(times, a, b, config.factor[j])
+        c = stage_costs(times, a, b, config.factor[j] * config.pace.scale)
         return c.forward * (1 + recomputed[j]) + c.backward
 
     def fits(j: int, a: int, b: int) -> bool:
@@ -199,9 +217,9 @@ def _balanced(
     for cut in sorted(cuts):
         spans = list(pairwise([0, *accumulate(cut)]))
         owner = [config.places.index(p) for p in config.places]
-        seconds = predicted_seconds(
+        seconds = config.pace.outside + predicted_seconds(
             programs,
-            [stage_costs(times, a, b) for a, b in spans],
+            [stage_costs(times, a, b, config.pace.scale) for a, b in spans],
             checkpointed,
             config.overhead,
             config.factor,

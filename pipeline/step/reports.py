@@ -205,6 +205,10 @@ class DistributedStepReport(_Readable):
     maps each of them to the most micro-batches it held. ``received`` counts
     the messages that came from each peer, by kind (``"act"``, ``"grad"``,
     ``"skip"``, ``"skip-grad"``): ``{(rank, kind): count}``.
+    ``call_duration``: the seconds the ``step`` call took in this process,
+    ``duration`` and what comes before and after the actions: the
+    processes' agreement on the step, the tied weights' sums, the loss's
+    broadcast.
     """
 
     schedule: Schedule
@@ -212,6 +216,7 @@ class DistributedStepReport(_Readable):
     measured: Measured
     rank: int
     received: dict[tuple[int, str], int] = field(default_factory=dict)
+    call_duration: float = 0.0
 
     @property
     def peak_in_flight(self) -> dict[int, int]:

@@ -916,6 +916,8 @@ def last_step_reports_this_process_stages() -> None:
     }
     assert all(p.peak_activation_bytes for p in report.partitions)
     assert sum(report.received.values()) > 0
+    # The call holds the actions, and the agreement before them and the loss's broadcast after.
+    assert report.call_duration > report.duration > 0
     text = repr(report)
     assert text.startswith(f"DistributedStepReport(rank {rank()}: Interleaved1F1B(virtual=2)")
     assert "\n" not in text and "received" in text

@@ -47,8 +47,14 @@ def every_process_plans_the_same_pipe_and_its_step_equals_the_plain_model() -> N
     link = plan.processes.link
     assert link.latency > 0 and link.seconds_per_byte >= 0, link
     # Measured: how large depends on the machine's load, so only their signs are known.
-    assert plan.action_overhead >= 0 and plan.contention
-    assert all(c.forward == c.backward >= 1 for c in plan.contention.values())
+    assert plan.action_overhead >= 0
+    # The pace in a DistributedPipe of the group, for each count of the one-stage-per-process
+    # schedules; one median of the seconds outside the actions for all of them.
+    paces = plan.processes.paces
+    assert sorted(paces) == [(1, 2), (1, 4)], paces
+    assert all(p.factor > 0 and p.outside > 0 for p in paces.values()), paces
+    assert len({p.outside for p in paces.values()}) == 1, paces
+    assert "pace in the pipeline 2 chunks x" in str(plan).splitlines()[0]
     # The same choice, and the same predictions to the last bit, in every process.
     mine = fingerprint(f"{plan.chosen!r}")
     assert len({row[0] for row in gather_rows([mine], plan.processes.group)}) == 1  # type: ignore[arg-type]
@@ -60,8 +66,9 @@ def every_process_plans_the_same_pipe_and_its_step_equals_the_plain_model() -> N
 def an_interleaved_plan_runs_two_stages_per_process_and_equals_the_plain_model() -> None:
     model = gelu_mlp(4)
     plain = copy.deepcopy(model)
-    plan = planned(model, schedules=("interleaved",), action_overhead=1e-4, contention=1.0)
+    plan = planned(model, schedules=("interleaved",), action_overhead=1e-4)
     assert (plan.schedule, plan.balance) == ("interleaved", [1, 1, 1, 1])
+    assert plan.processes is not None and sorted(plan.processes.paces) == [(2, 2), (2, 4)]
     assert plan.chosen.places == ("rank 0", "rank 1", "rank 0", "rank 1")
     step_equals_the_plain_model(plan, plain)
 
@@ -94,6 +101,9 @@ def step_equals_the_plain_model(plan: Plan, plain: nn.Sequential) -> None:
         assert len(check.measured_activations) == len(plan.balance)
         assert check.measured_activations == check.predicted_activations, str(check)
         assert check.measured_seconds > 0 and check.predicted_seconds > 0
+        # The longest of the processes' step calls, the one time the pace predicts.
+        report = pipe.last_step
+        assert report is not None and check.measured_seconds >= report.call_duration - 1e-9
         assert f"step time: predicted {check.predicted_seconds * 1e3:.2f} ms" in str(check)
     finally:
         pipe.close()

@@ -12,14 +12,16 @@ import torch.nn.functional as F
 
 import pipeline
 from pipeline.plan import Candidate, PlanError
-from pipeline.plan.contention import NO_CONTENTION
+from pipeline.plan.contention import NO_CONTENTION, Contention
 from pipeline.plan.links import CutSeconds, Link, cut_seconds
 from pipeline.plan.memory import layer_parameters
+from pipeline.plan.pace import Pace, _factor
 from pipeline.plan.profile import LayerTimes, Saved
 from pipeline.plan.result import Processes, choose
 from pipeline.plan.search import candidates
-from pipeline.plan.timing import StageCosts, predicted_seconds
+from pipeline.plan.timing import StageCosts, predicted_seconds, stage_costs
 from pipeline.step.actions import parse_program
+from pipeline.step.schedules import OneFOneB
 from tests.plan.plan_models import batch, gelu_mlp
 
 if TYPE_CHECKING:
@@ -205,3 +207,38 @@ def test_two_processes_plan_alike_and_their_pipe_equals_the_plain_model(
         if outcome.get(name) != "ok"
     ]
     assert not failures, "\n".join(failures)
+
+
+def test_the_pace_fitted_to_a_step_plays_that_step_and_scales_every_candidate() -> None:
+    # A step measured at 1.5 times the profile's compute, plus 2 s outside the actions: the
+    # factor found plays the profile's 1F1B step in exactly the measured time, and a
+    # candidate planned with that pace is predicted at that time too.
+    saved = made_up_saved(2)
+    times = LayerTimes((2.0,) * LAYERS + (0.0,), (4.0,) * LAYERS + (0.0,), (2.0,) * LAYERS + (0.0,))
+    link = Link(0.25, 0.0)
+    programs = OneFOneB().programs(4, 2)
+    cuts = cut_seconds(saved, [(0, 2), (2, 4)], [0, 1], link)
+
+    def played(factor: float) -> float:
+        costs = [stage_costs(times, a, b, Contention(factor, factor)) for a, b in [(0, 2), (2, 4)]]
+        return predicted_seconds(programs, costs, set(), 0.5, None, cuts)
+
+    measured = 2.0 + played(1.5)
+    factor = _factor("1f1b", 4, (saved, times), [2, 2], 2, measured, 2.0, link, 0.5)
+    assert factor == pytest.approx(1.5, rel=1e-6)
+    pace = Pace(factor, 2.0)
+    found = candidates(
+        LAYERS, [CPU, CPU], 8, 2**40, (4,), ("1f1b",), ("never",), lambda rows: (saved, times),
+        layer_parameters(gelu_mlp(LAYERS), 0), overhead=0.5, link=link, paces={(1, 4): pace},
+    )  # fmt: skip
+    assert [c.balance for c in found] == [(2, 2)]
+    assert found[0].seconds == pytest.approx(measured, rel=1e-6)
+    # Without it, the same candidate is the profile's time: less by the pace's share.
+    plain = candidates(
+        LAYERS, [CPU, CPU], 8, 2**40, (4,), ("1f1b",), ("never",), lambda rows: (saved, times),
+        layer_parameters(gelu_mlp(LAYERS), 0), overhead=0.5, link=link,
+    )  # fmt: skip
+    assert plain[0].seconds == pytest.approx(played(1.0), rel=1e-6)
+    # A step the link and the actions' own cost already exceed: the smallest factor.
+    assert _factor("1f1b", 4, (saved, times), [2, 2], 2, 1.0, 2.0, link, 0.5) == 0.01
+    assert str(pace) == "x1.50 + 2000.0 ms"

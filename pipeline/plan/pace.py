@@ -1,0 +1,215 @@
+"""How fast a model's layers run inside a DistributedPipe, against their profile alone.
+
+Layers are profiled one at a time, in one process while the others wait
+(``profile.py``). In a pipeline of processes the same layers run slower:
+the processes share the machine's cores, caches and memory, the
+transport's threads copy each message beside the compute, and a stage's
+actions alternate with receives and sends. Measured on this project's
+2-core machine, a GPT stage's forward took 1.3 to 1.4 times its profile
+inside the pipeline, its backward 1.2 to 1.5 times, whichever process
+computed meanwhile. And a step costs time outside its actions: the
+processes' agreement before them, the tied weights' sums and the loss's
+broadcast after them (4 to 5 ms of a 41 ms GPT step).
+
+Both are measured here with the model itself, once per micro-batch count:
+a ``DistributedPipe`` of the compute-balanced cut runs 1F1B steps (after a
+warm-up), and, where the plan weighs the interleaved schedule, interleaved
+steps of two stages per process, whose pace is its own (twice the actions
+and three times the messages per micro-batch of 1F1B over two processes:
+the interleaved steps of the examples' models ran 10 to 25% over a
+prediction from 1F1B's pace). ``outside`` is the least over the processes
+of the median seconds of a step call beyond its actions (``call_duration
+- duration``), the median of every run's; ``factor`` is the scale on
+every layer's profiled time that, with the measured link and cost per
+action, plays the programs in the step's measured time (the largest of
+the processes' median ``call_duration``), found by bisection. The time
+model (``timing.py``) then scales every action's compute by ``factor``
+and adds ``outside`` to each configuration's step.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from itertools import accumulate, pairwise
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from pipeline.plan.agreement import largest
+from pipeline.plan.contention import Contention
+from pipeline.plan.links import Link, cut_seconds
+from pipeline.plan.partition import fitting_balance
+from pipeline.plan.profile import LayerTimes, Saved
+from pipeline.plan.timing import predicted_seconds, stage_costs
+from pipeline.step.schedules import resolve_schedule
+
+__all__ = ["SAME_PACE", "Pace", "Wanted", "Workload", "measured_paces", "virtual_stages"]
+
+LossFn = Callable[[Any, Any], Tensor]
+
+# The range searched for the factor: far beyond what a machine does to a layer; and the
+# bisection's steps (to 1e-7 of it).
+_SLOWEST, _FASTEST = 100.0, 0.01
+_HALVINGS = 30
+
+
+@dataclass(frozen=True)
+class Pace:
+    """A model in a DistributedPipe: ``factor`` times its layers' profiled seconds, and
+    ``outside`` seconds a step beyond its actions."""
+
+    factor: float = 1.0
+    outside: float = 0.0
+
+    @property
+    def scale(self) -> Contention:
+        """The factor as the time model scales a stage's costs (forward and backward alike)."""
+        return Contention(self.factor, self.factor)
+
+    def __str__(self) -> str:
+        return f"x{self.factor:.2f} + {self.outside * 1e3:.1f} ms"
+
+
+SAME_PACE = Pace()  # the profile as it is, nothing outside the actions
+
+
+def virtual_stages(schedule: str) -> int:
+    """The stages per process ``schedule`` runs: the pace is measured for each."""
+    return 2 if schedule == "interleaved" else 1
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What a step of the model takes: the batch, the target, the loss, the keywords."""
+
+    model: nn.Sequential
+    sample: Any
+    target: Any
+    loss_fn: LossFn
+    kwargs: Mapping[str, Any] | None
+
+
+# A pace to measure: the schedule, the micro-batch count, the layers' profile at that count.
+Wanted = tuple[str, int, tuple[Saved, LayerTimes]]
+
+
+def measured_paces(
+    group: dist.ProcessGroup,
+    device: torch.device,
+    work: Workload,
+    wanted: Sequence[Wanted],
+    link: Link,
+    overhead: float,
+    repeats: int,
+) -> list[Pace]:
+    """The model's pace in a DistributedPipe over ``group`` for each of ``wanted``: stepped
+    with its schedule (``"1f1b"``, or ``"interleaved"``: two stages per process) and count.
+
+    A collective, the same on every rank. Each profile: the layers' saved
+    bytes and times for one micro-batch of that count; ``overhead``: the
+    seconds per action (``overhead.py``). The seconds outside the actions
+    do not depend on the schedule or the count: every pace takes the median
+    of those measured, which a single measure's noise moves less.
+    """
+    processes = dist.get_world_size(group)
+    runs = []
+    for name, m, profile in wanted:
+        cut = _compute_cut(profile[1], processes * virtual_stages(name))
+        call, gap = _stepped(group, device, work, name, cut, m, repeats)
+        runs.append((name, m, profile, cut, largest(group, call), -largest(group, -gap)))
+    outside = statistics.median(run[-1] for run in runs)
+    return [
+        Pace(_factor(name, m, profile, cut, processes, call, outside, link, overhead), outside)
+        for name, m, profile, cut, call, _ in runs
+    ]
+
+
+def _factor(
+    schedule: str,
+    chunks: int,
+    profile: tuple[Saved, LayerTimes],
+    balance: list[int],
+    processes: int,
+    measured: float,
+    outside: float,
+    link: Link,
+    overhead: float,
+) -> float:
+    """The factor on the layers' times that plays the step in its ``measured`` seconds."""
+    saved, times = profile
+    stages = len(balance)
+    spans = list(pairwise([0, *accumulate(balance)]))
+    programs = resolve_schedule(schedule).programs(chunks, stages)
+    cuts = cut_seconds(saved, spans, [j % processes for j in range(stages)], link)
+
+    def played(factor: float) -> float:
+        scale = Contention(factor, factor)
+        costs = [stage_costs(times, a, b, scale) for a, b in spans]
+        return outside + predicted_seconds(programs, costs, set(), overhead, None, cuts)
+
+    low, high = _FASTEST, _SLOWEST
+    if played(low) >= measured:
+        return low  # the link and the actions' own cost take the whole step
+    if played(high) <= measured:
+        return high
+    for _ in range(_HALVINGS):
+        middle = (low + high) / 2
+        low, high = (middle, high) if played(middle) < measured else (low, middle)
+    return (low + high) / 2
+
+
+def _compute_cut(times: LayerTimes, stages: int) -> list[int]:
+    """The balance of the layers into ``stages`` for compute alone."""
+
+    def compute(j: int, a: int, b: int) -> float:
+        costs = stage_costs(times, a, b)
+        return costs.forward + costs.backward
+
+    balance = fitting_balance(len(times.forward) - 1, stages, compute, lambda j, a, b: True)
+    assert balance is not None, "a cut that needs nothing to fit always exists"
+    return balance
+
+
+def _stepped(
+    group: dist.ProcessGroup,
+    device: torch.device,
+    work: Workload,
+    schedule: str,
+    balance: list[int],
+    chunks: int,
+    repeats: int,
+) -> tuple[float, float]:
+    """This process's median step call and its median seconds beyond the actions, over
+    ``repeats`` steps of a DistributedPipe of ``work``'s model (one warms up first)."""
+    from pipeline.distributed import DistributedPipe  # it imports pipeline, which imports this
+
+    calls: list[float] = []
+    gaps: list[float] = []
+    # The caller's model, gradients and generators are left as they were.
+    with torch.random.fork_rng(devices=[] if device.type == "cpu" else [device]):
+        pipe = DistributedPipe(
+            copy.deepcopy(work.model),
+            balance,
+            group=group,
+            device=device,
+            chunks=chunks,
+            checkpoint="never",
+        )
+        try:
+            for run in range(repeats + 1):
+                pipe.zero_grad(set_to_none=True)
+                pipe.step(work.sample, work.target, work.loss_fn, kwargs=work.kwargs,
+                          schedule=schedule)  # fmt: skip
+                report = pipe.last_step
+                assert report is not None, "a step that returned has its report"
+                if run:
+                    calls.append(report.call_duration)
+                    gaps.append(report.call_duration - report.duration)
+        finally:
+            pipe.close()
+    return statistics.median(calls), statistics.median(gaps)
