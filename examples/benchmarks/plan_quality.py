@@ -17,9 +17,10 @@ With ``--processes`` (under ``torchrun --nproc_per_node=N``), the same for
 a ``DistributedPipe`` of N processes, one stage each (two with the
 interleaved schedule): every process plans (``processes=N``), then builds,
 steps and closes each configuration in the same order, one alive at a time
-(with the grid's other 44 left open, idle, a step took a third longer); a
-configuration's time is the longest of the processes' medians, and each
-stage's activations are measured in its own process.
+(with the grid's other 44 left open, idle, a step took a third longer),
+three steps measured after a warm-up each time; a configuration's time is
+the longest of the processes' medians, and each stage's activations are
+measured in its own process.
 
 Then every configuration is built as a Pipe and measured:
 
@@ -68,6 +69,9 @@ import gpt
 import unet
 
 MiB = 2**20
+# Steps measured per DistributedPipe built: one alone read a tenth apart between
+# configurations that run the same programs.
+STEPS_PER_BUILD = 3
 MODELS = ("gpt", "unet", "gpt2", "llama")
 
 
@@ -220,8 +224,9 @@ def all_alive(
 def one_alive(
     w: Workload, candidates: list[Candidate], rounds: int
 ) -> tuple[list[list[int]], list[float]]:
-    """As ``all_alive``, for DistributedPipes built afresh for each step measured and closed
-    after it (a warm-up step first), the order turning each round."""
+    """As ``all_alive``, for DistributedPipes built afresh each round and closed after
+    ``STEPS_PER_BUILD`` steps measured (a warm-up step first), the order turning each
+    round: the median is over every step measured."""
     activations = []
     for c in candidates:
         pipe = built(w.model, c, processes=True)
@@ -234,9 +239,10 @@ def one_alive(
             pipe = built(w.model, candidates[k], processes=True)
             run = stepper(pipe, w, candidates[k].schedule)
             run()
-            start = time.perf_counter()
-            run()
-            times[k].append(time.perf_counter() - start)
+            for _ in range(STEPS_PER_BUILD):
+                start = time.perf_counter()
+                run()
+                times[k].append(time.perf_counter() - start)
             pipe.close()
     return activations, [statistics.median(t) for t in times]
 

@@ -26,7 +26,7 @@ from pipeline.plan.links import Link, measure_link
 from pipeline.plan.memory import layer_parameters
 from pipeline.plan.overhead import action_overhead as measured_overhead
 from pipeline.plan.overhead import distributed_action_overhead
-from pipeline.plan.pace import Pace, Workload, measured_paces, virtual_stages
+from pipeline.plan.pace import Pace, Workload, measured_paces, paced_as, virtual_stages
 from pipeline.plan.profile import LayerTimes, Saved, layer_times, saved_storages
 from pipeline.plan.result import Plan, PlanCheck, PlanError, Processes, choose
 from pipeline.plan.search import Candidate, candidates
@@ -249,14 +249,14 @@ def _paces(
     overhead: float,
     contention: float | None,
     repeats: int,
-) -> dict[tuple[int, int], Pace] | None:
-    """The model's pace in a DistributedPipe of ``group`` (``pace.py``), by stages per
-    process and micro-batch count, for each the schedules can run; None outside a group,
-    or where ``contention`` was given instead."""
+) -> dict[tuple[str, int], Pace] | None:
+    """The model's pace in a DistributedPipe of ``group`` (``pace.py``), by the schedule
+    that measures it (``paced_as``) and micro-batch count, for each the schedules can run;
+    None outside a group, or where ``contention`` was given instead."""
     if group is None or link is None or contention is not None:
         return None
     processes = dist.get_world_size(group)
-    names = sorted({"interleaved" if virtual_stages(s) > 1 else "1f1b" for s in schedules})
+    names = sorted({paced_as(s) for s in schedules})
     wanted = [
         (name, m, profiled(m))
         for name in names
@@ -266,7 +266,7 @@ def _paces(
         and not (virtual_stages(name) > 1 and m % processes)
     ]
     paces = measured_paces(group, device, work, wanted, link, overhead, repeats)
-    return {(virtual_stages(name), m): p for (name, m, _), p in zip(wanted, paces, strict=True)}
+    return {(name, m): p for (name, m, _), p in zip(wanted, paces, strict=True)}
 
 
 def _link(

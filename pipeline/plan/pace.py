@@ -13,18 +13,21 @@ broadcast after them (4 to 5 ms of a 41 ms GPT step).
 
 Both are measured here with the model itself, once per micro-batch count:
 a ``DistributedPipe`` of the compute-balanced cut runs 1F1B steps (after a
-warm-up), and, where the plan weighs the interleaved schedule, interleaved
-steps of two stages per process, whose pace is its own (twice the actions
-and three times the messages per micro-batch of 1F1B over two processes:
-the interleaved steps of the examples' models ran 10 to 25% over a
-prediction from 1F1B's pace). ``outside`` is the least over the processes
-of the median seconds of a step call beyond its actions (``call_duration
-- duration``), the median of every run's; ``factor`` is the scale on
-every layer's profiled time that, with the measured link and cost per
-action, plays the programs in the step's measured time (the largest of
-the processes' median ``call_duration``), found by bisection. The time
-model (``timing.py``) then scales every action's compute by ``factor``
-and adds ``outside`` to each configuration's step.
+warm-up); GPipe's pace is 1F1B's. Where the plan weighs them, ZB-H1 and
+the interleaved schedule are measured with steps of their own: their
+paces are their own (the interleaved schedule's two stages per process
+run twice the actions and three times the messages per micro-batch of
+1F1B over two processes, and its steps in the examples' models ran 10 to
+25% over a prediction from 1F1B's pace; a backward run as ``I`` then
+``W`` cost the GPT's ZB-H1 steps more than its profile's halves say).
+``outside`` is the least over the processes of the median seconds of a
+step call beyond its actions (``call_duration - duration``), the median
+of every run's; ``factor`` is the scale on every layer's profiled time
+that, with the measured link and cost per action, plays the programs in
+the step's measured time (the largest of the processes' median
+``call_duration``), found by bisection. The time model (``timing.py``)
+then scales every action's compute by ``factor`` and adds ``outside`` to
+each configuration's step.
 """
 
 from __future__ import annotations
@@ -48,7 +51,15 @@ from pipeline.plan.profile import LayerTimes, Saved
 from pipeline.plan.timing import predicted_seconds, stage_costs
 from pipeline.step.schedules import resolve_schedule
 
-__all__ = ["SAME_PACE", "Pace", "Wanted", "Workload", "measured_paces", "virtual_stages"]
+__all__ = [
+    "SAME_PACE",
+    "Pace",
+    "Wanted",
+    "Workload",
+    "measured_paces",
+    "paced_as",
+    "virtual_stages",
+]
 
 LossFn = Callable[[Any, Any], Tensor]
 
@@ -79,8 +90,15 @@ SAME_PACE = Pace()  # the profile as it is, nothing outside the actions
 
 
 def virtual_stages(schedule: str) -> int:
-    """The stages per process ``schedule`` runs: the pace is measured for each."""
+    """The stages per process ``schedule`` runs."""
     return 2 if schedule == "interleaved" else 1
+
+
+def paced_as(schedule: str) -> str:
+    """The schedule whose steps measure ``schedule``'s pace: GPipe runs 1F1B's actions, and
+    both ZB-H1s the same ``I`` and ``W``; zero-bubble's backwards in two and the
+    interleaved schedule's two stages per process have paces of their own."""
+    return {"gpipe": "1f1b", "zb-h1-peak": "zb-h1"}.get(schedule, schedule)
 
 
 @dataclass(frozen=True)
@@ -108,7 +126,8 @@ def measured_paces(
     repeats: int,
 ) -> list[Pace]:
     """The model's pace in a DistributedPipe over ``group`` for each of ``wanted``: stepped
-    with its schedule (``"1f1b"``, or ``"interleaved"``: two stages per process) and count.
+    with its schedule (``"1f1b"``, ``"zb-h1"``, or ``"interleaved"``: two stages per
+    process) and count.
 
     A collective, the same on every rank. Each profile: the layers' saved
     bytes and times for one micro-batch of that count; ``overhead``: the

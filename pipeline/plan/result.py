@@ -48,7 +48,7 @@ class Processes:
     group: dist.ProcessGroup | None
     device: torch.device
     link: Link
-    paces: Mapping[tuple[int, int], Pace] = field(default_factory=dict)
+    paces: Mapping[tuple[str, int], Pace] = field(default_factory=dict)
 
 
 class PlanError(ValueError):
@@ -325,11 +325,12 @@ def _by_chunks(contention: Mapping[int, Contention]) -> str:
     return "; ".join(f"{m} chunks {factor}" for m, factor in sorted(contention.items()))
 
 
-def _paces_shown(paces: Mapping[tuple[int, int], Pace]) -> str:
-    """``2 chunks x1.38 + 4.1 ms; ...; 2 chunks interleaved x1.52 + 4.0 ms``."""
+def _paces_shown(paces: Mapping[tuple[str, int], Pace]) -> str:
+    """``2 chunks x1.38 + 4.1 ms; ...; 2 chunks interleaved x1.52 + 4.1 ms``: 1F1B's
+    (GPipe's too) by count, then each other schedule's."""
+    ordered = sorted(paces.items(), key=lambda item: (item[0][0] != "1f1b", item[0]))
     return "; ".join(
-        f"{m} chunks{' interleaved' if virtual > 1 else ''} {pace}"
-        for (virtual, m), pace in sorted(paces.items())
+        f"{m} chunks{'' if name == '1f1b' else ' ' + name} {pace}" for (name, m), pace in ordered
     )
 
 

@@ -22,7 +22,7 @@ import torch
 from pipeline.plan.contention import NO_CONTENTION, Contention
 from pipeline.plan.links import Link, cut_seconds
 from pipeline.plan.memory import LayerParameters, StageMemory, stage_memory
-from pipeline.plan.pace import SAME_PACE, Pace, virtual_stages
+from pipeline.plan.pace import SAME_PACE, Pace, paced_as, virtual_stages
 from pipeline.plan.partition import fitting_balance
 from pipeline.plan.profile import LayerTimes, Saved
 from pipeline.plan.timing import predicted_seconds, stage_costs
@@ -96,7 +96,7 @@ def candidates(
     overhead: float,
     contention: Mapping[int, Contention] | None = None,
     link: Link | None = None,
-    paces: Mapping[tuple[int, int], Pace] | None = None,
+    paces: Mapping[tuple[str, int], Pace] | None = None,
 ) -> list[Candidate]:
     """Every configuration's candidates; an interleaved one only where it can run.
 
@@ -106,8 +106,8 @@ def candidates(
     ``link``: planned for processes, one per entry of ``devices`` (its
     device), stage ``j`` in process ``j % len(devices)`` and the messages
     between them costing what ``link`` says; None: stages of one process.
-    ``paces``: by stages per process and micro-batch count, the model's
-    pace measured in a DistributedPipe (``pace.py``): every stage's costs
+    ``paces``: by the schedule that measured it (``pace.paced_as``) and
+    micro-batch count, the model's pace in a DistributedPipe: every stage's costs
     scaled by its factor, its seconds outside the actions added to every
     step.
     """
@@ -126,7 +126,7 @@ def candidates(
                 continue  # the interleaved schedule cannot run here (schedules.py)
             contended = NO_CONTENTION if contention is None else contention.get(m, NO_CONTENTION)
             factor = [contended if d.type == "cpu" else NO_CONTENTION for d in stage_devices]
-            pace = SAME_PACE if paces is None else paces.get((virtual, m), SAME_PACE)
+            pace = SAME_PACE if paces is None else paces.get((paced_as(name), m), SAME_PACE)
             saved, times = profiled(batch_size // m)
             programs = resolve_schedule(name).programs(m, stages)
             order = validate(programs, m, stages).one_thread_order

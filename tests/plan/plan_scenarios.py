@@ -48,10 +48,10 @@ def every_process_plans_the_same_pipe_and_its_step_equals_the_plain_model() -> N
     assert link.latency > 0 and link.seconds_per_byte >= 0, link
     # Measured: how large depends on the machine's load, so only their signs are known.
     assert plan.action_overhead >= 0
-    # The pace in a DistributedPipe of the group, for each count of the one-stage-per-process
-    # schedules; one median of the seconds outside the actions for all of them.
+    # The pace in a DistributedPipe of the group for each count: 1F1B's (GPipe's too) and
+    # ZB-H1's; one median of the seconds outside the actions for all of them.
     paces = plan.processes.paces
-    assert sorted(paces) == [(1, 2), (1, 4)], paces
+    assert sorted(paces) == [("1f1b", 2), ("1f1b", 4), ("zb-h1", 2), ("zb-h1", 4)], paces
     assert all(p.factor > 0 and p.outside > 0 for p in paces.values()), paces
     assert len({p.outside for p in paces.values()}) == 1, paces
     assert "pace in the pipeline 2 chunks x" in str(plan).splitlines()[0]
@@ -68,7 +68,8 @@ def an_interleaved_plan_runs_two_stages_per_process_and_equals_the_plain_model()
     plain = copy.deepcopy(model)
     plan = planned(model, schedules=("interleaved",), action_overhead=1e-4)
     assert (plan.schedule, plan.balance) == ("interleaved", [1, 1, 1, 1])
-    assert plan.processes is not None and sorted(plan.processes.paces) == [(2, 2), (2, 4)]
+    assert plan.processes is not None
+    assert sorted(plan.processes.paces) == [("interleaved", 2), ("interleaved", 4)]
     assert plan.chosen.places == ("rank 0", "rank 1", "rank 0", "rank 1")
     step_equals_the_plain_model(plan, plain)
 

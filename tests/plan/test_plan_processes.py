@@ -229,7 +229,7 @@ def test_the_pace_fitted_to_a_step_plays_that_step_and_scales_every_candidate() 
     pace = Pace(factor, 2.0)
     found = candidates(
         LAYERS, [CPU, CPU], 8, 2**40, (4,), ("1f1b",), ("never",), lambda rows: (saved, times),
-        layer_parameters(gelu_mlp(LAYERS), 0), overhead=0.5, link=link, paces={(1, 4): pace},
+        layer_parameters(gelu_mlp(LAYERS), 0), overhead=0.5, link=link, paces={("1f1b", 4): pace},
     )  # fmt: skip
     assert [c.balance for c in found] == [(2, 2)]
     assert found[0].seconds == pytest.approx(measured, rel=1e-6)
