@@ -135,6 +135,8 @@ def measured_paces(
     do not depend on the schedule or the count: every pace takes the median
     of those measured, which a single measure's noise moves less.
     """
+    if not wanted:
+        return []  # no schedule of the plan can run here: the search finds nothing either
     processes = dist.get_world_size(group)
     runs = []
     for name, m, profile in wanted:

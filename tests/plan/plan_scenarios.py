@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import pipeline
-from pipeline.plan import Plan
+from pipeline.plan import Plan, PlanError
 from pipeline.runtime.agreement import fingerprint, gather_rows
 from tests.gloo_groups import expect_error, main, rank, scenario, world
 from tests.plan.plan_models import batch, gelu_mlp
@@ -70,6 +70,12 @@ def an_interleaved_plan_runs_two_stages_per_process_and_equals_the_plain_model()
     assert (plan.schedule, plan.balance) == ("interleaved", [1, 1, 1, 1])
     assert plan.processes is not None
     assert sorted(plan.processes.paces) == [("interleaved", 2), ("interleaved", 4)]
+    # Too few layers for two stages per process: no pace to measure, and nothing to choose.
+    expect_error(
+        PlanError,
+        lambda: planned(gelu_mlp(2), schedules=("interleaved",), action_overhead=1e-4),
+        "no configuration can run: the interleaved schedule needs twice as many layers",
+    )
     assert plan.chosen.places == ("rank 0", "rank 1", "rank 0", "rank 1")
     step_equals_the_plain_model(plan, plain)
 
