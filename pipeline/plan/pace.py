@@ -13,7 +13,8 @@ broadcast after them (4 to 5 ms of a 41 ms GPT step).
 
 Both are measured here with the model itself, once per micro-batch count:
 a ``DistributedPipe`` of the compute-balanced cut runs 1F1B steps (after a
-warm-up); GPipe's pace is 1F1B's. Where the plan weighs them, ZB-H1 and
+warm-up, in two rounds over every run, the second in the opposite order);
+GPipe's pace is 1F1B's. Where the plan weighs them, ZB-H1 and
 the interleaved schedule are measured with steps of their own: their
 paces are their own (the interleaved schedule's two stages per process
 run twice the actions and three times the messages per micro-batch of
@@ -138,15 +139,22 @@ def measured_paces(
     if not wanted:
         return []  # no schedule of the plan can run here: the search finds nothing either
     processes = dist.get_world_size(group)
-    runs = []
-    for name, m, profile in wanted:
-        cut = _compute_cut(profile[1], processes * virtual_stages(name))
-        call, gap = _stepped(group, device, work, name, cut, m, repeats)
-        runs.append((name, m, profile, cut, largest(group, call), -largest(group, -gap)))
-    outside = statistics.median(run[-1] for run in runs)
+    cuts = [_compute_cut(times, processes * virtual_stages(name)) for name, _, (_, times) in wanted]
+    # Two rounds, the second in the opposite order, each run's steps split between them:
+    # the machine's pace drifts over the seconds this takes, and each run then sees both ends.
+    calls: list[list[float]] = [[] for _ in wanted]
+    gaps: list[list[float]] = [[] for _ in wanted]
+    order = list(range(len(wanted)))
+    for steps in (repeats - repeats // 2, repeats // 2):
+        for k in order if steps else ():
+            name, m, _ = wanted[k]
+            _stepped(group, device, work, name, cuts[k], m, steps, calls[k], gaps[k])
+        order.reverse()
+    measured = [largest(group, statistics.median(c)) for c in calls]
+    outside = statistics.median(-largest(group, -statistics.median(g)) for g in gaps)
     return [
         Pace(_factor(name, m, profile, cut, processes, call, outside, link, overhead), outside)
-        for name, m, profile, cut, call, _ in runs
+        for (name, m, profile), cut, call in zip(wanted, cuts, measured, strict=True)
     ]
 
 
@@ -203,14 +211,15 @@ def _stepped(
     schedule: str,
     balance: list[int],
     chunks: int,
-    repeats: int,
-) -> tuple[float, float]:
-    """This process's median step call and its median seconds beyond the actions, over
-    ``repeats`` steps of a DistributedPipe of ``work``'s model (one warms up first)."""
+    steps: int,
+    calls: list[float],
+    gaps: list[float],
+) -> None:
+    """This process's step calls, and their seconds beyond the actions, added to ``calls``
+    and ``gaps`` for ``steps`` steps of a DistributedPipe of ``work``'s model, built for
+    them (one step warms up first)."""
     from pipeline.distributed import DistributedPipe  # it imports pipeline, which imports this
 
-    calls: list[float] = []
-    gaps: list[float] = []
     # The caller's model, gradients and generators are left as they were.
     with torch.random.fork_rng(devices=[] if device.type == "cpu" else [device]):
         pipe = DistributedPipe(
@@ -222,7 +231,7 @@ def _stepped(
             checkpoint="never",
         )
         try:
-            for run in range(repeats + 1):
+            for run in range(steps + 1):
                 pipe.zero_grad(set_to_none=True)
                 pipe.step(work.sample, work.target, work.loss_fn, kwargs=work.kwargs,
                           schedule=schedule)  # fmt: skip
@@ -233,4 +242,3 @@ def _stepped(
                     gaps.append(report.call_duration - report.duration)
         finally:
             pipe.close()
-    return statistics.median(calls), statistics.median(gaps)
