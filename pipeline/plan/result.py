@@ -41,8 +41,9 @@ RUNNER_UPS = 8
 @dataclass(frozen=True)
 class Processes:
     """A plan's processes: how many, their group (None: planned outside one), this one's
-    device, the link between them and, by micro-batch count, the model's pace in a
-    DistributedPipe of the group (``pace.py``; empty where it was not measured)."""
+    device, the link between them and the model's pace in a DistributedPipe of the group,
+    by the schedule that measured it and micro-batch count (``pace.py``; empty where it
+    was not measured)."""
 
     count: int
     group: dist.ProcessGroup | None
@@ -101,8 +102,8 @@ class Plan:
     count, how much slower a CPU stage was taken to run beside the
     others), ``action_overhead``
     (the seconds added per action) and ``processes`` (planned with
-    ``processes=N``: their count, group, this process's device and the link
-    between them; else None).
+    ``processes=N``: their count, group, this process's device, the link
+    between them and the model's pace in their pipeline; else None).
     """
 
     def __init__(

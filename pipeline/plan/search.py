@@ -107,9 +107,9 @@ def candidates(
     device), stage ``j`` in process ``j % len(devices)`` and the messages
     between them costing what ``link`` says; None: stages of one process.
     ``paces``: by the schedule that measured it (``pace.paced_as``) and
-    micro-batch count, the model's pace in a DistributedPipe: every stage's costs
-    scaled by its factor, its seconds outside the actions added to every
-    step.
+    micro-batch count, the model's pace in a DistributedPipe: every stage's
+    costs scaled by its factor, its seconds outside the actions added to
+    every step.
     """
     found: list[Candidate] = []
     for name in schedules:
