@@ -26,10 +26,10 @@ from pipeline.plan.links import Link, measure_link
 from pipeline.plan.memory import layer_parameters
 from pipeline.plan.overhead import action_overhead as measured_overhead
 from pipeline.plan.overhead import distributed_action_overhead
-from pipeline.plan.pace import Pace, Workload, measured_paces, paced_as, virtual_stages
+from pipeline.plan.pace import Pace, Workload, measured_paces, paced_as
 from pipeline.plan.profile import LayerTimes, Saved, layer_times, saved_storages
 from pipeline.plan.result import Plan, PlanCheck, PlanError, Processes, choose
-from pipeline.plan.search import Candidate, candidates
+from pipeline.plan.search import Candidate, candidates, runs
 from pipeline.runtime.microbatch import Arguments, scatter
 from pipeline.runtime.process_group import collective_device, resolve_group
 
@@ -261,9 +261,7 @@ def _paces(
         (name, m, profiled(m))
         for name in names
         for m in counts
-        # where the schedule can run (search.py skips the others too)
-        if len(work.model) >= processes * virtual_stages(name)
-        and not (virtual_stages(name) > 1 and m % processes)
+        if runs(name, m, len(work.model), processes)
     ]
     paces = measured_paces(group, device, work, wanted, link, overhead, repeats)
     return {(name, m): p for (name, m, _), p in zip(wanted, paces, strict=True)}

@@ -31,7 +31,7 @@ from pipeline.base import PipeBase
 from pipeline.pipe import Pipe
 from pipeline.plan.agreement import largest
 from pipeline.plan.links import CutSeconds, Link
-from pipeline.plan.timing import StageCosts, predicted_seconds
+from pipeline.plan.timing import StageCosts, matching, predicted_seconds
 from pipeline.step.reports import DistributedStepReport, StepReport
 from pipeline.step.schedules import OneFOneB
 from pipeline.step.simulate import play
@@ -87,13 +87,7 @@ def distributed_action_overhead(
         none = StageCosts(0.0, 0.0, 0.0, 0.0)
         return predicted_seconds(programs, [none] * stages, set(), per_action, None, cuts)
 
-    low, high = 0.0, seconds
-    if played(low) >= seconds:
-        return 0.0  # the link alone takes the step's time
-    for _ in range(50):
-        middle = (low + high) / 2
-        low, high = (middle, high) if played(middle) < seconds else (low, middle)
-    return (low + high) / 2
+    return matching(played, seconds, 0.0, seconds)  # 0: the link alone takes the step's time
 
 
 def _tiny_steps(

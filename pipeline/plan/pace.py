@@ -49,7 +49,7 @@ from pipeline.plan.contention import Contention
 from pipeline.plan.links import Link, cut_seconds
 from pipeline.plan.partition import fitting_balance
 from pipeline.plan.profile import LayerTimes, Saved
-from pipeline.plan.timing import predicted_seconds, stage_costs
+from pipeline.plan.timing import matching, predicted_seconds, stage_costs
 from pipeline.step.schedules import resolve_schedule
 
 __all__ = [
@@ -64,10 +64,8 @@ __all__ = [
 
 LossFn = Callable[[Any, Any], Tensor]
 
-# The range searched for the factor: far beyond what a machine does to a layer; and the
-# bisection's steps (to 1e-7 of it).
+# The range searched for the factor: far beyond what a machine does to a layer.
 _SLOWEST, _FASTEST = 100.0, 0.01
-_HALVINGS = 30
 
 
 @dataclass(frozen=True)
@@ -181,15 +179,8 @@ def _factor(
         costs = [stage_costs(times, a, b, scale) for a, b in spans]
         return outside + predicted_seconds(programs, costs, set(), overhead, None, cuts)
 
-    low, high = _FASTEST, _SLOWEST
-    if played(low) >= measured:
-        return low  # the link and the actions' own cost take the whole step
-    if played(high) <= measured:
-        return high
-    for _ in range(_HALVINGS):
-        middle = (low + high) / 2
-        low, high = (middle, high) if played(middle) < measured else (low, middle)
-    return (low + high) / 2
+    # The smallest factor where the link and the actions' own cost take the whole step.
+    return matching(played, measured, _FASTEST, _SLOWEST)
 
 
 def _compute_cut(times: LayerTimes, stages: int) -> list[int]:

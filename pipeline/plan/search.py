@@ -31,7 +31,7 @@ from pipeline.step.runner import checkpointed_tasks
 from pipeline.step.schedules import resolve_schedule
 from pipeline.step.simulate import validate
 
-__all__ = ["Candidate", "Profiled", "candidates"]
+__all__ = ["Candidate", "Profiled", "candidates", "runs"]
 
 # The profile of one micro-batch size: rows -> (saved storages, layer times).
 Profiled = Callable[[int], tuple[Saved, LayerTimes]]
@@ -122,8 +122,8 @@ def candidates(
         )
         share = [limit // places.count(p) for p in places]
         for m in chunks:
-            if stages > layers or (virtual > 1 and m % len(devices)):
-                continue  # the interleaved schedule cannot run here (schedules.py)
+            if not runs(name, m, layers, len(devices)):
+                continue
             contended = NO_CONTENTION if contention is None else contention.get(m, NO_CONTENTION)
             factor = [contended if d.type == "cpu" else NO_CONTENTION for d in stage_devices]
             pace = SAME_PACE if paces is None else paces.get((paced_as(name), m), SAME_PACE)
@@ -155,6 +155,14 @@ def candidates(
                     layers,
                 )
     return found
+
+
+def runs(schedule: str, chunks: int, layers: int, workers: int) -> bool:
+    """Whether ``schedule`` can run ``chunks`` micro-batches of ``layers`` on ``workers``: the
+    interleaved one needs two layers per worker and chunks a multiple of the workers
+    (schedules.py)."""
+    virtual = virtual_stages(schedule)
+    return layers >= workers * virtual and not (virtual > 1 and chunks % workers)
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from pipeline.plan.profile import LayerTimes
 from pipeline.step.actions import Action, Program
 from pipeline.step.simulate import play
 
-__all__ = ["StageCosts", "predicted_seconds", "stage_costs"]
+__all__ = ["StageCosts", "matching", "predicted_seconds", "stage_costs"]
 
 
 @dataclass(frozen=True)
@@ -159,3 +159,22 @@ def _others_busy(
         )
         busy[action] = shared / length if length > 0 else 0.0
     return busy
+
+
+def matching(played: Callable[[float], float], seconds: float, low: float, high: float) -> float:
+    """The value in ``low..high`` at which the increasing ``played`` takes ``seconds``, by
+    bisection; ``low`` or ``high`` where even that end plays longer or shorter.
+
+    >>> round(matching(lambda x: 2 * x, 3.0, 0.0, 10.0), 6)
+    1.5
+    >>> matching(lambda x: 2 * x + 5, 3.0, 0.0, 10.0)
+    0.0
+    """
+    if played(low) >= seconds:
+        return low
+    if played(high) <= seconds:
+        return high
+    for _ in range(50):
+        middle = (low + high) / 2
+        low, high = (middle, high) if played(middle) < seconds else (low, middle)
+    return (low + high) / 2
