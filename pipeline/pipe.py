@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
@@ -199,6 +200,7 @@ class Pipe(PipeBase):
         return gather(batches)
 
     def _train(self, call: StepCall) -> torch.Tensor | tuple[torch.Tensor, Value]:
+        started = time.perf_counter()
         reduction = self._check_step(
             call.loss_fn, call.loss_reduction, call.loss_divisor, call.grad_scaler
         )
@@ -212,6 +214,7 @@ class Pipe(PipeBase):
                 call,
                 chosen,
                 reduction,
+                started,
             )
 
     def _check_step(
@@ -251,6 +254,7 @@ class Pipe(PipeBase):
         call: StepCall,
         schedule: Schedule,
         loss_reduction: LossReduction,
+        started: float,
     ) -> torch.Tensor | tuple[torch.Tensor, Value]:
         n = len(self.partitions)
         workers = schedule.workers(n)
@@ -277,10 +281,13 @@ class Pipe(PipeBase):
         with self._one_pass(), run.holding_hooks():
             self._run_programs(run, programs, by_worker, simulation)
             run.finish()
-        self.last_step = StepReport(
-            schedule, simulation, self._measured(run, programs, thread_of_program)
-        )
         loss = run.loss()
+        self.last_step = StepReport(
+            schedule,
+            simulation,
+            self._measured(run, programs, thread_of_program),
+            time.perf_counter() - started,
+        )
         if call.return_outputs:
             return loss, gather(run.outputs)
         return loss

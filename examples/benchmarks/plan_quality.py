@@ -222,21 +222,21 @@ def all_alive(
 
 
 def one_alive(
-    w: Workload, candidates: list[Candidate], rounds: int
+    w: Workload, candidates: list[Candidate], rounds: int, processes: bool
 ) -> tuple[list[list[int]], list[float]]:
-    """As ``all_alive``, for DistributedPipes built afresh each round and closed after
-    ``STEPS_PER_BUILD`` steps measured (a warm-up step first), the order turning each
-    round: the median is over every step measured."""
+    """As ``all_alive``, for pipes (``processes``: DistributedPipes) built afresh each round
+    and closed after ``STEPS_PER_BUILD`` steps measured (a warm-up step first), the order
+    turning each round: the median is over every step measured."""
     activations = []
     for c in candidates:
-        pipe = built(w.model, c, processes=True)
+        pipe = built(w.model, c, processes)
         activations.append(measured_activations(pipe, w, c.schedule, len(c.balance)))
         pipe.close()
     times: list[list[float]] = [[] for _ in candidates]
     for r in range(rounds):
         turn = r % len(candidates)
         for k in [*range(turn, len(candidates)), *range(turn)]:
-            pipe = built(w.model, candidates[k], processes=True)
+            pipe = built(w.model, candidates[k], processes)
             run = stepper(pipe, w, candidates[k].schedule)
             run()
             for _ in range(STEPS_PER_BUILD):
@@ -265,6 +265,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--processes", action="store_true", help="a DistributedPipe, a stage per process (torchrun)"
     )
+    parser.add_argument(
+        "--one-alive", action="store_true", help="Pipes too built afresh each round, one at a time"
+    )
     args = parser.parse_args(argv)
     o = grid(args.quick)
     info, _ = start_single_threaded()
@@ -275,8 +278,8 @@ def main(argv: list[str] | None = None) -> None:
     limit = int(args.memory_limit * MiB)
     plan = planned(w, o, limit, args.processes)
     candidates: list[Candidate] = plan.candidates
-    if args.processes:
-        activations, seconds = one_alive(w, candidates, o["rounds"])
+    if args.processes or args.one_alive:
+        activations, seconds = one_alive(w, candidates, o["rounds"], args.processes)
     else:
         activations, seconds = all_alive(w, candidates, o["rounds"])
     measured = longest(seconds, args.processes)

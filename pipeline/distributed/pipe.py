@@ -296,7 +296,7 @@ class DistributedPipe(PipeBase):
         for j in sorted(self._ties.stages):
             for hook in self._completion_hooks.values():
                 hook(j)
-        loss = self._loss_everywhere(run.loss() if last else None)
+        loss = run.loss().to(self.device)
         self.last_step = DistributedStepReport(
             chosen,
             simulation,

@@ -12,8 +12,8 @@ description, then each tensor's raw bytes, a send each::
 
 What fits is decided by the room the receiver posted for the envelope
 (``layout``): 1 KiB for a peer's first message, then the size the last
-message from that peer would have taken whole, between 1 KiB and
-``MAX_ROOM_BYTES``. Sender and receiver follow the same messages, so both
+message from that peer would have taken whole and a little more, between
+1 KiB and ``MAX_ROOM_BYTES``. Sender and receiver follow the same messages, so both
 know the room, and a stage's activations of the same shape each step
 travel in one send: one receive to post and wait for, not two.
 
@@ -56,6 +56,7 @@ __all__ = [
     "HEAD_BYTES",
     "MAX_DESCRIPTION_BYTES",
     "MAX_ROOM_BYTES",
+    "ROOM_SLACK_BYTES",
     "STOP",
     "Description",
     "Layout",
@@ -81,6 +82,10 @@ ENVELOPE_BYTES = 1024
 MAX_ROOM_BYTES = 2**20
 # Tensors in an envelope start at multiples of this, so that any dtype can view them.
 _ALIGN = 64
+# The room posted for a peer's next message exceeds its last one's size by this much: a
+# message whose description grows a little (a stage's last gradients carry the step's
+# loss, ``step/stage.py``) still travels in one send.
+ROOM_SLACK_BYTES = 256
 
 # A description holds shapes, dtype names, keys and small plain values: a
 # few dozen bytes per tensor. Larger ones are refused before allocating.
@@ -159,7 +164,7 @@ def layout(room: int, description_length: int, tensor_bytes: list[int]) -> Layou
     >>> layout(1024, 40, [256])
     Layout(description_inline=True, offsets=(64,), size=320, next_room=1024)
     >>> layout(1024, 40, [4096])
-    Layout(description_inline=True, offsets=None, size=64, next_room=4160)
+    Layout(description_inline=True, offsets=None, size=64, next_room=4416)
     """
     start = HEAD_BYTES + description_length
     offsets, end = [], start
@@ -167,7 +172,7 @@ def layout(room: int, description_length: int, tensor_bytes: list[int]) -> Layou
         at = -(-end // _ALIGN) * _ALIGN
         offsets.append(at)
         end = at + nbytes
-    next_room = min(max(end, ENVELOPE_BYTES), MAX_ROOM_BYTES)
+    next_room = min(max(end + ROOM_SLACK_BYTES, ENVELOPE_BYTES), MAX_ROOM_BYTES)
     if end <= room:
         return Layout(True, tuple(offsets), end, next_room)
     if start <= room:

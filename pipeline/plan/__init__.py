@@ -26,7 +26,7 @@ from pipeline.plan.links import Link, measure_link
 from pipeline.plan.memory import layer_parameters
 from pipeline.plan.overhead import action_overhead as measured_overhead
 from pipeline.plan.overhead import distributed_action_overhead
-from pipeline.plan.pace import Pace, Workload, measured_paces, paced_as
+from pipeline.plan.pace import Pace, Placement, Workload, measured_paces, paced_as
 from pipeline.plan.profile import LayerTimes, Saved, layer_times, saved_storages
 from pipeline.plan.result import Plan, PlanCheck, PlanError, Processes, choose
 from pipeline.plan.search import Candidate, candidates, runs
@@ -84,9 +84,10 @@ def plan(
     optimizer's state per trained element (8 for AdamW in float32).
     ``contention``: how much slower CPU stages run when all the pipe's CPU
     workers run at once (None: measured now, on the model, for forwards and
-    backwards apart; a number: both; 1.0: each its own idle core). Planned
-    for processes in a group, None measures the model's pace in a
-    DistributedPipe of the group instead, for each count (``pace.py``).
+    backwards apart; a number: both; 1.0: each its own idle core). None, on
+    devices or for processes in a group, measures the model's pace in the
+    pipe itself instead, for each count (``pace.py``); a contention is then
+    measured only for processes planned outside a group.
     ``action_overhead``: seconds the library adds per action (None: measured
     now, with a pipe of tiny layers). The model: docs/plan.md.
 
@@ -199,11 +200,19 @@ def plan(
         the more of a seeded forward is Python, and the longer the workers wait for its lock."""
         if contention is not None:
             return Contention(contention, contention)
+        if where is not None:
+            return NO_CONTENTION  # the pace measured in the pipe holds it (pace.py)
         micro, aim = first(m)
-        if pg is None:
-            workers = sum(d.type == "cpu" for d in resolved)
-            return cpu_contention(sequential, micro, aim, loss_fn, workers, repeats, seeded)
-        return NO_CONTENTION  # the pace measured in a DistributedPipe holds it (pace.py)
+        workers = sum(d.type == "cpu" for d in resolved)
+        return cpu_contention(sequential, micro, aim, loss_fn, workers, repeats, seeded)
+
+    # Where the pace is measured: a Pipe on the devices, or a DistributedPipe of the group;
+    # nowhere for processes outside a group, or where a contention was given.
+    where = None
+    if contention is None and count is None:
+        where = Placement(tuple(resolved))
+    elif contention is None and pg is not None:
+        where = Placement((resolved[0],), pg)
 
     factors = {m: contended(m) for m in counts}
     if action_overhead is None:
@@ -227,43 +236,39 @@ def plan(
         factors,
         link,
         paces := _paces(
-            pg, resolved[0], Workload(sequential, sample_input, target, loss_fn, kwargs),
-            schedules, counts, lambda m: profiled(size // m), link, action_overhead,
-            contention, repeats,
+            where, Workload(sequential, sample_input, target, loss_fn, kwargs), schedules,
+            counts, lambda m: profiled(size // m), link, action_overhead, repeats,
         ),
     )  # fmt: skip
     placement = None
     if count is not None and link is not None:
-        placement = Processes(count, pg, resolved[0], link, paces or {})
-    return choose(sequential, found, limit, factors, action_overhead, placement)
+        placement = Processes(count, pg, resolved[0], link)
+    return choose(sequential, found, limit, factors, action_overhead, placement, paces)
 
 
 def _paces(
-    group: dist.ProcessGroup | None,
-    device: torch.device,
+    where: Placement | None,
     work: Workload,
     schedules: Sequence[str],
     counts: Sequence[int],
     profiled: Callable[[int], tuple[Saved, LayerTimes]],
     link: Link | None,
     overhead: float,
-    contention: float | None,
     repeats: int,
 ) -> dict[tuple[str, int], Pace] | None:
-    """The model's pace in a DistributedPipe of ``group`` (``pace.py``), by the schedule
-    that measures it (``paced_as``) and micro-batch count, for each the schedules can run;
-    None outside a group, or where ``contention`` was given instead."""
-    if group is None or link is None or contention is not None:
+    """The model's pace in a pipe placed ``where`` (``pace.py``), by the schedule that
+    measures it (``paced_as``) and micro-batch count, for each the schedules can run;
+    None where it is not measured."""
+    if where is None:
         return None
-    processes = dist.get_world_size(group)
     names = sorted({paced_as(s) for s in schedules})
     wanted = [
         (name, m, profiled(m))
         for name in names
         for m in counts
-        if runs(name, m, len(work.model), processes)
+        if runs(name, m, len(work.model), where.workers)
     ]
-    paces = measured_paces(group, device, work, wanted, link, overhead, repeats)
+    paces = measured_paces(where, work, wanted, link, overhead, repeats)
     return {(name, m): p for (name, m, _), p in zip(wanted, paces, strict=True)}
 
 

@@ -1,4 +1,4 @@
-"""How fast a model's layers run inside a DistributedPipe, against their profile alone.
+"""How fast a model's layers run inside a pipe, against their profile alone.
 
 Layers are profiled one at a time, in one process while the others wait
 (``profile.py``). In a pipeline of processes the same layers run slower:
@@ -38,12 +38,13 @@ import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import accumulate, pairwise
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from pipeline.pipe import Pipe
 from pipeline.plan.agreement import largest
 from pipeline.plan.contention import Contention
 from pipeline.plan.links import Link, cut_seconds
@@ -52,9 +53,13 @@ from pipeline.plan.profile import LayerTimes, Saved
 from pipeline.plan.timing import matching, predicted_seconds, stage_costs
 from pipeline.step.schedules import resolve_schedule
 
+if TYPE_CHECKING:
+    from pipeline.distributed import DistributedPipe
+
 __all__ = [
     "SAME_PACE",
     "Pace",
+    "Placement",
     "Wanted",
     "Workload",
     "measured_paces",
@@ -115,29 +120,60 @@ class Workload:
 Wanted = tuple[str, int, tuple[Saved, LayerTimes]]
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where a pace is measured: a DistributedPipe over ``group``, this process's stages on
+    ``devices[0]``; or, without a group, a Pipe with a stage on each of ``devices``."""
+
+    devices: tuple[torch.device, ...]
+    group: dist.ProcessGroup | None = None
+
+    @property
+    def workers(self) -> int:
+        """The group's processes, or the Pipe's devices: stage ``j`` runs on ``j % workers``."""
+        return len(self.devices) if self.group is None else dist.get_world_size(self.group)
+
+    def largest(self, value: float) -> float:
+        """The largest ``value`` of the group's processes (a collective), or ``value``."""
+        return value if self.group is None else largest(self.group, value)
+
+    def built(
+        self, model: nn.Sequential, balance: list[int], chunks: int
+    ) -> Pipe | DistributedPipe:
+        """A pipe of ``model`` cut by ``balance``, with nothing checkpointed."""
+        from pipeline.distributed import DistributedPipe  # it imports pipeline, which imports this
+
+        if self.group is None:
+            devices = list(self.devices) * (len(balance) // len(self.devices))
+            return Pipe(model, balance, devices=devices, chunks=chunks, checkpoint="never")
+        return DistributedPipe(model, balance, group=self.group, device=self.devices[0],
+                               chunks=chunks, checkpoint="never")  # fmt: skip
+
+
 def measured_paces(
-    group: dist.ProcessGroup,
-    device: torch.device,
+    placement: Placement,
     work: Workload,
     wanted: Sequence[Wanted],
-    link: Link,
+    link: Link | None,
     overhead: float,
     repeats: int,
 ) -> list[Pace]:
-    """The model's pace in a DistributedPipe over ``group`` for each of ``wanted``: stepped
+    """The model's pace in a pipe placed by ``placement`` for each of ``wanted``: stepped
     with its schedule (``"1f1b"``, ``"zb-h1"``, or ``"interleaved"``: two stages per
-    process) and count.
+    worker) and count.
 
-    A collective, the same on every rank. Each profile: the layers' saved
-    bytes and times for one micro-batch of that count; ``overhead``: the
-    seconds per action (``overhead.py``). The seconds outside the actions
-    do not depend on the schedule or the count: every pace takes the median
-    of those measured, which a single measure's noise moves less.
+    With a group, a collective, the same on every rank. Each profile: the
+    layers' saved bytes and times for one micro-batch of that count;
+    ``link``: between processes (None: a Pipe's stages, one memory);
+    ``overhead``: the seconds per action (``overhead.py``). The seconds
+    outside the actions do not depend on the schedule or the count: every
+    pace takes the median of those measured, which a single measure's noise
+    moves less.
     """
     if not wanted:
         return []  # no schedule of the plan can run here: the search finds nothing either
-    processes = dist.get_world_size(group)
-    cuts = [_compute_cut(times, processes * virtual_stages(name)) for name, _, (_, times) in wanted]
+    workers = placement.workers
+    cuts = [_compute_cut(times, workers * virtual_stages(name)) for name, _, (_, times) in wanted]
     # Two rounds, the second in the opposite order, each run's steps split between them:
     # the machine's pace drifts over the seconds this takes, and each run then sees both ends.
     calls: list[list[float]] = [[] for _ in wanted]
@@ -146,12 +182,12 @@ def measured_paces(
     for steps in (repeats - repeats // 2, repeats // 2):
         for k in order if steps else ():
             name, m, _ = wanted[k]
-            _stepped(group, device, work, name, cuts[k], m, steps, calls[k], gaps[k])
+            _stepped(placement, work, name, cuts[k], m, steps, calls[k], gaps[k])
         order.reverse()
-    measured = [largest(group, statistics.median(c)) for c in calls]
-    outside = statistics.median(-largest(group, -statistics.median(g)) for g in gaps)
+    measured = [placement.largest(statistics.median(c)) for c in calls]
+    outside = statistics.median(-placement.largest(-statistics.median(g)) for g in gaps)
     return [
-        Pace(_factor(name, m, profile, cut, processes, call, outside, link, overhead), outside)
+        Pace(_factor(name, m, profile, cut, workers, call, outside, link, overhead), outside)
         for (name, m, profile), cut, call in zip(wanted, cuts, measured, strict=True)
     ]
 
@@ -161,10 +197,10 @@ def _factor(
     chunks: int,
     profile: tuple[Saved, LayerTimes],
     balance: list[int],
-    processes: int,
+    workers: int,
     measured: float,
     outside: float,
-    link: Link,
+    link: Link | None,
     overhead: float,
 ) -> float:
     """The factor on the layers' times that plays the step in its ``measured`` seconds."""
@@ -172,7 +208,8 @@ def _factor(
     stages = len(balance)
     spans = list(pairwise([0, *accumulate(balance)]))
     programs = resolve_schedule(schedule).programs(chunks, stages)
-    cuts = cut_seconds(saved, spans, [j % processes for j in range(stages)], link)
+    owner = [j % workers for j in range(stages)]
+    cuts = None if link is None else cut_seconds(saved, spans, owner, link)
 
     def played(factor: float) -> float:
         scale = Contention(factor, factor)
@@ -196,8 +233,7 @@ def _compute_cut(times: LayerTimes, stages: int) -> list[int]:
 
 
 def _stepped(
-    group: dist.ProcessGroup,
-    device: torch.device,
+    placement: Placement,
     work: Workload,
     schedule: str,
     balance: list[int],
@@ -207,20 +243,12 @@ def _stepped(
     gaps: list[float],
 ) -> None:
     """This process's step calls, and their seconds beyond the actions, added to ``calls``
-    and ``gaps`` for ``steps`` steps of a DistributedPipe of ``work``'s model, built for
-    them (one step warms up first)."""
-    from pipeline.distributed import DistributedPipe  # it imports pipeline, which imports this
-
+    and ``gaps`` for ``steps`` steps of a pipe of ``work``'s model, built for them (one
+    step warms up first)."""
+    cuda = [d for d in placement.devices if d.type == "cuda"]
     # The caller's model, gradients and generators are left as they were.
-    with torch.random.fork_rng(devices=[] if device.type == "cpu" else [device]):
-        pipe = DistributedPipe(
-            copy.deepcopy(work.model),
-            balance,
-            group=group,
-            device=device,
-            chunks=chunks,
-            checkpoint="never",
-        )
+    with torch.random.fork_rng(devices=cuda):
+        pipe = placement.built(copy.deepcopy(work.model), balance, chunks)
         try:
             for run in range(steps + 1):
                 pipe.zero_grad(set_to_none=True)

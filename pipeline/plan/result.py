@@ -12,7 +12,7 @@ DistributedPipe.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -41,15 +41,12 @@ RUNNER_UPS = 8
 @dataclass(frozen=True)
 class Processes:
     """A plan's processes: how many, their group (None: planned outside one), this one's
-    device, the link between them and the model's pace in a DistributedPipe of the group,
-    by the schedule that measured it and micro-batch count (``pace.py``; empty where it
-    was not measured)."""
+    device and the link between them."""
 
     count: int
     group: dist.ProcessGroup | None
     device: torch.device
     link: Link
-    paces: Mapping[tuple[str, int], Pace] = field(default_factory=dict)
 
 
 class PlanError(ValueError):
@@ -62,10 +59,11 @@ class PlanCheck:
 
     ``measured_activations[j]`` is ``pipe.last_step``'s
     ``peak_activation_bytes`` of stage ``j`` (None if the step did not
-    measure memory); errors are measured / predicted - 1. For a
+    measure memory); errors are measured / predicted - 1. The step's
+    seconds are ``last_step.call_duration`` (the actions and what comes
+    before and after them, as the plan's pace predicts it); for a
     DistributedPipe, every process's stages, and the longest of the
-    processes' step calls (``last_step.call_duration``: the actions and
-    what comes before and after them, as the plan's pace predicts it).
+    processes' step calls.
     """
 
     predicted_seconds: float
@@ -101,9 +99,11 @@ class Plan:
     candidates, each with why it lost), ``contention`` (by micro-batch
     count, how much slower a CPU stage was taken to run beside the
     others), ``action_overhead``
-    (the seconds added per action) and ``processes`` (planned with
-    ``processes=N``: their count, group, this process's device, the link
-    between them and the model's pace in their pipeline; else None).
+    (the seconds added per action), ``processes`` (planned with
+    ``processes=N``: their count, group, this process's device and the link
+    between them; else None) and ``paces`` (the model's pace measured in the
+    pipe, by the schedule that measured it and micro-batch count:
+    ``pace.py``; empty where it was not measured).
     """
 
     def __init__(
@@ -114,6 +114,7 @@ class Plan:
         contention: Mapping[int, Contention] | None = None,
         action_overhead: float = 0.0,
         processes: Processes | None = None,
+        paces: Mapping[tuple[str, int], Pace] | None = None,
     ) -> None:
         self.model = model
         self.chosen = chosen
@@ -121,6 +122,7 @@ class Plan:
         self.contention: Mapping[int, Contention] = contention or {}
         self.action_overhead = action_overhead
         self.processes = processes
+        self.paces: Mapping[tuple[str, int], Pace] = paces or {}
 
     @property
     def balance(self) -> list[int]:
@@ -264,7 +266,7 @@ class Plan:
         if isinstance(pipe, Pipe):
             return PlanCheck(
                 self.predicted_seconds,
-                report.duration,
+                report.call_duration,
                 predicted,
                 tuple(measured[j] for j in range(len(predicted))),
             )
@@ -283,10 +285,9 @@ class Plan:
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)) for r in rows]
         each = "device" if self.processes is None else "process"
         limit = f"memory limit {_bytes(self.chosen.limit)} per {each}"
-        paces = {} if self.processes is None else self.processes.paces
         factor = (
-            f"pace in the pipeline {_paces_shown(paces)}"
-            if paces
+            f"pace in the pipeline {_paces_shown(self.paces)}"
+            if self.paces
             else f"CPU contention {_by_chunks(self.contention)}"
         )
         overhead = f"{self.action_overhead * 1e6:.0f} us per action"
@@ -342,6 +343,7 @@ def choose(
     contention: Mapping[int, Contention] | None = None,
     action_overhead: float = 0.0,
     processes: Processes | None = None,
+    paces: Mapping[tuple[str, int], Pace] | None = None,
 ) -> Plan:
     """The plan of the fastest candidate that fits (the least memory among equals).
 
@@ -357,7 +359,7 @@ def choose(
     if not fitting:
         raise PlanError(_nothing_fits(found, limit))
     chosen = min(fitting, key=lambda c: (c.seconds, max(c.device_bytes.values())))
-    return Plan(model, chosen, found, contention, action_overhead, processes)
+    return Plan(model, chosen, found, contention, action_overhead, processes, paces)
 
 
 def _nothing_fits(found: list[Candidate], limit: int) -> str:

@@ -185,12 +185,15 @@ class StepReport(_Readable):
     ``peak_in_flight[j]`` is the most micro-batches partition ``j`` held at
     once (forwarded, not yet fully back-propagated), as measured; it equals
     ``simulation.peak_in_flight`` for every valid program. ``repr()`` is one
-    line; ``table()`` a row per partition.
+    line; ``table()`` a row per partition. ``call_duration``: the seconds
+    the ``step`` call took, ``duration`` and what comes before and after
+    the actions (the batch's split into micro-batches, the loss's sum).
     """
 
     schedule: Schedule
     simulation: Simulation
     measured: Measured
+    call_duration: float = 0.0
 
     @property
     def peak_in_flight(self) -> list[int]:

@@ -121,6 +121,7 @@ class StepRun:
             grad_scaler=grad_scaler,
             forward_only=forward_only,
             measure_memory=measure_memory,
+            loss_travels=not forward_only and len(local) < len(runtime),
         )
         self.transport = self.context.transport
         self.stage_runs = {j: StageRun(self.context, j) for j in local}
@@ -246,9 +247,17 @@ class StepRun:
             raise
 
     def loss(self) -> Tensor:
-        """The step's loss: the sum of the micro-batches' scaled losses (last stage only)."""
-        last = self.stage_runs[self.context.stages - 1]
-        return torch.stack([last.losses[i] for i in range(self.context.m)]).sum()
+        """The step's loss: the sum of the micro-batches' scaled losses.
+
+        Where the last stage runs in another process, as it sent it down with
+        the input gradients (a step's, not an evaluation's).
+        """
+        last = self.stage_runs.get(self.context.stages - 1)
+        if last is not None:
+            return last.summed_loss()
+        received = {j: s.step_loss for j, s in self.stage_runs.items()}
+        assert all(x is not None for x in received.values()), f"the loss came down: {received}"
+        return next(x for x in received.values() if x is not None)
 
     @property
     def outputs(self) -> list[Batch]:

@@ -52,6 +52,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from pipeline.runtime.microbatch import Batch, check_rows
 from pipeline.runtime.partitions import Hook, PartitionRuntime, protected
@@ -88,7 +89,9 @@ class StepContext:
     leaves' gradients until then (``gradients.py``). ``grad_scaler`` scales
     each loss that backward starts from; ``forward_only`` runs an evaluation;
     ``measure_memory`` gives each stage an ``ActivationMeter``;
-    ``randomness[j]`` says how stage ``j``'s tasks draw.
+    ``randomness[j]`` says how stage ``j``'s tasks draw. ``loss_travels``:
+    some stages run in other processes, so the step's loss goes down to
+    them with the input gradients (``StageRun.step_loss``).
     """
 
     runtime: PartitionRuntime
@@ -109,6 +112,7 @@ class StepContext:
     grad_scaler: torch.amp.GradScaler | None = None
     forward_only: bool = False
     measure_memory: bool = False
+    loss_travels: bool = False
     hooks_lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -153,8 +157,11 @@ class StageRun:
         self.losses: dict[int, Tensor] = {}
         # Its outputs, detached, with keep_outputs.
         self.outputs: dict[int, Batch] = {}
+        # The step's loss, as the last stage summed it, once this stage knows it.
+        self.step_loss: Tensor | None = None
         self.peak_in_flight = 0
         self.done = 0
+        self._backwards = 0
         # Each action as it ran; and, within the action running now, its waits
         # and recomputation (a stage's actions run one at a time, on one thread).
         self.timed: list[Timed] = []
@@ -346,7 +353,7 @@ class StageRun:
             assert stashed.loss is not None
             scaler = self.context.grad_scaler
             return [stashed.loss if scaler is None else scaler.scale(stashed.loss)], [None]
-        grads = self._receive(("grad", self.j, i), self.j + 1, i).leaves
+        grads = self._gradients(self._receive(("grad", self.j, i), self.j + 1, i))
         pairs = list(zip(stashed.outputs, grads, strict=True))
         for key, root in stashed.skips_out.items():
             popping = self.context.skip_layout.route(key).target
@@ -356,14 +363,43 @@ class StageRun:
         return [o for o, _ in kept], [g for _, g in kept]
 
     def _send_input_grads(self, i: int, stashed: _Stashed, grads: list[Tensor | None]) -> None:
+        self._backwards += 1
         if self.j > 0:
             found = iter(grads)
             message = [next(found) if _needs_grad(x) else None for x in stashed.inputs.leaves]
-            self._send(("grad", self.j - 1, i), Message(message), self.j - 1, i)
+            self._send(("grad", self.j - 1, i), self._with_loss(message), self.j - 1, i)
             return
         # Stage 0: the gradient continues into the caller's graph, once, at the step's end.
         sources = [x for x in stashed.sources if _needs_grad(x)]
         self.context.gradients.to_caller(sources, grads)
+
+    def _with_loss(self, grads: list[Tensor | None]) -> Message:
+        """Input gradients to send down; with the step's loss if they are this stage's last
+        and it must travel (``StepContext.loss_travels``).
+
+        The stage below takes them in its last backward at the latest: the
+        loss reaches every stage without a message or a collective of its own.
+        It rides in the message's description, as a number and a dtype.
+        """
+        if not (self.context.loss_travels and self._backwards == self.context.m):
+            return Message(grads)
+        if self.last:
+            self.step_loss = self.summed_loss()
+        assert self.step_loss is not None, "the stage above sent it with its last gradients"
+        leaves, spec = tree_flatten((grads, (self.step_loss.item(), self.step_loss.dtype)))
+        return Message(leaves, spec)
+
+    def _gradients(self, message: Message) -> list[Any]:
+        """A message of output gradients from the stage above, and the loss if it came."""
+        if message.spec is None:
+            return message.leaves
+        grads, (value, dtype) = tree_unflatten(message.leaves, message.spec)
+        self.step_loss = torch.tensor(value, dtype=dtype, device=self.device)
+        return list(grads)
+
+    def summed_loss(self) -> Tensor:
+        """The step's loss: the sum of the micro-batches' scaled losses (the last stage)."""
+        return torch.stack([self.losses[i] for i in range(self.context.m)]).sum()
 
     def _release(self, i: int) -> None:
         """Micro-batch ``i`` is fully back-propagated through this stage."""

@@ -815,6 +815,56 @@ class Multiply(nn.Module):
         return x * self.weight
 
 
+@contextlib.contextmanager
+def collectives_counted() -> Any:
+    """The calls of torch.distributed's collectives in the block, by name."""
+    names = ("all_gather", "all_reduce", "broadcast", "barrier", "all_gather_object")
+    counts = dict.fromkeys(names, 0)
+    originals = {name: getattr(dist, name) for name in names}
+
+    def counting(name: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            counts[name] += 1
+            return originals[name](*args, **kwargs)
+
+        return call
+
+    for name in names:
+        setattr(dist, name, counting(name))
+    try:
+        yield counts
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+
+
+@scenario
+def the_loss_comes_down_with_the_last_gradients_in_its_dtype_and_no_collective() -> None:
+    # Every process returns the plain model's loss, in the loss's dtype, and the step's
+    # only collective is its agreement: the loss rides in the last gradients' message
+    # down the stages (through every middle process), where a broadcast once followed.
+    for dtype, schedule, stages in [
+        (torch.float32, "1f1b", world()),
+        (torch.float64, "zb-h1", world()),
+        (torch.float32, Interleaved1F1B(virtual=2), 2 * world()),
+        (torch.float64, "gpipe", world()),
+    ]:
+        what = f"{schedule}, {dtype}, {stages} stages"
+        plain = blocks(stages).to(dtype)
+        x, y = (t.to(dtype) for t in batch(rows=4 * world()))
+        expected = F.mse_loss(plain(x), y).detach()
+        pipe = DistributedPipe(copy.deepcopy(plain), [1] * stages, chunks=2 * world())
+        for _ in range(2):  # the second step's messages fit the rooms the first one left
+            with collectives_counted() as counts:
+                loss = pipe.step(x, y, F.mse_loss, schedule=schedule)
+            assert loss.dtype == dtype and loss.dim() == 0, f"{what}: {loss!r}"
+            torch.testing.assert_close(loss, expected, msg=what)
+            called = {name: n for name, n in counts.items() if n}
+            assert called == {"all_gather": 1}, f"{what}: {called} collectives in a step"
+        dist.barrier()
+        pipe.close()
+
+
 def sends_per_step(width: int, steps: int) -> list[int]:
     """How many sends this process posted to its peers in each of ``steps`` gpipe steps of 4
     micro-batches, activations of ``width`` float64 per row, 2 rows each."""

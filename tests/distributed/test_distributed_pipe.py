@@ -46,6 +46,7 @@ SHARED = [
     "last_step_reports_this_process_stages",
     "a_sent_message_is_let_go_of_once_the_next_to_its_peer_is_posted",
     "a_message_that_fits_the_room_its_peer_posted_travels_in_one_send",
+    "the_loss_comes_down_with_the_last_gradients_in_its_dtype_and_no_collective",
     "a_message_that_could_not_go_leaves_both_ends_with_one_room",
     "every_action_of_step_and_evaluate_shows_under_the_plain_profiler",
     "a_value_that_cannot_cross_is_refused_by_its_sender_naming_it",
@@ -107,6 +108,7 @@ def test_four_stage_processes(group_runner: GroupRunner) -> None:
     names = [
         "every_schedule_and_mode_equals_the_plain_model",
         "skips_go_straight_to_non_adjacent_processes",
+        "the_loss_comes_down_with_the_last_gradients_in_its_dtype_and_no_collective",
     ]
     check(group_runner(names, script=STAGES, world_size=4, wall_timeout_s=150), names)
 

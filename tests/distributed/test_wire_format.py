@@ -20,6 +20,7 @@ from pipeline.distributed.wire_format import (
     HEAD_BYTES,
     MAX_DESCRIPTION_BYTES,
     MAX_ROOM_BYTES,
+    ROOM_SLACK_BYTES,
     STOP,
     MalformedMessageError,
     TensorSlot,
@@ -224,12 +225,18 @@ def test_a_message_travels_whole_in_its_envelope_when_it_fits_the_room() -> None
 def test_what_does_not_fit_goes_apart_and_the_next_room_is_the_whole_message() -> None:
     tensors_apart = layout(ENVELOPE_BYTES, 100, [4096])
     assert tensors_apart.description_inline and tensors_apart.offsets is None
-    assert tensors_apart.size == HEAD_BYTES + 100 and tensors_apart.next_room == 128 + 4096
-    # The next message alike then fits, whole.
+    whole = 128 + 4096
+    assert tensors_apart.size == HEAD_BYTES + 100
+    assert tensors_apart.next_room == whole + ROOM_SLACK_BYTES
+    # The next message alike then fits, whole; so does one whose description is longer by
+    # what fits in the slack (a stage's last gradients carry the step's loss).
     assert layout(tensors_apart.next_room, 100, [4096]).offsets == (128,)
+    longer = 100 + ROOM_SLACK_BYTES - 64  # its tensor starts at most 64 bytes further on
+    assert layout(tensors_apart.next_room, longer, [4096]).offsets is not None
     all_apart = layout(ENVELOPE_BYTES, 5000, [])
     assert not all_apart.description_inline and all_apart.offsets is None
-    assert all_apart.size == HEAD_BYTES and all_apart.next_room == HEAD_BYTES + 5000
+    assert all_apart.size == HEAD_BYTES
+    assert all_apart.next_room == HEAD_BYTES + 5000 + ROOM_SLACK_BYTES
 
 
 def test_the_room_stays_within_its_bounds() -> None:

@@ -50,7 +50,7 @@ def every_process_plans_the_same_pipe_and_its_step_equals_the_plain_model() -> N
     assert plan.action_overhead >= 0
     # The pace in a DistributedPipe of the group for each count: 1F1B's (GPipe's too) and
     # ZB-H1's; one median of the seconds outside the actions for all of them.
-    paces = plan.processes.paces
+    paces = plan.paces
     assert sorted(paces) == [("1f1b", 2), ("1f1b", 4), ("zb-h1", 2), ("zb-h1", 4)], paces
     assert all(p.factor > 0 and p.outside > 0 for p in paces.values()), paces
     assert len({p.outside for p in paces.values()}) == 1, paces
@@ -69,7 +69,7 @@ def an_interleaved_plan_runs_two_stages_per_process_and_equals_the_plain_model()
     plan = planned(model, schedules=("interleaved",), action_overhead=1e-4)
     assert (plan.schedule, plan.balance) == ("interleaved", [1, 1, 1, 1])
     assert plan.processes is not None
-    assert sorted(plan.processes.paces) == [("interleaved", 2), ("interleaved", 4)]
+    assert sorted(plan.paces) == [("interleaved", 2), ("interleaved", 4)]
     # Too few layers for two stages per process: no pace to measure, and nothing to choose.
     expect_error(
         PlanError,
