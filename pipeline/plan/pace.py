@@ -1,34 +1,39 @@
 """How fast a model's layers run inside a pipe, against their profile alone.
 
 Layers are profiled one at a time, in one process while the others wait
-(``profile.py``). In a pipeline of processes the same layers run slower:
-the processes share the machine's cores, caches and memory, the
-transport's threads copy each message beside the compute, and a stage's
-actions alternate with receives and sends. Measured on this project's
-2-core machine, a GPT stage's forward took 1.3 to 1.4 times its profile
-inside the pipeline, its backward 1.2 to 1.5 times, whichever process
-computed meanwhile. And a step costs time outside its actions: the
-processes' agreement before them, the tied weights' sums and the loss's
-broadcast after them (4 to 5 ms of a 41 ms GPT step).
+(``profile.py``). Inside a pipe the same layers run slower. A Pipe's CPU
+workers share the cores and the interpreter's lock: a forward under the
+seeding mode holds it for every op (the example GPT's forwards of 2 rows
+took 14 ms beside each other against 7.5 ms alone). Processes share the
+machine's cores, caches and memory, the transport's threads copy each
+message beside the compute, and a stage's actions alternate with receives
+and sends: a GPT stage's forward took 1.3 to 1.4 times its profile inside
+a pipeline of processes, its backward 1.2 to 1.5 times. And a step costs
+time outside its actions: the split into micro-batches and the loss's sum;
+between processes, the processes' agreement before them and the tied
+weights' sums after them (4 to 5 ms of a 41 ms GPT step, with the loss's
+broadcast that a step made then).
 
 Both are measured here with the model itself, once per micro-batch count:
-a ``DistributedPipe`` of the compute-balanced cut runs 1F1B steps (after a
-warm-up, in two rounds over every run, the second in the opposite order);
-GPipe's pace is 1F1B's. Where the plan weighs them, ZB-H1 and
-the interleaved schedule are measured with steps of their own: their
-paces are their own (the interleaved schedule's two stages per process
-run twice the actions and three times the messages per micro-batch of
-1F1B over two processes, and its steps in the examples' models ran 10 to
-25% over a prediction from 1F1B's pace; a backward run as ``I`` then
-``W`` cost the GPT's ZB-H1 steps more than its profile's halves say).
-``outside`` is the least over the processes of the median seconds of a
-step call beyond its actions (``call_duration - duration``), the median
-of every run's; ``factor`` is the scale on every layer's profiled time
-that, with the measured link and cost per action, plays the programs in
-the step's measured time (the largest of the processes' median
-``call_duration``), found by bisection. The time model (``timing.py``)
-then scales every action's compute by ``factor`` and adds ``outside`` to
-each configuration's step.
+a pipe of the compute-balanced cut (a ``Pipe`` on the devices, or a
+``DistributedPipe`` of the group: ``Placement``) runs 1F1B steps (after a
+warm-up, in two rounds over every run, the second in the opposite order;
+before them all, the first run's steps once unmeasured, as a process's
+first pipe steps run slow); GPipe's pace is 1F1B's. Where the plan weighs
+them, ZB-H1 and the interleaved schedule are measured with steps of their
+own: their paces are their own (the interleaved schedule's two stages per
+worker run twice the actions and, between processes, three times the
+messages per micro-batch of 1F1B, and its steps in the examples' models
+ran 10 to 25% over a prediction from 1F1B's pace; a backward run as ``I``
+then ``W`` cost the GPT's ZB-H1 steps more than its profile's halves say).
+``outside`` is the median of every run's median seconds of a step call
+beyond its actions (``call_duration - duration``; between processes, the
+least over them); ``factor`` is the scale on every layer's profiled time
+that, with the cost per action (and between processes, the measured
+link), plays the programs in the step's measured time (the median
+``call_duration``; between processes, the largest of theirs), found by
+bisection. The time model (``timing.py``) then scales every action's
+compute by ``factor`` and adds ``outside`` to each configuration's step.
 """
 
 from __future__ import annotations
@@ -178,6 +183,9 @@ def measured_paces(
     # the machine's pace drifts over the seconds this takes, and each run then sees both ends.
     calls: list[list[float]] = [[] for _ in wanted]
     gaps: list[list[float]] = [[] for _ in wanted]
+    # A process's first pipe steps run slow (its threads start, its allocator grows):
+    # the first run's steps once more, unmeasured, before any is measured.
+    _stepped(placement, work, wanted[0][0], cuts[0], wanted[0][1], repeats, [], [])
     order = list(range(len(wanted)))
     for steps in (repeats - repeats // 2, repeats // 2):
         for k in order if steps else ():

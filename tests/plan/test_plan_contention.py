@@ -1,4 +1,5 @@
-"""CPU contention, forward and backward apart: a seeded forward holds the GIL, a backward not."""
+"""CPU contention, forward and backward apart (a seeded forward holds the GIL, a backward not),
+and the pace in the pipe that a Pipe is planned from instead."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch.nn.functional as F
 
 import pipeline
-from pipeline.plan.contention import Contention, cpu_contention
+from pipeline.plan.contention import NO_CONTENTION, Contention, cpu_contention
 from pipeline.plan.result import _by_chunks
 from pipeline.plan.timing import StageCosts, predicted_seconds
 from pipeline.step.actions import parse_program
@@ -59,17 +60,32 @@ def test_cpu_contention_is_measured_for_forwards_and_backwards_apart() -> None:
     assert str(Contention(1.25, 1.25)) == "x1.25"
 
 
-def test_the_contention_is_measured_for_each_micro_batch_count_and_shown_by_count() -> None:
+def test_a_pipe_is_planned_from_its_pace_in_the_pipe_unless_a_contention_is_given() -> None:
     x, y = batch()
     options: dict[str, Any] = {
         "devices": ["cpu"] * 2, "batch_size": len(x), "memory_limit": 2**30, "chunks": [2, 4],
-        "schedules": ["1f1b"], "checkpoints": ["never"], "repeats": 1,
+        "checkpoints": ["never"], "repeats": 1,
     }  # fmt: skip
-    measured = pipeline.plan(gelu_mlp(), x, y, F.mse_loss, **options)
-    assert sorted(measured.contention) == [2, 4]
-    assert all(c.forward >= 1.0 and c.backward >= 1.0 for c in measured.contention.values())
-    given = pipeline.plan(gelu_mlp(), x, y, F.mse_loss, contention=1.5, **options)
+    # The model stepped in a Pipe on the devices, for each count: 1F1B (GPipe's pace too)
+    # and ZB-H1; one median of the seconds outside the actions for all; no contention.
+    paced = pipeline.plan(gelu_mlp(), x, y, F.mse_loss, schedules=["gpipe", "zb-h1"], **options)
+    assert sorted(paced.paces) == [("1f1b", 2), ("1f1b", 4), ("zb-h1", 2), ("zb-h1", 4)]
+    assert all(p.factor > 0 and p.outside > 0 for p in paced.paces.values()), paced.paces
+    assert len({p.outside for p in paced.paces.values()}) == 1, paced.paces
+    assert dict(paced.contention) == {2: NO_CONTENTION, 4: NO_CONTENTION}
+    assert "pace in the pipeline 2 chunks x" in str(paced).splitlines()[0]
+    # Its check compares the whole step call, as the pace predicts it.
+    pipe = paced.pipe()
+    pipe.step(x, y, F.mse_loss, schedule=paced.schedule)
+    report = pipe.last_step
+    assert report is not None and report.call_duration > report.duration > 0
+    assert paced.check(pipe).measured_seconds == report.call_duration
+    pipe.close()
+    given = pipeline.plan(
+        gelu_mlp(), x, y, F.mse_loss, contention=1.5, schedules=["1f1b"], **options
+    )
     assert dict(given.contention) == {2: Contention(1.5, 1.5), 4: Contention(1.5, 1.5)}
+    assert not given.paces
     assert "CPU contention x1.50," in str(given).splitlines()[0]
     shown = _by_chunks({2: Contention(1.5, 1.0), 8: Contention(2.0, 1.25)})
     assert shown == "2 chunks x1.50 forward, x1.00 backward; 8 chunks x2.00 forward, x1.25 backward"
