@@ -15,18 +15,19 @@ CPU partitions. ``--model`` picks it:
 
 With ``--processes`` (under ``torchrun --nproc_per_node=N``), the same for
 a ``DistributedPipe`` of N processes, one stage each (two with the
-interleaved schedule): every process plans (``processes=N``), then builds,
-steps and closes each configuration in the same order, one alive at a time
-(with the grid's other 44 left open, idle, a step took a third longer),
-three steps measured after a warm-up each time; a configuration's time is
-the longest of the processes' medians, and each stage's activations are
-measured in its own process.
+interleaved schedule): every process plans (``processes=N``).
 
-Then every configuration is built as a Pipe and measured:
+Then every configuration is built as a Pipe (a DistributedPipe) and measured:
 
-- *time*: one ``pipe.step`` (gradients zeroed), every configuration once
-  per round, in turn (``pipe_common.round_times``), the median over the
-  rounds; one intra-op thread;
+- *time*: every configuration in turn, the order turning each round, is
+  built, stepped once to warm up, then for three steps (``pipe.step``,
+  gradients zeroed first), and closed: one pipe alive at a time, as a
+  training script has (with the grid's other 44 open and idle, a
+  DistributedPipe's step took a third longer, and a Pipe's idle threads
+  slowed the GPT's steps too). The median over the rounds' steps; one
+  intra-op thread. For processes, a configuration's time is the longest of
+  the processes' medians, and each stage's activations are measured in its
+  own process;
 - *activations*: each stage's peak saved-for-backward bytes, from one step
   with ``measure_memory=True`` (``pipe.last_step``), against the memory
   model's activation term.
@@ -57,7 +58,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from pipe_common import print_json, round_times, start_single_threaded
+from pipe_common import print_json, start_single_threaded
 from torch import Tensor, nn
 
 import pipeline
@@ -69,8 +70,8 @@ import gpt
 import unet
 
 MiB = 2**20
-# Steps measured per DistributedPipe built: one alone read a tenth apart between
-# configurations that run the same programs.
+# Steps measured per pipe built: one alone read a tenth apart between configurations
+# that run the same programs.
 STEPS_PER_BUILD = 3
 MODELS = ("gpt", "unet", "gpt2", "llama")
 
@@ -206,27 +207,12 @@ def measured_activations(
     return [next(found[j] for found in everyone if j in found) for j in range(stages)]
 
 
-def all_alive(
-    w: Workload, candidates: list[Candidate], rounds: int
-) -> tuple[list[list[int]], list[float]]:
-    """Each configuration's activations and median step time, every Pipe built at once and
-    stepped in turn round by round."""
-    pipes = [built(w.model, c, processes=False) for c in candidates]
-    pairs = list(zip(pipes, candidates, strict=True))
-    activations = [measured_activations(p, w, c.schedule, len(c.balance)) for p, c in pairs]
-    runs = {str(k): stepper(p, w, c.schedule) for k, (p, c) in enumerate(pairs)}
-    times = round_times(runs, rounds)
-    for pipe in pipes:
-        pipe.close()
-    return activations, [statistics.median(times[str(k)]) for k in range(len(candidates))]
-
-
 def one_alive(
     w: Workload, candidates: list[Candidate], rounds: int, processes: bool
 ) -> tuple[list[list[int]], list[float]]:
-    """As ``all_alive``, for pipes (``processes``: DistributedPipes) built afresh each round
-    and closed after ``STEPS_PER_BUILD`` steps measured (a warm-up step first), the order
-    turning each round: the median is over every step measured."""
+    """Each configuration's activations and median step time: its pipe (``processes``: a
+    DistributedPipe) built afresh each round and closed after ``STEPS_PER_BUILD`` steps
+    measured (a warm-up step first), the order turning each round."""
     activations = []
     for c in candidates:
         pipe = built(w.model, c, processes)
@@ -265,9 +251,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--processes", action="store_true", help="a DistributedPipe, a stage per process (torchrun)"
     )
-    parser.add_argument(
-        "--one-alive", action="store_true", help="Pipes too built afresh each round, one at a time"
-    )
     args = parser.parse_args(argv)
     o = grid(args.quick)
     info, _ = start_single_threaded()
@@ -278,10 +261,7 @@ def main(argv: list[str] | None = None) -> None:
     limit = int(args.memory_limit * MiB)
     plan = planned(w, o, limit, args.processes)
     candidates: list[Candidate] = plan.candidates
-    if args.processes or args.one_alive:
-        activations, seconds = one_alive(w, candidates, o["rounds"], args.processes)
-    else:
-        activations, seconds = all_alive(w, candidates, o["rounds"])
+    activations, seconds = one_alive(w, candidates, o["rounds"], args.processes)
     measured = longest(seconds, args.processes)
     if shown:
         report(args, info, limit, plan, measured, activations)
