@@ -80,7 +80,7 @@ _SLOWEST, _FASTEST = 100.0, 0.01
 
 @dataclass(frozen=True)
 class Pace:
-    """A model in a DistributedPipe: ``factor`` times its layers' profiled seconds, and
+    """A model in a pipe: ``factor`` times its layers' profiled seconds, and
     ``outside`` seconds a step beyond its actions."""
 
     factor: float = 1.0

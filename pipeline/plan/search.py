@@ -107,7 +107,7 @@ def candidates(
     device), stage ``j`` in process ``j % len(devices)`` and the messages
     between them costing what ``link`` says; None: stages of one process.
     ``paces``: by the schedule that measured it (``pace.paced_as``) and
-    micro-batch count, the model's pace in a DistributedPipe: every stage's
+    micro-batch count, the model's pace in the pipe (``pace.py``): every stage's
     costs scaled by its factor, its seconds outside the actions added to
     every step.
     """
