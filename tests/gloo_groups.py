@@ -12,6 +12,7 @@ already imported, instead of started afresh.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import faulthandler
 import json
 import os
@@ -20,7 +21,7 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -212,6 +213,28 @@ def rank() -> int:
 
 def world() -> int:
     return dist.get_world_size()
+
+
+@contextlib.contextmanager
+def calls_counted(names: Sequence[str]) -> Iterator[dict[str, int]]:
+    """How often the block calls each of torch.distributed's functions ``names``."""
+    counts = dict.fromkeys(names, 0)
+    originals = {name: getattr(dist, name) for name in names}
+
+    def counting(name: str) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            counts[name] += 1
+            return originals[name](*args, **kwargs)
+
+        return call
+
+    for name in names:
+        setattr(dist, name, counting(name))
+    try:
+        yield counts
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
 
 
 def expect_error(kind: type[Exception], run: Callable[[], Any], *fragments: str) -> str:

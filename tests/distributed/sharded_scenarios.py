@@ -48,7 +48,7 @@ from tests.distributed.checkpoint_scenarios import (
     train,
     uninterrupted,
 )
-from tests.gloo_groups import expect_error, main, rank, scenario
+from tests.gloo_groups import calls_counted, expect_error, main, rank, scenario
 
 WIDTH = 6
 ROWS = 8  # per step and replica: 4 micro-batches of 2 rows
@@ -209,24 +209,11 @@ def counting(counts: list[dict[str, int]] | None) -> Iterator[None]:
     if counts is None:
         yield
         return
-    count = dict.fromkeys(COLLECTIVES, 0)
-    originals = {name: getattr(dist, name) for name in COLLECTIVES}
-
-    def counted(name: str) -> Callable[..., Any]:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            count[name] += 1
-            return originals[name](*args, **kwargs)
-
-        return call
-
-    for name in COLLECTIVES:
-        setattr(dist, name, counted(name))
-    try:
-        yield
-    finally:
-        for name, original in originals.items():
-            setattr(dist, name, original)
-        counts.append(count)
+    with calls_counted(COLLECTIVES) as count:
+        try:
+            yield
+        finally:
+            counts.append(count)
 
 
 def fsdp_side_by_side(

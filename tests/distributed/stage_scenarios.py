@@ -36,11 +36,21 @@ from tests.distributed import (
     checkpoint_scenarios,  # noqa: F401 (its scenarios run here too)
     closing_scenarios,  # noqa: F401 (its scenarios run here too)
 )
-from tests.gloo_groups import breaks_group, expect_error, main, rank, scenario, world
+from tests.gloo_groups import (
+    breaks_group,
+    calls_counted,
+    expect_error,
+    main,
+    rank,
+    scenario,
+    world,
+)
 from tests.helpers import Pop, Stash, task_names
 
 WIDTH = 8
 MODES = ("always", "except_last", "never")
+# The collectives a step could call, counted where a step must call none but its agreement.
+COLLECTIVES = ("all_gather", "all_reduce", "broadcast", "barrier", "all_gather_object")
 
 
 def block() -> nn.Module:
@@ -815,29 +825,6 @@ class Multiply(nn.Module):
         return x * self.weight
 
 
-@contextlib.contextmanager
-def collectives_counted() -> Any:
-    """The calls of torch.distributed's collectives in the block, by name."""
-    names = ("all_gather", "all_reduce", "broadcast", "barrier", "all_gather_object")
-    counts = dict.fromkeys(names, 0)
-    originals = {name: getattr(dist, name) for name in names}
-
-    def counting(name: str) -> Any:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            counts[name] += 1
-            return originals[name](*args, **kwargs)
-
-        return call
-
-    for name in names:
-        setattr(dist, name, counting(name))
-    try:
-        yield counts
-    finally:
-        for name, original in originals.items():
-            setattr(dist, name, original)
-
-
 @scenario
 def the_loss_comes_down_with_the_last_gradients_in_its_dtype_and_no_collective() -> None:
     # Every process returns the plain model's loss, in the loss's dtype, and the step's
@@ -855,7 +842,7 @@ def the_loss_comes_down_with_the_last_gradients_in_its_dtype_and_no_collective()
         expected = F.mse_loss(plain(x), y).detach()
         pipe = DistributedPipe(copy.deepcopy(plain), [1] * stages, chunks=2 * world())
         for _ in range(2):  # the second step's messages fit the rooms the first one left
-            with collectives_counted() as counts:
+            with calls_counted(COLLECTIVES) as counts:
                 loss = pipe.step(x, y, F.mse_loss, schedule=schedule)
             assert loss.dtype == dtype and loss.dim() == 0, f"{what}: {loss!r}"
             torch.testing.assert_close(loss, expected, msg=what)
