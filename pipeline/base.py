@@ -42,8 +42,9 @@ from pipeline.runtime.partitions import (
     PartitionRuntime,
     PositionalSequential,
 )
+from pipeline.runtime.router_loss import RouterLossSource, RouterTally, step_tally
 from pipeline.skip.layout import SkipLayout
-from pipeline.step.actions import Program
+from pipeline.step.actions import Program, backward_before_forward
 from pipeline.step.cache import ProgramCache
 from pipeline.step.held_hooks import check_supported
 from pipeline.step.losses import (
@@ -88,6 +89,7 @@ class PipeBase(nn.Module, ABC):
     _completion_hooks: OrderedDict[int, Hook]
     _validated: ProgramCache
     _token_loss: TokenLoss | None
+    _router_loss: RouterLossSource | None
 
     def _adopt_arguments(self, arguments: PipeArguments) -> None:
         """Keep the arguments every pipe has (the checkpoint mode through its property)."""
@@ -122,6 +124,7 @@ class PipeBase(nn.Module, ABC):
             DeferredBatchNorm.convert(module)
         layers = list(named_layers(module).items())
         self._token_loss = TokenLoss.of(module, layers[0][1] if layers else None)
+        self._router_loss = getattr(module, "router_loss", None)
         sequential = PositionalSequential if self.call_style == "positional" else KeywordSequential
         bounds = [sum(self.balance[:j]) for j in range(len(self.balance) + 1)]
         return [sequential(OrderedDict(layers[a:b])) for a, b in itertools.pairwise(bounds)]
@@ -413,6 +416,30 @@ class PipeBase(nn.Module, ABC):
         if self._token_loss is not None and reduction is not None:
             self._token_loss.check(batches, reduction, divisor)
 
+    def _router_tally(
+        self,
+        call: StepCall | EvaluateCall,
+        batches: list[Batch],
+        programs: list[Program] | None,
+        reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> RouterTally | None:
+        """The router loss of a step (``programs``) or an evaluation, checked; None without one.
+
+        ``batches``: the first layer's micro-batches (``runtime/router_loss.py``).
+        """
+        grad_scaler = call.grad_scaler if isinstance(call, StepCall) else None
+        early = None if programs is None else backward_before_forward(programs)
+        return step_tally(
+            self._router_loss,
+            [batch.value for batch in batches],
+            {module for partition in self.partitions for module in partition.modules()},
+            early_backward=None if early is None else str(early),
+            loss_fn=call.loss_fn,
+            grad_scaler=grad_scaler,
+            divisor=call.loss_divisor,
+            reduce=reduce,
+        )
+
     def _programs(self, schedule: Schedule, m: int) -> tuple[list[Program], Simulation]:
         """The schedule's programs for ``m`` micro-batches, validated once (``step/cache.py``)."""
         return self._validated.programs(schedule, m, len(self.balance))
@@ -429,6 +456,7 @@ class PipeBase(nn.Module, ABC):
         transport: Transport | None = None,
         stages: Iterable[int] | None = None,
         at_end: Iterable[torch.Tensor] = (),
+        router: RouterTally | None = None,
     ) -> StepRun:
         """One step's run: this pipe's partitions and skips, loss scales, checkpointed tasks.
 
@@ -456,6 +484,7 @@ class PipeBase(nn.Module, ABC):
             grad_scaler=call.grad_scaler,
             measure_memory=call.measure_memory,
             at_end=at_end,
+            router=router,
         )
 
     def _evaluation_run(
@@ -468,6 +497,7 @@ class PipeBase(nn.Module, ABC):
         *,
         transport: Transport | None = None,
         stages: Iterable[int] | None = None,
+        router: RouterTally | None = None,
     ) -> StepRun:
         """An evaluation's run: forwards only, the loss weighed as a step weighs it.
 
@@ -488,6 +518,7 @@ class PipeBase(nn.Module, ABC):
             transport=transport,
             stages=stages,
             forward_only=True,
+            router=router,
         )
 
     def _evaluating(self) -> AbstractContextManager[None]:

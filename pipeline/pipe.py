@@ -166,6 +166,7 @@ class Pipe(PipeBase):
         input = self._input(inputs, kwargs)
         self._check_open()
         _refuse_sharded(self, "forward")
+        _refuse_router_loss(self)
         if not self.partitions:
             _check_holds_tensor(input)
             return input
@@ -266,6 +267,7 @@ class Pipe(PipeBase):
         micro_batches = MicroBatches(batches, targets, _rows_of(batches, targets))
         self._check_token_loss(batches, loss_reduction, call.loss_divisor)
         programs, simulation = self._programs(schedule, len(batches))
+        router = self._router_tally(call, batches, programs)
         by_worker = programs_by_worker(programs, self._thread_of)
         hooks = list(self._completion_hooks.values())
         run = self._step_run(
@@ -275,13 +277,14 @@ class Pipe(PipeBase):
             micro_batches,
             hooks,
             _worker_stages(programs, by_worker),
+            router=router,
         )
         thread_of_program = _thread_of_program(len(programs), by_worker)
         begin_explicit_step(simulation.idle_on(programs, thread_of_program).stages)
-        with self._one_pass(), run.holding_hooks():
+        with self._one_pass(), run.holding_hooks(), run.routing():
             self._run_programs(run, programs, by_worker, simulation)
             run.finish()
-        loss = run.loss()
+        loss = run.with_router_loss(run.loss())
         self.last_step = StepReport(
             schedule,
             simulation,
@@ -318,6 +321,7 @@ class Pipe(PipeBase):
             targets = self._scatter_target(call.target) if call.loss_fn is not None else []
             rows = _rows_of(batches, targets) if targets else [b.rows() for b in batches]
             self._check_token_loss(batches, reduction, call.loss_divisor)
+            router = self._router_tally(call, batches, None)
             n = len(self.partitions)
             programs = forward_programs(len(batches), n, n)
             by_worker = programs_by_worker(programs, self._thread_of)
@@ -329,13 +333,14 @@ class Pipe(PipeBase):
                     MicroBatches(batches, targets, rows),
                     call.return_outputs or call.loss_fn is None,
                     _worker_stages(programs, by_worker),
+                    router=router,
                 )
-                self._run_programs(run, programs, by_worker)
+                with run.routing():
+                    self._run_programs(run, programs, by_worker)
         if call.loss_fn is None:
             return gather(run.outputs)
-        if call.return_outputs:
-            return run.loss(), gather(run.outputs)
-        return run.loss()
+        loss = run.with_router_loss(run.loss())
+        return (loss, gather(run.outputs)) if call.return_outputs else loss
 
     def __getstate__(self) -> dict[str, Any]:
         # Threads, queues and locks are not copied: a copy, an unpickled Pipe
@@ -438,6 +443,20 @@ def _place(partitions: list[nn.Sequential], devices: list[torch.device]) -> None
     with find_loans(partitions, devices).away():
         for partition, device in zip(partitions, devices, strict=True):
             partition.to(device)
+
+
+def _refuse_router_loss(pipe: Pipe) -> None:
+    """Refuse ``pipe(x)`` of a model asking for its router loss, which no micro-batch holds."""
+    source = pipe._router_loss
+    if source is not None and source.settings() is not None:
+        raise ValueError(
+            "the model asks for its router loss (output_router_logits): transformers adds a "
+            "load-balancing loss over the whole batch to out.loss and out.aux_loss, which "
+            "pipe(x), gathering each micro-batch's output, cannot give. Train with "
+            "pipe.step(..., schedule='gpipe') and evaluate with pipe.evaluate(..., loss_fn), "
+            "which add it over the whole batch, or set output_router_logits False in the "
+            "model's config"
+        )
 
 
 def _refuse_sharded(pipe: Pipe, method: str) -> None:

@@ -56,6 +56,7 @@ from pipeline.runtime.agreement import (
 from pipeline.runtime.lazy import instance_of
 from pipeline.runtime.microbatch import Batch, Value, gather
 from pipeline.runtime.process_group import collective_device, resolve_group
+from pipeline.runtime.router_loss import RouterTally
 from pipeline.skip.layout import SkipLayout, inspect_skip_layout
 from pipeline.step.cache import described_by_repr
 from pipeline.step.losses import LossDivisor
@@ -275,7 +276,7 @@ class DistributedPipe(PipeBase):
     def _train(self, call: StepCall) -> Tensor | tuple[Tensor, Value | None]:
         started = time.perf_counter()
         last = len(self.balance) - 1 in self.local_stages
-        chosen, reduction, micro_batches = self._agreed_step(call)
+        chosen, reduction, micro_batches, router = self._agreed_step(call)
         programs, simulation = self._programs(chosen, len(micro_batches.rows))
         run = self._step_run(
             call,
@@ -287,8 +288,9 @@ class DistributedPipe(PipeBase):
             transport=self._transport,
             stages=self.local_stages,
             at_end=self._ties.parameters(),
+            router=router,
         )
-        with self._one_pass(), run.holding_hooks():
+        with self._one_pass(), run.holding_hooks(), run.routing():
             self._transport.begin_step()
             run.run_here(programs[self.rank])
             self._transport.end_step()
@@ -296,7 +298,7 @@ class DistributedPipe(PipeBase):
         for j in sorted(self._ties.stages):
             for hook in self._completion_hooks.values():
                 hook(j)
-        loss = run.loss().to(self.device)
+        loss = run.with_router_loss(run.loss().to(self.device))
         self.last_step = DistributedStepReport(
             chosen,
             simulation,
@@ -309,8 +311,10 @@ class DistributedPipe(PipeBase):
             return loss
         return loss, gather(run.outputs) if last else None
 
-    def _agreed_step(self, call: StepCall) -> tuple[Schedule, LossReduction, MicroBatches]:
-        """The step's schedule, reduction and micro-batches, once every process agrees."""
+    def _agreed_step(
+        self, call: StepCall
+    ) -> tuple[Schedule, LossReduction, MicroBatches, RouterTally | None]:
+        """The step's schedule, reduction, micro-batches and router loss, once all agree."""
         first, last = 0 in self.local_stages, len(self.balance) - 1 in self.local_stages
         # A refusal is raised only after the agreement, which the other
         # processes would otherwise wait in until their group's timeout.
@@ -320,17 +324,66 @@ class DistributedPipe(PipeBase):
         targets: list[Batch] = []
         reduction: LossReduction | None = None
         choice: str | None = None
+        router: RouterTally | None = None
         try:
             chosen, reduction = self._check_step(call)
             choice = self._step_choice(chosen, reduction, call)
             batches = self._scatter(self._input_of(call.input, call.kwargs), "input", needed=first)
             targets = self._scatter(call.target, "target", needed=last)
             self._check_token_loss(batches, reduction, call.loss_divisor)
+            router = self._router_here(call, batches, chosen)
+            choice += _router_choice(router)
         except Exception as error:
             refusal = error
         rows = self._agree(batches, targets, choice, refusal)
         assert chosen is not None and reduction is not None, "else every process raised"
-        return chosen, reduction, MicroBatches(batches, targets, rows)
+        return chosen, reduction, MicroBatches(batches, targets, rows), router
+
+    def _router_here(
+        self, call: StepCall | EvaluateCall, batches: list[Batch], schedule: Schedule | None
+    ) -> RouterTally | None:
+        """The router loss's tally in this process (``router_loss.py``), or None without one.
+
+        It weighs each token by the input's attention mask where the
+        routers run, so every process needs the input then, not stage 0's alone.
+        """
+        source = self._router_loss
+        if source is None or source.settings() is None:
+            return None
+        if not batches:
+            if call.input is None and call.kwargs is None:
+                raise ValueError(
+                    f"the model asks for its router loss (output_router_logits), which weighs "
+                    f"each token by the step's attention mask in every process running routers: "
+                    f"pass the same input and kwargs on every process (rank {self.rank} got "
+                    "none)"
+                )
+            input = self._input_of(call.input, call.kwargs)
+            batches = self._micro_batches(input, self.device, "input")
+        programs = None if schedule is None else self._programs(schedule, len(batches))[0]
+        return self._router_tally(call, batches, programs, reduce=self._summed_over_ranks)
+
+    def _summed_over_ranks(self, partial: Tensor) -> Tensor:
+        """``partial`` summed over the group's processes: up the ranks, then the sum down.
+
+        The step's messages, not a collective: a process that fails mid-step
+        aborts the transport, and the others stop waiting instead of hanging
+        in a collective until the group's timeout. Stage ``r`` runs on rank
+        ``r`` below the group's size (``_output_passed_down``), so ranks
+        ``r - 1`` and ``r + 1`` are this one's neighbours. Each process
+        calls it once per step: its partial goes up once the ranks below
+        have sent theirs, and it waits for the sum from above.
+        """
+        r, top, up, down = self.rank, self.size - 1, ("router-up",), ("router-down",)
+        total = partial
+        if r > 0:
+            total = total + self._transport.receive(up, r - 1, r).leaves[0].to(total)
+        if r < top:
+            self._transport.send(up, Message([total]), r, r + 1, 0)
+            total = self._transport.receive(down, r + 1, r).leaves[0].to(total)
+        if r > 0:
+            self._transport.send(down, Message([total]), r, r - 1, 0)
+        return total
 
     def _step_choice(self, chosen: Schedule, reduction: LossReduction, call: StepCall) -> str:
         """What every process must agree on of a step's arguments (``_agree``)."""
@@ -525,7 +578,7 @@ class DistributedPipe(PipeBase):
     def _evaluate(self, call: EvaluateCall) -> Any:
         last = len(self.balance) - 1 in self.local_stages
         wants_outputs = call.return_outputs or call.loss_fn is None
-        reduction, micro_batches = self._agreed_evaluation(call)
+        reduction, micro_batches, router = self._agreed_evaluation(call)
         programs = forward_programs(len(micro_batches.rows), len(self.balance), self.size)
         local = [self.partitions[s] for s in self.local_stages]
         with self._evaluating(), resharded_after(local):
@@ -537,26 +590,33 @@ class DistributedPipe(PipeBase):
                 [self.local_stages],
                 transport=self._transport,
                 stages=self.local_stages,
+                router=router,
             )
             self._transport.begin_step()
-            run.run_here(programs[self.rank])
+            with run.routing():
+                run.run_here(programs[self.rank])
+            if router is not None:
+                router.close()  # while the step's messages go
             outputs = (
                 self._outputs_everywhere(run, len(micro_batches.rows)) if wants_outputs else None
             )
             self._transport.end_step()
         if call.loss_fn is None:
             return outputs
-        loss = self._loss_everywhere(run.loss() if last else None)
+        loss = run.with_router_loss(self._loss_everywhere(run.loss() if last else None))
         return (loss, outputs) if call.return_outputs else loss
 
-    def _agreed_evaluation(self, call: EvaluateCall) -> tuple[LossReduction | None, MicroBatches]:
-        """The evaluation's reduction and micro-batches, once every process agrees."""
+    def _agreed_evaluation(
+        self, call: EvaluateCall
+    ) -> tuple[LossReduction | None, MicroBatches, RouterTally | None]:
+        """The evaluation's reduction, micro-batches and router loss, once every process agrees."""
         first, last = 0 in self.local_stages, len(self.balance) - 1 in self.local_stages
         with_loss = call.loss_fn is not None
         refusal: Exception | None = None
         batches: list[Batch] = []
         targets: list[Batch] = []
         reduction: LossReduction | None = None
+        router: RouterTally | None = None
         try:
             reduction = self._check_evaluate_arguments(
                 call.target, call.loss_fn, call.loss_reduction, call.loss_divisor
@@ -565,13 +625,14 @@ class DistributedPipe(PipeBase):
             batches = self._scatter(self._input_of(call.input, call.kwargs), "input", needed=first)
             targets = self._scatter(call.target, "target", needed=last and with_loss)
             self._check_token_loss(batches, reduction, call.loss_divisor)
+            router = self._router_here(call, batches, None)
         except Exception as error:
             refusal = error
         choice = "evaluate the loss" if with_loss else "evaluate the outputs"
         choice += f" ({_loss_choice(reduction, call.loss_divisor)}), outputs "
-        choice += str(call.return_outputs or not with_loss)
+        choice += str(call.return_outputs or not with_loss) + _router_choice(router)
         rows = self._agree(batches, targets, choice, refusal, with_target=with_loss)
-        return reduction, MicroBatches(batches, targets, rows)
+        return reduction, MicroBatches(batches, targets, rows), router
 
     def _outputs_everywhere(self, run: StepRun, m: int) -> Value:
         """The model's output on every process, passed down the ranks from the last stage's.
@@ -683,6 +744,11 @@ def _every_pipeline(
     rows = [[int(v) for v in t.tolist()] for t in gathered]
     stopped = next((row[:-1] for row in rows if row[-1]), None)
     return [list(p) for p in sorted({tuple(row[:-1]) for row in rows})], stopped
+
+
+def _router_choice(router: RouterTally | None) -> str:
+    """What the processes compare of their router losses (``_agree``): on or off, its settings."""
+    return "" if router is None else f", router loss {router.settings}"
 
 
 def _peers(local: list[int], owner: list[int], layout: SkipLayout) -> set[int]:

@@ -87,6 +87,7 @@ def check_plan_arguments(
             f"of equal size; try divisors of {size}, such as {list(default_chunks(size))}"
         )
     _subset("schedules", schedules, SCHEDULES)
+    _refuse_router_loss_schedules(model, schedules)
     _subset("checkpoints", checkpoints, CHECKPOINTS)
     if (
         isinstance(optimizer_bytes_per_param, bool)
@@ -164,6 +165,18 @@ def _positive_int(name: str, value: object) -> int:
         unit = " (bytes per device)" if name == "memory_limit" else ""
         raise ValueError(f"{name} must be positive{unit}, got {value!r}")
     return int(value)
+
+
+def _refuse_router_loss_schedules(model: nn.Sequential, schedules: Sequence[str]) -> None:
+    """Refuse schedules a model asking for its router loss cannot step with (GPipe only)."""
+    source = getattr(model, "router_loss", None)
+    others = [s for s in schedules if s != "gpipe"]
+    if source is not None and source.settings() is not None and others:
+        raise ValueError(
+            f"the model asks for its router loss (output_router_logits), a load-balancing loss "
+            f"over the whole batch that only GPipe gives exactly (docs/split.md); schedules "
+            f"{others} would be refused at their first step: pass schedules=('gpipe',)"
+        )
 
 
 def _subset(name: str, given: Sequence[str], known: tuple[str, ...]) -> None:

@@ -58,7 +58,14 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-__all__ = ["SEEDED", "BaseSeed", "PartitionRandomness", "TaskRandomness", "default_generator"]
+__all__ = [
+    "SEEDED",
+    "BaseSeed",
+    "PartitionRandomness",
+    "TaskRandomness",
+    "default_generator",
+    "running_microbatch",
+]
 
 _SEED_MASK = (1 << 63) - 1
 _MIX_MASK = (1 << 64) - 1
@@ -406,6 +413,16 @@ class TaskRandomness:
                 return func(*args, **kwargs)
             finally:
                 generator.set_state(saved)
+
+
+def running_microbatch() -> int | None:
+    """The micro-batch of the task this thread runs (its forward or its recomputation), or None.
+
+    A layer whose work depends on which micro-batch it sees (the router
+    loss reads that micro-batch's attention mask) asks here.
+    """
+    task: TaskRandomness | None = getattr(_current, "task", None)
+    return None if task is None else task._task[0]
 
 
 class _Acting:

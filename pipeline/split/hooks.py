@@ -20,11 +20,11 @@ __all__ = ["captured_modules", "refuse_hooks", "refuse_recorded_outputs"]
 # What transformers' models record with hooks when asked by an ``output_<key>`` flag;
 # a model adds its own keys in its class's ``_can_record_outputs``.
 RECORDED = ("hidden_states", "attentions", "router_logits")
-# Why the loss the router logits feed could not be the plain model's under micro-batches anyway.
+# What split does keep of router logits, said where it cannot.
 ROUTER_LOSS = (
-    " The Mixture-of-Experts auxiliary loss they feed is, besides, a product of two means over "
-    "the whole batch's tokens (each expert's share of the tokens and its mean probability), "
-    "which no sum of per-micro-batch losses equals."
+    " (Split keeps the load-balancing loss of a model whose module defines transformers' "
+    "load_balancing_loss_func, as Mixtral's and Qwen2-MoE's do, and adds it as the model "
+    "would; this model has none, so the logits themselves would be the output.)"
 )
 
 
@@ -68,12 +68,16 @@ def _kinds(module: nn.Module) -> list[str]:
 
 
 def refuse_recorded_outputs(
-    model: nn.Module, kwargs: dict[str, Any], error: type[Exception]
+    model: nn.Module,
+    kwargs: dict[str, Any],
+    error: type[Exception],
+    allowed: tuple[str, ...] = (),
 ) -> None:
     """Raise ``error`` if the call asks a transformers model for outputs recorded by hooks.
 
     A flag counts as asked when ``kwargs`` sets it true, or leaves it out and
-    a module's config sets it true (as transformers reads it).
+    a module's config sets it true (as transformers reads it). The flags
+    ``allowed`` are not refused (split keeps what they ask for: ``routers.py``).
     """
     keys = set(RECORDED)
     configs: dict[int, Any] = {}
@@ -84,7 +88,7 @@ def refuse_recorded_outputs(
         config = getattr(module, "config", None)
         if config is not None:
             configs[id(config)] = config
-    for flag in sorted(f"output_{key}" for key in keys):
+    for flag in sorted(f"output_{key}" for key in keys if f"output_{key}" not in allowed):
         if flag in kwargs:
             asked, source = bool(kwargs[flag]), f"{flag}={kwargs[flag]!r} was passed"
         else:

@@ -24,7 +24,10 @@ from typing import Any, NoReturn, overload
 
 from torch import nn
 
+from pipeline.runtime.microbatch import Arguments
+from pipeline.runtime.router_loss import recording_logits
 from pipeline.split.piece import Piece
+from pipeline.split.routers import RouterLoss
 
 __all__ = ["SplitModel"]
 
@@ -32,7 +35,9 @@ __all__ = ["SplitModel"]
 class SplitModel(nn.Sequential):
     """A model cut into pieces: an ``nn.Sequential`` of pieces with the model's names."""
 
-    def __init__(self, model: nn.Module, pieces: list[Piece]) -> None:
+    def __init__(
+        self, model: nn.Module, pieces: list[Piece], router_loss: RouterLoss | None = None
+    ) -> None:
         nn.Module.__init__(self)
         for name, child in model._modules.items():
             self.add_module(name, child)
@@ -45,6 +50,7 @@ class SplitModel(nn.Sequential):
         self._split_pieces = list(pieces)
         self._split_of = type(model).__name__
         self._loss_name = _loss_name(model)
+        self._router_loss = router_loss
 
     @property
     def loss_name(self) -> str | None:
@@ -56,6 +62,17 @@ class SplitModel(nn.Sequential):
         """
         return self._loss_name
 
+    @property
+    def router_loss(self) -> RouterLoss | None:
+        """The model's router load-balancing loss, kept apart from the pieces, or None.
+
+        Present when the model was split asked for its router logits
+        (``output_router_logits``) and has transformers' load-balancing loss:
+        ``seq(...)`` adds it as the model does, and a pipe's step adds it over
+        the whole batch (``pipeline/split/routers.py``).
+        """
+        return self._router_loss
+
     def named_layers(self) -> OrderedDict[str, nn.Module]:
         """The pieces by layer name (``'0'``, ``'1'``, ...): what a Pipe partitions."""
         return OrderedDict((str(i), piece) for i, piece in enumerate(self._split_pieces))
@@ -65,6 +82,15 @@ class SplitModel(nn.Sequential):
         return self._split_pieces[int(layer)].modes_read()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        router_loss = self._router_loss
+        if router_loss is None or router_loss.settings() is None:
+            return self._run(args, kwargs)
+        with recording_logits(router_loss.routers) as logits:
+            output = self._run(args, kwargs)
+        (call,) = router_loss.calls([Arguments(args, kwargs)])
+        return router_loss.added_to(output, logits, call)
+
+    def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         first, *rest = self._split_pieces
         value = first(*args, **kwargs)
         for piece in rest:

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, fx
 from torch.utils._pytree import TreeSpec, tree_flatten
 
+from pipeline.runtime.microbatch import Arguments
 from pipeline.split.dims import Dimension, dimension, expected
 
 __all__ = ["Signature", "in_order"]
@@ -77,6 +78,17 @@ class Signature:
                 tensors.append((leaf, _checked(leaf, value)))
         self._check_sizes(tensors)
         return leaves
+
+    def arguments(self, value: Any) -> dict[str, Any]:
+        """A first layer's input (``Arguments``, or the one argument) by name, bound as above.
+
+        The names are the captured call's: ``input_ids``, ``attention_mask``.
+        """
+        args, kwargs = (
+            (value.args, value.kwargs) if isinstance(value, Arguments) else ((value,), {})
+        )
+        leaves = self.bind(args, kwargs)
+        return {leaf.name: v for leaf, v in zip(self.leaves, leaves, strict=True)}
 
     def _check_sizes(self, tensors: list[tuple[_Tensor, Tensor]]) -> None:
         bound: dict[str, int] = {}

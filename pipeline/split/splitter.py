@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -41,6 +42,7 @@ from pipeline.split.hooks import captured_modules, refuse_hooks, refuse_recorded
 from pipeline.split.model import SplitModel
 from pipeline.split.piece import ModeCheck, Piece
 from pipeline.split.points import kept_whole, resolve_points
+from pipeline.split.routers import FLAG, RouterLoss, asked, flag_off, router_loss_of
 from pipeline.split.signature import Signature, in_order
 from pipeline.split.variants import Variants, variants
 from pipeline.split.watch import Watch
@@ -69,10 +71,16 @@ def split(
     if kwargs is not None and not isinstance(kwargs, dict):
         raise TypeError(f"kwargs must be a dict of keyword arguments, got {type(kwargs).__name__}")
     kwargs = dict(kwargs or {})
-    refuse_recorded_outputs(model, kwargs, SplitError)
     names = {module: name for name, module in model.named_modules()}
     starts, default = resolve_points(model, points)
     blocks = kept_whole(model, starts)
+    on, in_call = asked(model, kwargs)
+    routers = router_loss_of(model, blocks, SplitError) if on else None
+    refuse_recorded_outputs(model, kwargs, SplitError, allowed=(FLAG,) if routers else ())
+    # With a router loss, the model is captured without router logits: the loss is kept apart.
+    example = kwargs
+    if routers and in_call:
+        kwargs = {**kwargs, FLAG: False}
     captured_code = captured_modules(model, blocks)
     refuse_hooks(
         captured_code,
@@ -80,7 +88,7 @@ def split(
         "remove the hooks before splitting, or (for a module's own hooks) name the module in "
         "points: a point runs as itself, hooks included",
     )
-    with recording(names) as recorded:
+    with recording(names) as recorded, flag_off(model) if routers else nullcontext():
         captured = capture(model, args, kwargs, blocks, names)
         check_writes(recorded)
         check_inputs(captured)
@@ -103,7 +111,7 @@ def split(
         captured.spec,
         captured.inputs(),
         captured.names,
-        tree_flatten((args, in_order(kwargs, captured.spec)))[0],
+        tree_flatten((args, in_order(example, captured.spec)))[0],
         _ranges(captured, found),
     )
     output = next(node for node in captured.program.graph.nodes if node.op == "output")
@@ -113,6 +121,9 @@ def split(
         for j, nodes in enumerate(pieces.pieces)
     ]
     followed = {(id(module), attribute) for one in built for module, attribute in one.follows}
+    if routers:
+        # The router loss follows the configs' flag at every call (routers.py).
+        followed |= {key for key in recorded.reads if key[1] == FLAG}
     reads = [read for key, read in recorded.reads.items() if key not in followed]
     watch = Watch(reads, names, captured_code, recorded.held)
     watched = {**dict((module, name) for name, module in captured_code), **blocks}
@@ -122,7 +133,8 @@ def split(
         _piece(j, count, nodes, one, captured, sources, names, found, namespace, signature, watch)
         for j, (nodes, one) in enumerate(zip(pieces.pieces, built, strict=True))
     ]
-    split_model = SplitModel(model, made)
+    router_loss = RouterLoss(model, *routers, in_call, signature) if routers else None
+    split_model = SplitModel(model, made, router_loss)
     # The split model holds the model's children too: seq.head = ... replaces one there.
     watch.add_places([split_model], watched)
     return split_model

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, TypeAlias
 
-__all__ = ["Action", "Kind", "Program", "parse_program"]
+__all__ = ["Action", "Kind", "Program", "backward_before_forward", "parse_program"]
 
 Kind: TypeAlias = Literal["F", "B", "I", "W"]
 Program: TypeAlias = list["Action"]
@@ -63,3 +63,23 @@ def parse_program(program: str | Sequence[str | Action]) -> Program:
     """
     items = program.split() if isinstance(program, str) else program
     return [item if isinstance(item, Action) else Action.parse(item) for item in items]
+
+
+def backward_before_forward(programs: list[Program]) -> Action | None:
+    """The first backward (B, I or W) a program runs before one of its forwards, or None.
+
+    None when every program runs all its forwards first, as GPipe's do:
+    then every forward of the step comes before any backward (each stage's
+    first backward waits for the last stage's, which follows every forward).
+
+    >>> backward_before_forward([parse_program("0F0 0F1 0B1 0B0")]) is None
+    True
+    >>> str(backward_before_forward([parse_program("0F0 0B0 0F1 0B1")]))
+    '0B0'
+    """
+    for program in programs:
+        forwards = [k for k, action in enumerate(program) if action.kind == "F"]
+        early = [a for a in program[: forwards[-1]] if a.kind != "F"] if forwards else []
+        if early:
+            return early[0]
+    return None

@@ -231,6 +231,11 @@ _WHAT = {
     "skip-grad": "the skip tensor's gradient",
     "output": "the model's output",
 }
+# Messages of the whole step, not of one micro-batch.
+_OF_THE_STEP = {
+    "router-up": "the router loss's counts of the ranks below",
+    "router-down": "the router loss's counts of the whole batch",
+}
 
 
 def describe(key: Hashable) -> str:
@@ -241,6 +246,8 @@ def describe(key: Hashable) -> str:
     """
     if isinstance(key, tuple) and key and key[0] in _WHAT:
         return f"{_WHAT[key[0]]} of micro-batch {key[-1]}"
+    if isinstance(key, tuple) and key and key[0] in _OF_THE_STEP:
+        return _OF_THE_STEP[key[0]]
     return repr(key)
 
 

@@ -44,6 +44,7 @@ from pipeline.runtime.microbatch import Batch
 from pipeline.runtime.partitions import Hook, PartitionRuntime
 from pipeline.runtime.recompute import checkpoint_stop
 from pipeline.runtime.rng import PartitionRandomness
+from pipeline.runtime.router_loss import RouterTally
 from pipeline.runtime.stream import current_stream
 from pipeline.runtime.threadstate import ThreadState
 from pipeline.runtime.worker import Failure, Replies, Worker, add_note
@@ -82,6 +83,7 @@ class StepRun:
         forward_only: bool = False,
         measure_memory: bool = False,
         at_end: Iterable[Tensor] = (),
+        router: RouterTally | None = None,
     ) -> None:
         """The step's ``StepContext``, and a ``StageRun`` per stage run here.
 
@@ -122,6 +124,7 @@ class StepRun:
             forward_only=forward_only,
             measure_memory=measure_memory,
             loss_travels=not forward_only and len(local) < len(runtime),
+            router=router,
         )
         self.transport = self.context.transport
         self.stage_runs = {j: StageRun(self.context, j) for j in local}
@@ -187,6 +190,21 @@ class StepRun:
         """
         with self.context.gradients.holding():
             yield
+
+    @contextmanager
+    def routing(self) -> Iterator[None]:
+        """Around the step: the router loss's hooks on its routers, if the model has one."""
+        router = self.context.router
+        if router is None:
+            yield
+            return
+        with router.running():
+            yield
+
+    def with_router_loss(self, loss: Tensor) -> Tensor:
+        """``loss`` plus the router loss of the whole batch, if any (closing it: see routing)."""
+        router = self.context.router
+        return loss if router is None else loss + router.loss().to(loss)
 
     def _on_thread(self, work: Callable[[], None]) -> None:
         """Do ``work`` in the caller's grad mode, with no autograd device threads.

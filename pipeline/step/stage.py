@@ -58,6 +58,7 @@ from pipeline.runtime.microbatch import Batch, check_rows
 from pipeline.runtime.partitions import Hook, PartitionRuntime, protected
 from pipeline.runtime.recompute import Recomputation
 from pipeline.runtime.rng import BaseSeed, PartitionRandomness, TaskRandomness
+from pipeline.runtime.router_loss import RouterTally, check_loss
 from pipeline.runtime.stream import Stream, use_stream
 from pipeline.runtime.threadstate import ThreadState
 from pipeline.skip.carrier import Carrier
@@ -91,7 +92,9 @@ class StepContext:
     ``measure_memory`` gives each stage an ``ActivationMeter``;
     ``randomness[j]`` says how stage ``j``'s tasks draw. ``loss_travels``:
     some stages run in other processes, so the step's loss goes down to
-    them with the input gradients (``StageRun.step_loss``).
+    them with the input gradients (``StageRun.step_loss``). ``router``: the
+    model's router loss over the whole batch, whose totals each process
+    meets at its first backward action (``runtime/router_loss.py``).
     """
 
     runtime: PartitionRuntime
@@ -113,6 +116,7 @@ class StepContext:
     forward_only: bool = False
     measure_memory: bool = False
     loss_travels: bool = False
+    router: RouterTally | None = None
     hooks_lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -203,6 +207,8 @@ class StageRun:
                 assert work is not None, "validate() puts every W after its I"
                 self.context.gradients.add(self.j, *work.run(self.context.gradients.hold))
         else:
+            if self.context.router is not None and self.context.router.to_meet:
+                self._meet_router_totals(i)
             kind: EventKind = "backward" if action.kind == "B" else "input_grad"
             with span(kind, i, self.j), self._backward_context():
                 self.backward(i, inputs_only=action.kind == "I")
@@ -299,6 +305,8 @@ class StageRun:
                 f"loss_fn returned {type(loss).__name__}{shape}; it must return a scalar "
                 "tensor, the loss of one micro-batch (reduced with 'mean' or 'sum')"
             )
+        if context.router is not None:
+            check_loss(output.value, loss)
         return scaled(loss, context.scales[i])
 
     def _send_output(self, i: int, stashed: _Stashed, output: Batch) -> None:
@@ -443,6 +451,15 @@ class StageRun:
             message = self.context.transport.receive(key, stage, self.j)
         self._waited += time.perf_counter() - start
         return message
+
+    def _meet_router_totals(self, i: int) -> None:
+        """The router loss's totals from every process, before a backward: a wait, like mail's."""
+        router = self.context.router
+        assert router is not None
+        start = time.perf_counter()
+        with span("wait", i, self.j):
+            router.close()
+        self._waited += time.perf_counter() - start
 
     def _skip_mail(self, kind: str, key: SkipKey, i: int) -> tuple[str, int, int]:
         """The mail key of a skip (or its gradient), meaningful in every process."""

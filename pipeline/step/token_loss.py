@@ -53,20 +53,12 @@ class TokenLoss:
             return None
         return cls(shift, signature)
 
-    def _arguments(self, value: Any) -> dict[str, Any]:
-        """The first piece's call by argument name, bound as the piece binds it."""
-        args, kwargs = (
-            (value.args, value.kwargs) if isinstance(value, Arguments) else ((value,), {})
-        )
-        leaves = self._signature.bind(args, kwargs)
-        return {leaf.name: v for leaf, v in zip(self._signature.leaves, leaves, strict=True)}
-
     def check(self, batches: list[Batch], reduction: LossReduction, divisor: Any) -> None:
         """Refuse, before any work, micro-batches whose ``out.loss`` would be weighed wrongly."""
         if not batches:
             return
         _check_number(batches[0].value)
-        calls = [self._arguments(batch.value) for batch in batches]
+        calls = [self._signature.arguments(batch.value) for batch in batches]
         if not isinstance(calls[0].get("labels"), Tensor):
             return
         if calls[0].get("num_items_in_batch") is not None:

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 import pipeline
 from pipeline.distributed import DistributedPipe
 from pipeline.schedules import Interleaved1F1B
+from pipeline.step.mail import AbortedError
 from tests.gloo_groups import expect_error, main, rank, scenario, world
 from tests.split import hf_labels
 from tests.split.split_models import gpt2, llama, lm_loss, mixtral, tokens
@@ -242,6 +243,68 @@ def split_mixtral_with_eager_experts_on_meta_trains_like_the_plain_model() -> No
         torch.testing.assert_close(loss, expected.detach(), msg=schedule)
         assert_like_the_plain_model(pipe, plain, f"Mixtral, {schedule}")
         pipe.close()
+
+
+def asking_for_the_router_loss(model: nn.Module) -> nn.Module:
+    model.config.output_router_logits = True
+    model.router_aux_loss_coef = 0.5  # large, so that its gradient shows
+    return model
+
+
+@scenario
+def split_mixtral_router_loss_on_meta_in_gpipe_like_the_plain_model() -> None:
+    """The load-balancing loss over the whole batch (tests/split/test_router_loss.py): each
+    process counts its routers' tokens, the counts are summed over the processes at the first
+    backward. GPipe and evaluate equal; 1F1B, or a process without the input, refused on all."""
+    plain = asking_for_the_router_loss(seeded(mixtral))
+    model = asking_for_the_router_loss(on_meta(mixtral))
+    ids, mask, _ = batch()
+    labels = ids.clone()
+    labels[1, :3] = -100
+    n = (labels[..., 1:] != -100).sum()
+    example = {"attention_mask": mask[:2], "labels": labels[:2], "num_items_in_batch": n}
+    seq = pipeline.split(
+        model, (ids[:2].to("meta"),), {k: v.to("meta") for k, v in example.items()}
+    )
+    pipe = DistributedPipe(seq, [2, 2], chunks=3, init=model._init_weights)
+    pipe.load_state_dict(plain.state_dict())
+    recipe = {"attention_mask": mask, "labels": labels, "num_items_in_batch": pipeline.NoChunk(n)}
+
+    def step(here: bool = True, **options: Any) -> Tensor:
+        return pipe.step(
+            ids if here else None,
+            labels,
+            hf_labels.out_loss,
+            kwargs=recipe if here else None,
+            loss_reduction="sum",
+            **options,
+        )
+
+    expect_error(ValueError, lambda: step(schedule="1f1b"), "use schedule='gpipe'")
+    absent = "pass the same input and kwargs on every process" if rank() == 1 else "refused"
+    expect_error(ValueError, lambda: step(rank() != 1, schedule="gpipe"), absent)
+    assert all(p.grad is None for p in pipe.parameters()), "refused before any work"
+    # Refused mid-step where the last stage runs, which stops the other's wait for the counts.
+    other_loss = partial(
+        pipe.step,
+        ids,
+        labels,
+        lambda out, _: out.loss * 1.0,
+        kwargs=recipe,
+        loss_reduction="sum",
+        schedule="gpipe",
+    )
+    expect_error(ValueError if rank() == 1 else AbortedError, other_loss, "return out.loss itself")
+    loss = step(schedule="gpipe")
+    expected = plain(ids, **recipe | {"num_items_in_batch": n}).loss
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach())
+    assert_like_the_plain_model(pipe, plain, "Mixtral's router loss, GPipe")
+    evaluated = pipe.evaluate(ids, labels, hf_labels.out_loss, kwargs=recipe, loss_reduction="sum")
+    plain.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(evaluated, plain(ids, **recipe | {"num_items_in_batch": n}).loss)
+    pipe.close()
 
 
 def set_dropout(model: nn.Module, p: float) -> None:

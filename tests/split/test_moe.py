@@ -81,16 +81,6 @@ def test_the_other_experts_implementations_split_equal_to_plain(
     assert_same(gradients(model), gradients(plain))
 
 
-def test_the_router_logits_recorded_by_hooks_are_refused() -> None:
-    model = mixtral("batched_mm")
-    model.config.output_router_logits = True
-    ids, _, _ = tokens(2, 6)
-    with pytest.raises(ValueError, match="the model's config sets output_router_logits, but") as e:
-        pipeline.split(model, (ids,))
-    assert "no sum of per-micro-batch losses equals" in str(e.value)
-    assert "Pass output_router_logits=False in the example's kwargs" in str(e.value)
-
-
 class Routed(nn.Module):
     """Runs the rows whose gate is positive through a layer: a choice made on values.
 
