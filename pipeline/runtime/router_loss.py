@@ -41,7 +41,9 @@ forward runs before any backward (GPipe) is then exact::
         backward: out's gradient passes through; z gets the loss's term too
 
 The step adds ``coefficient · aux`` to its loss, as transformers adds it to
-``out.loss``. ``RouterLossSource`` is what a split model gives
+``out.loss``. On GPUs each stream sums its own tokens (a stream orders only
+its own work), ``close`` waits for those streams once, and a stream reads
+the masks and the totals from copies queued on it: no sync per router call. ``RouterLossSource`` is what a split model gives
 (``pipeline/split/routers.py``); this file knows no model.
 """
 
@@ -59,6 +61,7 @@ from torch.utils.hooks import RemovableHandle
 
 from pipeline.runtime.phase import is_recomputing
 from pipeline.runtime.rng import running_microbatch
+from pipeline.runtime.stream import Stream, copy_to, current_stream, synchronize
 
 __all__ = [
     "Router",
@@ -273,13 +276,15 @@ class RouterTally:
         self.settings = settings
         self.routers = routers
         self._in_model = in_model
-        self._masks = masks
+        # On the CPU, read once here: a worker copies its micro-batch's to its stream.
+        self._masks = [None if m is None else m.reshape(-1).to("cpu", torch.float64) for m in masks]
         self._reduce = reduce
         self._lock = threading.Lock()
-        self._partial: dict[torch.device, Tensor] = {}
+        # Sums and copies per stream: a GPU stream orders only its own work.
+        self._partial: dict[Stream, Tensor] = {}
+        self._copies: dict[tuple[int, Stream], Tensor] = {}
         self._calls = 0
         self._totals: Tensor | None = None
-        self._on: dict[torch.device, Tensor] = {}
         # Each thread's blocks being run: the router calls inside each.
         self._pending = threading.local()
 
@@ -351,8 +356,9 @@ class RouterTally:
                         f"router {router.name!r} ran a forward after the step's first backward; "
                         "the router loss needs every forward before any backward (GPipe)"
                     )
-                held = self._partial.get(share.device)
-                self._partial[share.device] = share if held is None else held + share
+                stream = current_stream(share.device)
+                held = self._partial.get(stream)
+                self._partial[stream] = share if held is None else held + share
                 self._calls += 1
         if torch.is_grad_enabled() and z.requires_grad:
             stack = self._stack()
@@ -370,7 +376,18 @@ class RouterTally:
                 f"attention mask holds {mask.numel()}: the router loss weighs each token by "
                 "its mask, and needs one weight per token"
             )
-        return mask.reshape(-1).to(z.device, torch.float64)
+        return self._copied(i, mask, z.device)
+
+    def _copied(self, key: int, tensor: Tensor, device: torch.device) -> Tensor:
+        """``tensor`` (on the CPU) on ``device``, copied once per stream that reads it."""
+        stream = current_stream(device)
+        with self._lock:
+            held = self._copies.get((key, stream))
+        if held is None:
+            held = copy_to(tensor, device)
+            with self._lock:
+                self._copies[key, stream] = held
+        return held
 
     @property
     def to_meet(self) -> bool:
@@ -395,7 +412,8 @@ class RouterTally:
             if self._totals is not None:
                 return
             total = torch.zeros(2 * self.settings.experts + 2, dtype=torch.float64)
-            for share in self._partial.values():
+            for stream, share in self._partial.items():
+                synchronize(stream)  # its sums are read here, on another thread's stream
                 total[:-1] += share.cpu()
             total[-1] = self._calls
             if self._reduce is not None:
@@ -413,12 +431,8 @@ class RouterTally:
     def totals_on(self, device: torch.device) -> Tensor:
         """The whole batch's totals, on ``device`` (closing them)."""
         self.close()
-        with self._lock:
-            assert self._totals is not None
-            held = self._on.get(device)
-            if held is None:
-                held = self._on[device] = self._totals.to(device)
-        return held
+        assert self._totals is not None
+        return self._copied(-1, self._totals, device)
 
     def loss(self) -> Tensor:
         """``coefficient · aux`` of the whole batch (float64, on the CPU)."""

@@ -22,6 +22,7 @@ __all__ = [
     "get_device",
     "new_stream",
     "record_stream",
+    "synchronize",
     "use_device",
     "use_stream",
     "wait_stream",
@@ -86,6 +87,12 @@ def wait_stream(waiter: Stream, waitee: Stream) -> None:
     if isinstance(waiter, CPUStream) or isinstance(waitee, CPUStream):
         return
     waiter.wait_stream(waitee)
+
+
+def synchronize(stream: Stream) -> None:
+    """Wait, on this thread, until ``stream`` has done what it has queued (no-op off CUDA)."""
+    if not isinstance(stream, CPUStream):
+        stream.synchronize()
 
 
 def record_stream(tensor: torch.Tensor, stream: Stream) -> None:
