@@ -43,7 +43,8 @@ forward runs before any backward (GPipe) is then exact::
 The step adds ``coefficient · aux`` to its loss, as transformers adds it to
 ``out.loss``. On GPUs each stream sums its own tokens (a stream orders only
 its own work), ``close`` waits for those streams once, and a stream reads
-the masks and the totals from copies queued on it: no sync per router call. ``RouterLossSource`` is what a split model gives
+the masks and the totals from copies queued on it: no sync per router call.
+``RouterLossSource`` is what a split model gives
 (``pipeline/split/routers.py``); this file knows no model.
 """
 

@@ -33,7 +33,7 @@ from pipeline.split.errors import SplitError, find_cause, is_data_dependent
 from pipeline.split.opaque import BlockCall, opaque_blocks
 from pipeline.split.where import WRAPPED, argument_names, failure_location
 
-__all__ = ["Captured", "capture", "modes_set"]
+__all__ = ["Captured", "capture", "modes_set", "unaliased"]
 
 
 @dataclass
@@ -98,6 +98,31 @@ def capture(
             # hundreds of lines of torch.export's frames and chain above it are noise.
             raise _refusal(error, model, names).with_traceback(None) from None
     return Captured(program, calls, model.training, argument_names(model, args, kwargs))
+
+
+def unaliased(
+    args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The example with a tensor passed twice (``labels=ids``) cloned after its first place.
+
+    torch.export makes one tensor passed as two arguments one input of the
+    graph: the split model would then read the first argument wherever the
+    code uses the second, at every later call that passes two different
+    tensors (transformers' ``labels=input_ids`` idiom, then labels with
+    ``-100``), silently.
+    """
+    seen: set[int] = set()
+
+    def once(x: Any) -> Any:
+        if not isinstance(x, Tensor):
+            return x
+        if id(x) in seen:
+            return x.clone()
+        seen.add(id(x))
+        return x
+
+    fresh_args, fresh_kwargs = tree_map(once, (args, kwargs))
+    return tuple(fresh_args), dict(fresh_kwargs)
 
 
 class _Call(nn.Module):

@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_flatten
 from pipeline.skip.namespace import Namespace
 from pipeline.split.attributes import recording
 from pipeline.split.build import BLOCK_OP, DROPPED, Built, Sources, build_piece, training_of
-from pipeline.split.capture import Captured, capture
+from pipeline.split.capture import Captured, capture, unaliased
 from pipeline.split.checks import (
     check_calls,
     check_inputs,
@@ -70,7 +70,7 @@ def split(
         )
     if kwargs is not None and not isinstance(kwargs, dict):
         raise TypeError(f"kwargs must be a dict of keyword arguments, got {type(kwargs).__name__}")
-    kwargs = dict(kwargs or {})
+    args, kwargs = unaliased(args, dict(kwargs or {}))
     names = {module: name for name, module in model.named_modules()}
     starts, default = resolve_points(model, points)
     blocks = kept_whole(model, starts)

@@ -222,3 +222,17 @@ def test_a_cache_is_refused_with_what_to_do() -> None:
     # (past_key_values, cache).
     with pytest.raises(ValueError, match=r"transformer\.h\.0 .* DynamicCache .*use_cache=False"):
         pipeline.split(model, (ids,), {"attention_mask": mask})
+
+
+def test_one_tensor_given_for_two_arguments_in_the_example_stays_two_inputs() -> None:
+    # transformers' labels=input_ids idiom: later calls pass labels of their own.
+    torch.manual_seed(0)
+    model = gpt2()
+    model.eval()
+    ids, _, _ = tokens(2, 6)
+    seq = pipeline.split(model, (ids,), {"labels": ids})
+    ids, _, _ = tokens(2, 6)
+    labels = ids.roll(1, dims=1)
+    out, expected = seq(ids, labels=labels), model(ids, labels=labels)
+    torch.testing.assert_close(out.logits, expected.logits)
+    torch.testing.assert_close(out.loss, expected.loss)
