@@ -137,8 +137,13 @@ def test_asked_in_the_call_the_split_model_gives_the_models_output() -> None:
     torch.testing.assert_close(out.aux_loss, expected.aux_loss)
 
 
-@pytest.mark.parametrize("checkpoint", ["never", "always", "except_last"])
-@pytest.mark.parametrize("name", MODELS)
+# Every checkpoint mode with Mixtral; Qwen2-MoE in the default one.
+CASES = [("mixtral", mode) for mode in ("never", "always", "except_last")] + [
+    ("qwen2_moe", "except_last")
+]
+
+
+@pytest.mark.parametrize(("name", "checkpoint"), CASES)
 def test_a_gpipe_step_and_an_evaluation_give_the_models_loss_and_gradients(
     name: str, checkpoint: str
 ) -> None:
