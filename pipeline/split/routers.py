@@ -107,16 +107,23 @@ def _configs(model: nn.Module) -> list[Any]:
 
 
 def router_loss_of(
-    model: nn.Module, blocks: dict[nn.Module, str], error: type[Exception]
+    model: nn.Module, kwargs: dict[str, Any], blocks: dict[nn.Module, str], error: type[Exception]
 ) -> tuple[list[Router], Callable[..., Any]] | None:
     """The routers of ``model`` and its loss function, or None if it has no such loss.
 
     Raises ``error`` for a model that has one but whose routers split could
-    not follow, or whose function is not the loss a pipe computes.
+    not follow, whose function is not the loss a pipe computes, or whose
+    call (``kwargs``) returns a tuple, which has no place for the loss.
     """
     function = getattr(sys.modules.get(type(model).__module__), _FUNCTION, None)
     if not callable(function) or not _adds_the_loss(model):
         return None
+    if kwargs.get("return_dict", True) is False:
+        raise error(
+            f"{FLAG} is on and the example passes return_dict=False: split adds the router "
+            "loss to the model's output as its out.loss and out.aux_loss, which a tuple has no "
+            f"place for; leave return_dict on, or set {FLAG} False"
+        )
     routers = _routers(model, blocks, error)
     _check_function(function, model, error)
     return routers, function

@@ -75,7 +75,7 @@ def split(
     starts, default = resolve_points(model, points)
     blocks = kept_whole(model, starts)
     on, in_call = asked(model, kwargs)
-    routers = router_loss_of(model, blocks, SplitError) if on else None
+    routers = router_loss_of(model, kwargs, blocks, SplitError) if on else None
     refuse_recorded_outputs(model, kwargs, SplitError, allowed=(FLAG,) if routers else ())
     # With a router loss, the model is captured without router logits: the loss is kept apart.
     example = kwargs

@@ -259,6 +259,13 @@ def test_a_router_outside_the_blocks_is_refused_at_split() -> None:
         pipeline.split(model, (ids[:2],), points=["model.layers.0.mlp.experts"])
 
 
+def test_a_tuple_output_is_refused_at_split() -> None:
+    model = asking(mixtral)
+    ids, _, _ = batch()
+    with pytest.raises(SplitError, match="return_dict=False"):
+        pipeline.split(model, (ids[:2],), {"return_dict": False})
+
+
 def test_a_transformers_loss_other_than_the_one_the_pipe_computes_is_refused(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
