@@ -220,12 +220,22 @@ def value(totals: Tensor) -> Tensor:
 
 
 def gradient(p: Tensor, totals: Tensor, scale: float, weights: Tensor | None) -> Tensor:
-    """``scale · ∂aux/∂z`` for one router call's logits z, whose probabilities are ``p``."""
+    """``scale · ∂aux/∂z`` for one router call's logits z, whose probabilities are ``p``.
+
+    As autograd computes it through the model's own softmax: the gradient
+    reaching the probabilities is rounded to their dtype, and softmax's
+    backward works in float32 at least and rounds once (in half precision
+    the result is then the model's, not a more accurate other one).
+    """
     experts = p.shape[-1]
     counts, n = totals[:experts], totals[-1]
-    per_expert = (counts * (scale * experts) / (n * n)).to(p.dtype)
-    grad = p * (per_expert - (p * per_expert).sum(-1, keepdim=True))
-    return grad if weights is None else grad * weights[:, None].to(p.dtype)
+    wide = torch.promote_types(p.dtype, torch.float32)
+    per_token = (counts * (scale * experts) / (n * n))[None, :]
+    if weights is not None:
+        per_token = per_token * weights[:, None]
+    reaching = per_token.to(p.dtype).to(wide)
+    q = p.to(wide)
+    return (q * (reaching - (q * reaching).sum(-1, keepdim=True))).to(p.dtype)
 
 
 def _logits(router: Router, output: Any) -> Tensor:

@@ -172,6 +172,57 @@ def test_a_gpipe_step_and_an_evaluation_give_the_models_loss_and_gradients(
     pipe.close()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("masked", [False, True])
+def test_the_pipes_term_is_the_models_gradient_in_half_and_single_precision(
+    dtype: torch.dtype, masked: bool
+) -> None:
+    # bfloat16 rounds the gradient reaching the router's probabilities, then softmax's
+    # backward rounds once: the pipe's term does the same, bit for bit (computed more
+    # exactly, it differed from the model's by 4% of the largest).
+    from pipeline.runtime.router_loss import gradient, tokens
+
+    function = sys.modules[type(mixtral()).__module__].load_balancing_loss_func
+    generator = torch.Generator().manual_seed(0)
+    experts, top_k = 4, 2
+    logits = [
+        torch.randn(48, experts, generator=generator).to(dtype).requires_grad_() for _ in range(2)
+    ]
+    mask = (torch.rand(6, 8, generator=generator) > 0.3).long() if masked else None
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        (COEFFICIENT * function(tuple(logits), experts, top_k, mask)).backward()
+        probabilities = [torch.softmax(z.detach(), dim=-1) for z in logits]
+    weights = None if mask is None else mask.reshape(-1).double()
+    totals = sum(tokens(p, top_k, weights) for p in probabilities)
+    assert isinstance(totals, Tensor)
+    for z, p in zip(logits, probabilities, strict=True):
+        ours = gradient(p, totals, COEFFICIENT, weights)
+        assert ours.dtype == dtype
+        torch.testing.assert_close(
+            ours, z.grad, rtol=0, atol=0 if dtype == torch.bfloat16 else 1e-9
+        )
+
+
+def test_under_autocast_a_step_gives_the_models_loss_and_gradients() -> None:
+    # What differs from the plain model is the micro-batches' own bfloat16 rounding: 0.5%
+    # of the largest gradient, here.
+    torch.manual_seed(0)
+    model = mixtral(dtype=torch.float32)
+    model.config.output_router_logits = True
+    model.router_aux_loss_coef = COEFFICIENT
+    plain = twin(model)
+    pipe = Pipe(split(model), [1, 1, 1, 1], devices=["cpu"] * 4, chunks=4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = plain_loss(plain)
+        loss = step(pipe)
+    torch.testing.assert_close(loss, expected)
+    found = gradients(model)
+    for name, grad in gradients(plain).items():
+        difference = (found[name] - grad).abs().max()
+        assert difference <= 0.015 * grad.abs().max(), (name, difference, grad.abs().max())
+    pipe.close()
+
+
 def test_the_step_follows_the_coefficient_and_the_config_after_the_split() -> None:
     model, seq = shared("mixtral")
     pipe = Pipe(seq, [2, 2], devices=["cpu"] * 2, chunks=2)
