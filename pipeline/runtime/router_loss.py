@@ -129,15 +129,16 @@ def step_tally(
     Refuses, before any work, what would not give the model's loss: a
     schedule with a backward before the last forward (``early_backward``:
     the first such action, as text), no labels (transformers adds
-    the loss to ``out.loss`` only with labels), a divisor or a GradScaler
-    (the loss is added apart from the scaled micro-batch losses), an
-    evaluation of outputs only. ``values``: each micro-batch's first-layer
-    input; ``here``: the modules this process runs.
+    the loss to ``out.loss`` only with labels), a divisor (the loss is
+    added apart from the divided micro-batch losses), an evaluation of
+    outputs only. ``values``: each micro-batch's first-layer input;
+    ``here``: the modules this process runs; ``grad_scaler``: the step's,
+    whose scale the loss's gradient takes as the scaled losses' do.
     """
     settings = None if source is None else source.settings()
     if source is None or settings is None:
         return None
-    why = _refusal(early_backward, loss_fn, grad_scaler, divisor)
+    why = _refusal(early_backward, loss_fn, divisor)
     calls = source.calls(values)
     if why is None and calls and not isinstance(calls[0].get("labels"), Tensor):
         why = (
@@ -152,12 +153,10 @@ def step_tally(
     routers = [router for router in source.routers if router.module in here]
     masks = [call.get("attention_mask") for call in calls]
     masks = [mask if isinstance(mask, Tensor) else None for mask in masks]
-    return RouterTally(settings, routers, len(source.routers), masks, reduce)
+    return RouterTally(settings, routers, len(source.routers), masks, reduce, grad_scaler)
 
 
-def _refusal(
-    early_backward: str | None, loss_fn: Any, grad_scaler: Any, divisor: Any
-) -> str | None:
+def _refusal(early_backward: str | None, loss_fn: Any, divisor: Any) -> str | None:
     """Why a call cannot have the router loss, or None."""
     if loss_fn is None:
         return (
@@ -170,8 +169,6 @@ def _refusal(
             f"schedule runs {early_backward} before a forward: use schedule='gpipe' (with "
             "checkpoint='always', a stage keeps one micro-batch's activations at a time)"
         )
-    if grad_scaler is not None:
-        return "a grad_scaler would scale the micro-batches' losses and not it: step without one"
     if divisor is not None:
         return (
             "loss_divisor would divide the micro-batches' losses and not it: weigh out.loss "
@@ -219,8 +216,11 @@ def value(totals: Tensor) -> Tensor:
     return experts * (counts * sums).sum() / (n * n)
 
 
-def gradient(p: Tensor, totals: Tensor, scale: float, weights: Tensor | None) -> Tensor:
+def gradient(p: Tensor, totals: Tensor, scale: float | Tensor, weights: Tensor | None) -> Tensor:
     """``scale · ∂aux/∂z`` for one router call's logits z, whose probabilities are ``p``.
+
+    ``scale``: the coefficient, times a GradScaler's scale (a tensor on
+    ``p``'s device) where the step has one.
 
     As autograd computes it through the model's own softmax: the gradient
     reaching the probabilities is rounded to their dtype, and softmax's
@@ -274,6 +274,8 @@ class RouterTally:
     that run in this process, of the model's ``in_model``. ``reduce``: sums
     a tensor over the processes of a DistributedPipe (each process calls it
     once per step, at its first backward), or None in one process.
+    ``grad_scaler``: the step's GradScaler, whose scale the gradient takes
+    before it is rounded to the logits' dtype, as the scaled loss's does.
     """
 
     def __init__(
@@ -283,8 +285,10 @@ class RouterTally:
         in_model: int,
         masks: list[Tensor | None],
         reduce: Callable[[Tensor], Tensor] | None = None,
+        grad_scaler: Any = None,
     ) -> None:
         self.settings = settings
+        self._grad_scaler = grad_scaler
         self.routers = routers
         self._in_model = in_model
         # On the CPU, read once here: a worker copies its micro-batch's to its stream.
@@ -445,6 +449,15 @@ class RouterTally:
         assert self._totals is not None
         return self._copied(-1, self._totals, device)
 
+    def scale_on(self, device: torch.device) -> float | Tensor:
+        """The gradient's scale: the coefficient, times the GradScaler's scale on ``device``."""
+        coefficient = self.settings.coefficient
+        if self._grad_scaler is None:
+            return coefficient
+        one = torch.ones((), dtype=torch.float64, device=device)
+        scaled: Tensor = self._grad_scaler.scale(one)
+        return coefficient * scaled
+
     def loss(self) -> Tensor:
         """``coefficient · aux`` of the whole batch (float64, on the CPU)."""
         self.close()
@@ -477,9 +490,8 @@ class _AddRouterGradient(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         tally: RouterTally = ctx.tally
         saved = ctx.saved_tensors
-        scale = tally.settings.coefficient
         terms = [
-            gradient(p, tally.totals_on(p.device), scale, weights)
+            gradient(p, tally.totals_on(p.device), tally.scale_on(p.device), weights)
             for p, weights in zip(saved[: ctx.calls], saved[ctx.calls :], strict=True)
         ]
         return (None, None, grad, *terms)

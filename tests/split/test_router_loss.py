@@ -238,6 +238,17 @@ def test_the_step_follows_the_coefficient_and_the_config_after_the_split() -> No
     pipe.close()
 
 
+def test_a_grad_scaler_scales_the_router_losss_gradient_with_the_rest() -> None:
+    model, seq = shared("mixtral")
+    plain = twin(model)
+    expected = plain_loss(plain)
+    pipe = Pipe(seq, [2, 2], devices=["cpu"] * 2, chunks=2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**5)
+    torch.testing.assert_close(step(pipe, grad_scaler=scaler), expected)  # unscaled
+    assert_same(gradients(model), {k: g * 2.0**5 for k, g in gradients(plain).items()})
+    pipe.close()
+
+
 def no_labels(pipe: Pipe) -> Any:
     ids, mask, _ = batch()
     return pipe.step(
@@ -275,10 +286,6 @@ REFUSED: dict[str, tuple[Callable[[Pipe], Any], str]] = {
         "use schedule='gpipe'",
     ),
     "no labels": (no_labels, "only when given labels"),
-    "grad_scaler": (
-        lambda pipe: step(pipe, grad_scaler=torch.amp.GradScaler("cpu")),
-        "a grad_scaler would scale",
-    ),
     # transformers' own loss refuses it first (token_loss.py).
     "loss_divisor": (lambda pipe: step(pipe, loss_divisor=3), "no loss_divisor"),
     "a loss other than out.loss": (another_loss, "return out.loss itself"),
