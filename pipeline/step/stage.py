@@ -207,10 +207,10 @@ class StageRun:
                 assert work is not None, "validate() puts every W after its I"
                 self.context.gradients.add(self.j, *work.run(self.context.gradients.hold))
         else:
-            if self.context.router is not None and self.context.router.to_meet:
-                self._meet_router_totals(i)
             kind: EventKind = "backward" if action.kind == "B" else "input_grad"
             with span(kind, i, self.j), self._backward_context():
+                if self.context.router is not None and self.context.router.to_meet:
+                    self._meet_router_totals(i)
                 self.backward(i, inputs_only=action.kind == "I")
         if action.kind != "I":
             self._release(i)
