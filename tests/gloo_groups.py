@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import faulthandler
+import gc
 import json
 import os
 import socket
@@ -286,6 +287,10 @@ def main() -> None:
         except Exception:
             outcomes[name] = traceback.format_exc()
     out.write_text(json.dumps(outcomes))
+    # What the scenarios made and left in reference cycles (torch's DDP and its reducer
+    # among them) is freed now, with the group and the interpreter whole, not while the
+    # interpreter finalizes, where a C++ thread let go of then aborts the process.
+    gc.collect()
     if not BREAKS_GROUP.intersection(names):
         dist.barrier()
         dist.destroy_process_group()
