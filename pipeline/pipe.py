@@ -31,6 +31,7 @@ from pipeline.runtime.borrowed import find_loans
 from pipeline.runtime.microbatch import Batch, Value, check_input, gather, scatter, to_device
 from pipeline.runtime.partitions import PositionalSequential
 from pipeline.runtime.recompute import checkpoint_stop
+from pipeline.runtime.router_loss import ASKED, asked
 from pipeline.runtime.worker import (
     Threads,
     check_threads,
@@ -447,10 +448,9 @@ def _place(partitions: list[nn.Sequential], devices: list[torch.device]) -> None
 
 def _refuse_router_loss(pipe: Pipe) -> None:
     """Refuse ``pipe(x)`` of a model asking for its router loss, which no micro-batch holds."""
-    source = pipe._router_loss
-    if source is not None and source.settings() is not None:
+    if asked(pipe._router_loss) is not None:
         raise ValueError(
-            "the model asks for its router loss (output_router_logits): transformers adds a "
+            f"{ASKED}: transformers adds a "
             "load-balancing loss over the whole batch to out.loss and out.aux_loss, which "
             "pipe(x), gathering each micro-batch's output, cannot give. Train with "
             "pipe.step(..., schedule='gpipe') and evaluate with pipe.evaluate(..., loss_fn), "

@@ -56,7 +56,7 @@ from pipeline.runtime.agreement import (
 from pipeline.runtime.lazy import instance_of
 from pipeline.runtime.microbatch import Batch, Value, gather
 from pipeline.runtime.process_group import collective_device, resolve_group
-from pipeline.runtime.router_loss import RouterTally
+from pipeline.runtime.router_loss import ASKED, RouterTally, asked
 from pipeline.skip.layout import SkipLayout, inspect_skip_layout
 from pipeline.step.cache import described_by_repr
 from pipeline.step.losses import LossDivisor
@@ -347,14 +347,13 @@ class DistributedPipe(PipeBase):
         It weighs each token by the input's attention mask where the
         routers run, so every process needs the input then, not stage 0's alone.
         """
-        source = self._router_loss
-        if source is None or source.settings() is None:
+        if asked(self._router_loss) is None:
             return None
         if not batches:
             if call.input is None and call.kwargs is None:
                 raise ValueError(
-                    f"the model asks for its router loss (output_router_logits), which weighs "
-                    f"each token by the step's attention mask in every process running routers: "
+                    f"{ASKED}, which weighs each token by the step's attention mask in every "
+                    f"process running routers: "
                     f"pass the same input and kwargs on every process (rank {self.rank} got "
                     "none)"
                 )

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from pipeline.runtime.microbatch import scatter
+from pipeline.runtime.router_loss import ASKED, asked
 
 __all__ = [
     "CHECKPOINTS",
@@ -169,12 +170,11 @@ def _positive_int(name: str, value: object) -> int:
 
 def _refuse_router_loss_schedules(model: nn.Sequential, schedules: Sequence[str]) -> None:
     """Refuse schedules a model asking for its router loss cannot step with (GPipe only)."""
-    source = getattr(model, "router_loss", None)
     others = [s for s in schedules if s != "gpipe"]
-    if source is not None and source.settings() is not None and others:
+    if asked(getattr(model, "router_loss", None)) is not None and others:
         raise ValueError(
-            f"the model asks for its router loss (output_router_logits), a load-balancing loss "
-            f"over the whole batch that only GPipe gives exactly (docs/split.md); schedules "
+            f"{ASKED}, a load-balancing loss over the whole batch that only GPipe gives "
+            f"exactly (docs/split.md); schedules "
             f"{others} would be refused at their first step: pass schedules=('gpipe',)"
         )
 

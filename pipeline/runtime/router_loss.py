@@ -65,10 +65,12 @@ from pipeline.runtime.rng import running_microbatch
 from pipeline.runtime.stream import Stream, copy_to, current_stream, synchronize
 
 __all__ = [
+    "ASKED",
     "Router",
     "RouterLossSource",
     "RouterSettings",
     "RouterTally",
+    "asked",
     "check_loss",
     "gradient",
     "recording_logits",
@@ -110,7 +112,13 @@ class RouterLossSource(Protocol):
         """Each micro-batch's call of the model, by argument name."""
 
 
+ASKED = "the model asks for its router loss (output_router_logits)"
 _OFF = "or set output_router_logits False in the model's config"
+
+
+def asked(source: RouterLossSource | None) -> RouterSettings | None:
+    """The settings of the router loss ``source`` asks for now, or None (none, or not asked)."""
+    return None if source is None else source.settings()
 
 
 def step_tally(
@@ -135,7 +143,7 @@ def step_tally(
     ``here``: the modules this process runs; ``grad_scaler``: the step's,
     whose scale the loss's gradient takes as the scaled losses' do.
     """
-    settings = None if source is None else source.settings()
+    settings = asked(source)
     if source is None or settings is None:
         return None
     why = _refusal(early_backward, loss_fn, divisor)
@@ -147,8 +155,8 @@ def step_tally(
         )
     if why is not None:
         raise ValueError(
-            f"the model asks for its router loss (output_router_logits), a load-balancing loss "
-            f"over the whole batch, which a pipe adds as the model does; but {why}, {_OFF}"
+            f"{ASKED}, a load-balancing loss over the whole batch, which a pipe adds as the "
+            f"model does; but {why}, {_OFF}"
         )
     routers = [router for router in source.routers if router.module in here]
     masks = [call.get("attention_mask") for call in calls]
@@ -181,10 +189,9 @@ def check_loss(output: Any, loss: Tensor) -> None:
     """Refuse a ``loss_fn`` that did not return ``out.loss`` itself (the router loss joins that)."""
     if getattr(output, "loss", None) is not loss:
         raise ValueError(
-            "the model asks for its router loss (output_router_logits), which the step adds "
-            "once to the sum of the micro-batches' out.loss, as transformers adds it to "
-            "out.loss; but loss_fn returned another tensor than out.loss: return out.loss "
-            f"itself, {_OFF}"
+            f"{ASKED}, which the step adds once to the sum of the micro-batches' out.loss, as "
+            "transformers adds it to out.loss; but loss_fn returned another tensor than "
+            f"out.loss: return out.loss itself, {_OFF}"
         )
 
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from pipeline.split.where import describe_module
 
-__all__ = ["captured_modules", "refuse_hooks", "refuse_recorded_outputs"]
+__all__ = ["captured_modules", "model_configs", "refuse_hooks", "refuse_recorded_outputs"]
 
 # What transformers' models record with hooks when asked by an ``output_<key>`` flag;
 # a model adds its own keys in its class's ``_can_record_outputs``.
@@ -67,6 +67,12 @@ def _kinds(module: nn.Module) -> list[str]:
     return [kind for kind, hooks in found.items() if hooks]
 
 
+def model_configs(model: nn.Module) -> list[Any]:
+    """The configs the model's modules hold (transformers' ``config``), each once."""
+    found = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None}
+    return list(found.values())
+
+
 def refuse_recorded_outputs(
     model: nn.Module,
     kwargs: dict[str, Any],
@@ -80,19 +86,16 @@ def refuse_recorded_outputs(
     ``allowed`` are not refused (split keeps what they ask for: ``routers.py``).
     """
     keys = set(RECORDED)
-    configs: dict[int, Any] = {}
     for module in model.modules():
         declared = getattr(module, "_can_record_outputs", None)
         if isinstance(declared, dict):
             keys.update(str(key) for key in declared)
-        config = getattr(module, "config", None)
-        if config is not None:
-            configs[id(config)] = config
+    configs = model_configs(model)
     for flag in sorted(f"output_{key}" for key in keys if f"output_{key}" not in allowed):
         if flag in kwargs:
             asked, source = bool(kwargs[flag]), f"{flag}={kwargs[flag]!r} was passed"
         else:
-            asked = any(getattr(config, flag, False) for config in configs.values())
+            asked = any(getattr(config, flag, False) for config in configs)
             source = f"the model's config sets {flag}"
         if asked:
             raise error(

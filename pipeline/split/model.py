@@ -25,7 +25,7 @@ from typing import Any, NoReturn, overload
 from torch import nn
 
 from pipeline.runtime.microbatch import Arguments
-from pipeline.runtime.router_loss import recording_logits
+from pipeline.runtime.router_loss import asked, recording_logits
 from pipeline.split.piece import Piece
 from pipeline.split.routers import RouterLoss
 
@@ -83,7 +83,7 @@ class SplitModel(nn.Sequential):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         router_loss = self._router_loss
-        if router_loss is None or router_loss.settings() is None:
+        if router_loss is None or asked(router_loss) is None:
             return self._run(args, kwargs)
         with recording_logits(router_loss.routers) as logits:
             output = self._run(args, kwargs)

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from pipeline.runtime.router_loss import Router, RouterSettings, gradient, tokens, value
+from pipeline.split.hooks import model_configs
 from pipeline.split.signature import Signature
 
 __all__ = ["FLAG", "RouterLoss", "router_loss_of"]
@@ -97,13 +98,7 @@ def asked(model: nn.Module, kwargs: dict[str, Any]) -> tuple[bool, bool]:
     """Whether the call asks for router logits, and whether the call itself (not a config) does."""
     if FLAG in kwargs:
         return bool(kwargs[FLAG]), True
-    return any(getattr(c, FLAG, False) for c in _configs(model)), False
-
-
-def _configs(model: nn.Module) -> list[Any]:
-    """The configs the model's modules hold, each once."""
-    found = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None}
-    return list(found.values())
+    return any(getattr(c, FLAG, False) for c in model_configs(model)), False
 
 
 def router_loss_of(
@@ -185,9 +180,9 @@ def _matcher(spec: Any) -> tuple[Callable[[str, nn.Module], bool], int]:
     if isinstance(spec, type | str):
         # A bare class or name records its output's item 1 (transformers' rule for all but
         # hidden states).
-        target, suffix, layer, index = (
-            (spec, None, None, 1) if isinstance(spec, type) else (None, spec, None, 1)
-        )
+        target = spec if isinstance(spec, type) else None
+        suffix = spec if isinstance(spec, str) else None
+        layer, index = None, 1
     else:
         target, suffix = getattr(spec, "target_class", None), getattr(spec, "class_name", None)
         layer, index = getattr(spec, "layer_name", None), int(getattr(spec, "index", 0))
@@ -241,7 +236,7 @@ def _differs(function: Callable[..., Any], how: str) -> str:
 @contextmanager
 def flag_off(model: nn.Module) -> Iterator[None]:
     """Within the block, the model's configs do not ask for router logits (for the capture)."""
-    on = [c for c in _configs(model) if getattr(c, FLAG, False)]
+    on = [c for c in model_configs(model) if getattr(c, FLAG, False)]
     for config in on:
         setattr(config, FLAG, False)
     try:
