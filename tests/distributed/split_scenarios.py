@@ -307,6 +307,49 @@ def split_mixtral_router_loss_on_meta_in_gpipe_like_the_plain_model() -> None:
     pipe.close()
 
 
+@scenario
+def split_mixtral_router_loss_in_data_parallel_like_ddp_of_the_plain_model() -> None:
+    """Under DataParallel each replica's router loss is over its own rows, as under DDP (and
+    docs/split.md says): the replicas' averaged gradients equal the plain model's averaged over
+    the replicas' rows, each replica's loss the plain model's on its rows."""
+    plain = asking_for_the_router_loss(seeded(mixtral))
+    model = asking_for_the_router_loss(seeded(mixtral))
+    ids, mask, _ = batch()
+    labels = ids.clone()
+    labels[1, :3] = -100  # the replicas count different tokens
+    rows = ids.shape[0] // world()
+
+    def recipe(part: slice) -> dict[str, Any]:
+        n = (labels[part][..., 1:] != -100).sum()
+        return {"attention_mask": mask[part], "labels": labels[part], "num_items_in_batch": n}
+
+    seq = pipeline.split(model, (ids[:1],), recipe(slice(0, 1)))
+    dp = pipeline.DataParallel(pipeline.Pipe(seq, [2, 2], chunks=rows))
+    mine = slice(rank() * rows, (rank() + 1) * rows)
+    mine_recipe = recipe(mine)
+    mine_recipe["num_items_in_batch"] = pipeline.NoChunk(mine_recipe["num_items_in_batch"])
+    loss = dp.step(
+        ids[mine],
+        labels[mine],
+        hf_labels.out_loss,
+        kwargs=mine_recipe,
+        loss_reduction="sum",
+        schedule="gpipe",
+    )
+    for r in range(world()):
+        part = slice(r * rows, (r + 1) * rows)
+        out = plain(ids[part], **recipe(part))
+        assert out.aux_loss is not None and float(out.aux_loss) > 0
+        (out.loss / world()).backward()
+        if r == rank():
+            torch.testing.assert_close(loss, out.loss.detach())
+    reference = dict(plain.named_parameters())
+    for name, parameter in model.named_parameters():
+        assert parameter.grad is not None, name
+        torch.testing.assert_close(parameter.grad, reference[name].grad, msg=name)
+    dp.module.close()
+
+
 def set_dropout(model: nn.Module, p: float) -> None:
     """Inside GPT-2's blocks (each called as itself), a dropout's p is read at each call."""
     for module in model.modules():

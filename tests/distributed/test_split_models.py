@@ -22,6 +22,7 @@ SHARED = [
     "split_gpt2_in_eval_mode_across_processes",
     "split_mixtral_with_eager_experts_on_meta_trains_like_the_plain_model",
     "split_mixtral_router_loss_on_meta_in_gpipe_like_the_plain_model",
+    "split_mixtral_router_loss_in_data_parallel_like_ddp_of_the_plain_model",
 ]
 
 
