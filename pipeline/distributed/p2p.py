@@ -80,6 +80,7 @@ from pipeline.distributed.wire_format import (
     ENVELOPE_BYTES,
     HEAD_BYTES,
     STOP,
+    KnownValues,
     Layout,
     MalformedMessageError,
     TensorSlot,
@@ -149,6 +150,8 @@ class P2PTransport:
         self._received: dict[int, Counter[tuple[int, str]]] = {}
         self._received_lock = threading.Lock()
         self._mailboxes = Mailboxes(timeout)
+        # Each peer's recent descriptions, decoded: read by its listener alone.
+        self._known = {peer: KnownValues() for peer in self.peers}
         self._send_locks = {peer: threading.Lock() for peer in self.peers}
         # The room each peer's listener posted for the next envelope from here (under the
         # peer's send lock); its listener keeps the same number (wire_format.layout).
@@ -459,12 +462,12 @@ class P2PTransport:
         """
         received = _waited(envelope)
         room = received.numel()
-        kind, length, count = read_head(_as_bytes(received[:HEAD_BYTES]))
+        kind, length, count = read_head(_bytes_of(received, 0, HEAD_BYTES))
         if HEAD_BYTES + length <= room:
-            description = _as_bytes(received[HEAD_BYTES : HEAD_BYTES + length])
+            description = _bytes_of(received, HEAD_BYTES, length)
         else:
-            description = _as_bytes(_waited(self._expect(_buffer(length), peer)))
-        described = decode(description, kind, count, self.max_message_bytes)
+            description = _bytes_of(_waited(self._expect(_buffer(length), peer)), 0, length)
+        described = decode(description, kind, count, self.max_message_bytes, self._known[peer])
         slots = dict(described.slots())
         laid = layout(room, length, [slot.nbytes for slot in slots.values()])
         tensors: dict[int, torch.Tensor | _Arriving] = (
@@ -476,7 +479,9 @@ class P2PTransport:
             }
         )
         if kind != STOP:
-            envelope = self._expect(_buffer(laid.next_room), peer)
+            # What this envelope held is copied out by now: the next one may come in it.
+            reused = received if room == laid.next_room else _buffer(laid.next_room)
+            envelope = self._expect(reused, peer)
         values = [tensors.get(k, leaf) for k, leaf in enumerate(described.leaves)]
         message = Message(values, described.spec, described.differentiable)
         return kind, described.key, message, envelope
@@ -536,10 +541,11 @@ def _notes(error: BaseException) -> list[str]:
     return notes
 
 
-def _as_bytes(buffer: torch.Tensor) -> bytes:
-    """A uint8 tensor's contents (without NumPy, which this library does not need)."""
-    on_cpu = buffer.cpu()
-    return ctypes.string_at(on_cpu.data_ptr(), on_cpu.numel())
+def _bytes_of(buffer: torch.Tensor, start: int, length: int) -> bytes:
+    """``length`` bytes of a uint8 tensor from ``start`` (which the caller checked fit)."""
+    if buffer.is_cuda:
+        return _bytes_of(buffer[start : start + length].cpu(), 0, length)
+    return ctypes.string_at(buffer.data_ptr() + start, length)
 
 
 def _waited(receipt: _Receipt) -> torch.Tensor:

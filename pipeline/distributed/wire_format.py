@@ -59,6 +59,7 @@ __all__ = [
     "ROOM_SLACK_BYTES",
     "STOP",
     "Description",
+    "KnownValues",
     "Layout",
     "MalformedMessageError",
     "TensorSlot",
@@ -324,16 +325,21 @@ def _hint(x: Any) -> str:
 
 
 def decode(
-    data: bytes, kind: int, count: int, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    data: bytes,
+    kind: int,
+    count: int,
+    max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    known: KnownValues | None = None,
 ) -> Description:
     """A peer's description of a message of ``kind`` and ``count`` tensors, checked.
+
+    ``known`` keeps the values of this peer's recent descriptions: a stage's
+    messages differ from one micro-batch to the next in their key alone.
 
     Raises MalformedMessageError if it is not one, as this module encodes it.
     """
     reader = _Reader(data, max_bytes)
-    header, value = reader.value(0), reader.value(0)
-    if reader.position != len(data):
-        raise MalformedMessageError(f"{len(data) - reader.position} bytes after the description")
+    header = reader.value(0)
     if not (isinstance(header, tuple) and len(header) == 3):
         raise MalformedMessageError("the description does not start with its key and flags")
     key, structured, differentiable = header
@@ -341,19 +347,65 @@ def decode(
         isinstance(differentiable, list) and all(type(d) is bool for d in differentiable)
     ):
         raise MalformedMessageError("the description's flags are not booleans")
-    if structured:
-        leaves, spec = tree_flatten(value)
-    elif isinstance(value, list):
-        leaves, spec = value, None
-    else:
-        raise MalformedMessageError("an unstructured message that is not a list of leaves")
+    rest = data[reader.position :]
+    value = known.get(structured, rest) if known is not None else None
+    if value is None:
+        value = _value(reader, structured)
+        if known is not None:
+            known.add(structured, rest, value)
+    leaves, spec = value
     if differentiable and len(differentiable) != len(leaves):
         raise MalformedMessageError(
             f"{len(differentiable)} differentiable flags for {len(leaves)} values"
         )
-    described = Description(key, leaves, spec, differentiable)
+    described = Description(key, list(leaves), spec, differentiable)
     _check_form(kind, count, described)
     return described
+
+
+_Value = tuple[tuple[Any, ...], TreeSpec | None]
+_CONTAINERS = (tuple, list, dict)
+
+
+def _value(reader: _Reader, structured: bool) -> _Value:
+    """The leaves and spec of the value that ends the description, checked."""
+    value = reader.value(0)
+    if reader.position != len(reader.data):
+        raise MalformedMessageError(
+            f"{len(reader.data) - reader.position} bytes after the description"
+        )
+    if structured:
+        leaves, spec = tree_flatten(value)
+        return tuple(leaves), spec
+    if isinstance(value, list):
+        return tuple(value), None
+    raise MalformedMessageError("an unstructured message that is not a list of leaves")
+
+
+class KnownValues:
+    """The decoded values of a peer's last few descriptions, by their bytes.
+
+    Only small descriptions are kept, and a few of them: what a peer sends
+    cannot make this grow. Only values whose leaves are immutable (tensor
+    slots and plain values, no containers) are kept, so that one decoded
+    value serves every message it describes.
+    """
+
+    ENTRIES = 16
+    LARGEST = 4096
+
+    def __init__(self) -> None:
+        self._values: dict[tuple[bool, bytes], _Value] = {}
+
+    def get(self, structured: bool, data: bytes) -> _Value | None:
+        return self._values.get((structured, data))
+
+    def add(self, structured: bool, data: bytes, value: _Value) -> None:
+        if len(data) > self.LARGEST or any(type(x) in _CONTAINERS for x in value[0]):
+            return
+        if len(self._values) >= self.ENTRIES:
+            del self._values[next(iter(self._values))]
+        self._values[structured, data] = value
 
 
 def _check_form(kind: int, count: int, described: Description) -> None:

@@ -22,6 +22,7 @@ from pipeline.distributed.wire_format import (
     MAX_ROOM_BYTES,
     ROOM_SLACK_BYTES,
     STOP,
+    KnownValues,
     MalformedMessageError,
     TensorSlot,
     decode,
@@ -242,3 +243,40 @@ def test_what_does_not_fit_goes_apart_and_the_next_room_is_the_whole_message() -
 def test_the_room_stays_within_its_bounds() -> None:
     assert layout(MAX_ROOM_BYTES, 10, [2 * MAX_ROOM_BYTES]).next_room == MAX_ROOM_BYTES
     assert layout(MAX_ROOM_BYTES, 10, []).next_room == ENVELOPE_BYTES
+
+
+def test_a_known_value_serves_the_next_message_and_its_checks_still_run() -> None:
+    known = KnownValues()
+    x = torch.randn(4, 8)
+    first, _ = encode((3, ("act", 1, 0)), [x], None, [True], where)
+    second, _ = encode((3, ("act", 1, 1)), [x], None, [True], where)
+    a = decode(first, DATA, 1, known=known)
+    b = decode(second, DATA, 1, known=known)
+    assert (a.key, b.key) == ((3, ("act", 1, 0)), (3, ("act", 1, 1)))
+    assert a.leaves == b.leaves == [TensorSlot(torch.float32, (4, 8), 128)]
+    assert a.leaves is not b.leaves
+    assert len(known._values) == 1  # the second message's value came from the first's
+    with pytest.raises(MalformedMessageError, match="announcing 2 tensors"):
+        decode(second, DATA, 2, known=known)
+
+
+def test_a_value_with_containers_among_its_leaves_is_decoded_anew_each_time() -> None:
+    # Only a peer that does not follow the stages sends this; a receiver that
+    # changes the list it got must not change what the next message decodes to.
+    known = KnownValues()
+    data, _ = encode(KEY, [[1, 2]], None, [], where)
+    first = decode(data, DATA, 0, known=known)
+    first.leaves[0].append(3)
+    assert decode(data, DATA, 0, known=known).leaves == [[1, 2]]
+    assert len(known._values) == 0
+
+
+def test_known_values_stay_few_and_small() -> None:
+    known = KnownValues()
+    for n in range(KnownValues.ENTRIES + 4):
+        data, _ = encode(KEY, [torch.zeros(n + 1)], None, [], where)
+        decode(data, DATA, 1, known=known)
+    large, _ = encode(KEY, ["x" * KnownValues.LARGEST], None, [], where)
+    decode(large, DATA, 0, known=known)
+    assert len(known._values) == KnownValues.ENTRIES
+    assert all(len(data) <= KnownValues.LARGEST for _, data in known._values)
