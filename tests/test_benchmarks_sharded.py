@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "benchmarks" / "sharded_stages.py"
 SCHEDULES = ("gpipe", "1f1b")
 TORCH = tuple(f"{torch_} {s}" for s in SCHEDULES for torch_ in ("torch", "torch kept"))
-CANDIDATES = {f"ours {s}" for s in SCHEDULES} | set(TORCH)
+OURS = tuple(f"{ours} {s}" for s in SCHEDULES for ours in ("ours", "ours resharded"))
+CANDIDATES = set(OURS) | set(TORCH)
 
 
 def test_quick_run_prints_the_comparison_as_json(torchrun: Torchrun) -> None:
@@ -33,6 +34,9 @@ def test_quick_run_prints_the_comparison_as_json(torchrun: Torchrun) -> None:
     assert set(figures["ms"]) == CANDIDATES
     assert set(figures["ours_over_torch_throughput"]) == set(TORCH)
     assert all(ratio > 0 for ratio in figures["ours_over_torch_throughput"].values())
+    resharded = figures["ours_resharded_over_torch_throughput"]
+    assert set(resharded) == {f"torch {s}" for s in SCHEDULES}
+    assert all(ratio > 0 for ratio in resharded.values())
     assert all(d <= 1e-12 for d in figures["max_grad_difference_from_plain"].values())
     for name in CANDIDATES:
         counts = figures["collectives_per_step_rank0"][name]
@@ -40,6 +44,14 @@ def test_quick_run_prints_the_comparison_as_json(torchrun: Torchrun) -> None:
         assert counts["reduce_scatter_single"] == 4, (name, counts)
         assert counts["send"] > 0 and counts["recv"] > 0, (name, counts)
         assert all(b > 0 for b in figures["saved_peak_bytes_per_rank"][name])
+        if name.startswith("ours resharded"):
+            # Sharded as torch's default: the same gathers, the same memory.
+            twin = name.replace("ours resharded", "torch")
+            for key in ("collectives_per_step_rank0", "saved_and_gathered_peak_bytes_per_rank"):
+                expected = figures[key][twin]
+                if key == "collectives_per_step_rank0":
+                    expected = expected | {"all_gather": 1}  # the step's agreement
+                assert figures[key][name] == expected, (name, key)
         states = figures["state_bytes_per_rank"][name]
         assert len(states) == 4
         assert all(2 * b == figures["stage_state_bytes"] for b in states), (name, states)

@@ -15,7 +15,10 @@ block and then on the stage (its root), FSDP's default settings:
   ``Schedule1F1B`` (which run FSDP's post-backward in their REDUCE_GRAD);
 - torch's again with its blocks sharded with ``reshard_after_forward=False``
   ("torch kept"), torchtitan's choice under pp: gathered once per step, as
-  ours keeps a unit whose resharding was left to FSDP.
+  ours keeps a unit whose resharding was left to FSDP;
+- ours again with its blocks sharded with ``reshard_after_forward=True``
+  ("ours resharded"): gathered for every forward, as torch's default, so
+  that each of torch's two has a partner with its collectives and memory.
 
 For each m of ``--chunks``: first a gate, every candidate's full gradients
 against the plain model's in float64; then, in float32, one counted step per
@@ -115,13 +118,19 @@ def half(tensor: Tensor, mesh: DeviceMesh) -> Tensor:
 
 
 def ours(
-    model: nn.Sequential, mesh: DeviceMesh, m: int, schedule: str, x: Tensor, y: Tensor
+    model: nn.Sequential,
+    mesh: DeviceMesh,
+    m: int,
+    schedule: str,
+    x: Tensor,
+    y: Tensor,
+    reshard: bool | None = None,
 ) -> Candidate:
     pipe = DistributedPipe(
         model, [len(model) // 2] * 2, chunks=m, checkpoint="never", group=mesh["pp"].get_group()
     )
     for s in pipe.local_stages:
-        shard(pipe.partitions[s], mesh["dp"])
+        shard(pipe.partitions[s], mesh["dp"], reshard)
     optimizer = torch.optim.AdamW(pipe.parameters())
 
     def step() -> None:
@@ -164,6 +173,9 @@ def candidates(shape: Shape, mesh: DeviceMesh, m: int, dtype: torch.dtype) -> di
     built = {}
     for schedule, kind in PAIRS:
         built[f"ours {schedule}"] = ours(copy.deepcopy(model), mesh, m, schedule, x, y)
+        built[f"ours resharded {schedule}"] = ours(
+            copy.deepcopy(model), mesh, m, schedule, x, y, True
+        )
         built[f"torch {schedule}"] = torchs(copy.deepcopy(model), mesh, m, kind, x, y)
         built[f"torch kept {schedule}"] = torchs(copy.deepcopy(model), mesh, m, kind, x, y, False)
     return built
@@ -322,6 +334,13 @@ def measure(shape: Shape, mesh: DeviceMesh, m: int, rounds: int) -> dict[str, An
             for schedule, _ in PAIRS
             for torch_ in ("torch", "torch kept")
         },
+        # Alike sharded: both gather a block for every forward.
+        "ours_resharded_over_torch_throughput": {
+            f"torch {schedule}": round(
+                median_ratio(times, f"torch {schedule}", f"ours resharded {schedule}"), 3
+            )
+            for schedule, _ in PAIRS
+        },
         "max_grad_difference_from_plain": differences,
         "collectives_per_step_rank0": {n: c[0]["collectives"] for n, c in counts.items()},
         "saved_peak_bytes_per_rank": {n: [r["saved_peak"] for r in c] for n, c in counts.items()},
@@ -341,14 +360,18 @@ def report(result: dict[str, Any]) -> None:
     print(f"m = {result['chunks']} micro-batches per replica")
     for name, ms in result["ms"].items():
         saved = max(result["saved_peak_bytes_per_rank"][name]) / 2**20
+        gathered = max(result["saved_and_gathered_peak_bytes_per_rank"][name]) / 2**20
         state = max(result["state_bytes_per_rank"][name]) / result["stage_state_bytes"]
         print(
-            f"  {name:17s} {ms:8.1f} ms  saved peak {saved:6.2f} MiB"
+            f"  {name:20s} {ms:8.1f} ms  saved peak {saved:6.2f} MiB"
+            f" (+ gathered {gathered:6.2f})"
             f"  state {state:.2f} of a stage's"
             f"  {result['collectives_per_step_rank0'][name]}"
         )
     for name, ratio in result["ours_over_torch_throughput"].items():
         print(f"  ours {ratio:.3f}x the throughput of {name} (median of rounds' ratios)")
+    for name, ratio in result["ours_resharded_over_torch_throughput"].items():
+        print(f"  ours resharded {ratio:.3f}x the throughput of {name} (median of rounds' ratios)")
 
 
 def main(argv: list[str] | None = None) -> None:
