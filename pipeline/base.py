@@ -438,6 +438,7 @@ class PipeBase(nn.Module, ABC):
             grad_scaler=grad_scaler,
             divisor=call.loss_divisor,
             reduce=reduce,
+            stepping=programs is not None,
         )
 
     def _programs(self, schedule: Schedule, m: int) -> tuple[list[Program], Simulation]:

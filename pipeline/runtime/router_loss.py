@@ -41,9 +41,11 @@ forward runs before any backward (GPipe) is then exact::
         backward: out's gradient passes through; z gets the loss's term too
 
 The step adds ``coefficient · aux`` to its loss, as transformers adds it to
-``out.loss``. On GPUs each stream sums its own tokens (a stream orders only
-its own work), ``close`` waits for those streams once, and a stream reads
-the masks and the totals from copies queued on it: no sync per router call.
+``out.loss``. At its end it checks that every block output the term rode on
+had a backward: one that the model does not carry on would drop the term.
+On GPUs each stream sums its own tokens (a stream orders only its own
+work), ``close`` waits for those streams once, and a stream reads the
+masks and the totals from copies queued on it: no sync per router call.
 ``RouterLossSource`` is what a split model gives
 (``pipeline/split/routers.py``); this file knows no model.
 """
@@ -111,6 +113,10 @@ class RouterLossSource(Protocol):
     def calls(self, values: list[Any]) -> list[dict[str, Any]]:
         """Each micro-batch's call of the model, by argument name."""
 
+    def recomputes_itself(self) -> str | None:
+        """The name of a module around a router that would run it again in backward (its
+        own activation checkpointing, on in training), or None."""
+
 
 ASKED = "the model asks for its router loss (output_router_logits)"
 _OFF = "or set output_router_logits False in the model's config"
@@ -131,6 +137,7 @@ def step_tally(
     grad_scaler: Any,
     divisor: Any,
     reduce: Callable[[Tensor], Tensor] | None = None,
+    stepping: bool = True,
 ) -> RouterTally | None:
     """A step's or an evaluation's tally, or None without a router loss.
 
@@ -139,7 +146,9 @@ def step_tally(
     the first such action, as text), no labels (transformers adds
     the loss to ``out.loss`` only with labels), a divisor (the loss is
     added apart from the divided micro-batch losses), an evaluation of
-    outputs only. ``values``: each micro-batch's first-layer input;
+    outputs only, a step through a module that checkpoints itself (its
+    recomputation in backward would run routers outside the step's
+    micro-batches). ``values``: each micro-batch's first-layer input;
     ``here``: the modules this process runs; ``grad_scaler``: the step's,
     whose scale the loss's gradient takes as the scaled losses' do.
     """
@@ -147,6 +156,14 @@ def step_tally(
     if source is None or settings is None:
         return None
     why = _refusal(early_backward, loss_fn, divisor)
+    itself = source.recomputes_itself() if stepping and why is None else None
+    if itself is not None:
+        why = (
+            f"{itself!r} checkpoints itself, and would run its routers again in backward, "
+            "outside the step's micro-batches: turn its checkpointing off (transformers: "
+            "model.gradient_checkpointing_disable()) and let the pipe recompute "
+            "(checkpoint='always')"
+        )
     calls = source.calls(values)
     if why is None and calls and not isinstance(calls[0].get("labels"), Tensor):
         why = (
@@ -306,6 +323,9 @@ class RouterTally:
         self._partial: dict[Stream, Tensor] = {}
         self._copies: dict[tuple[int, Stream], Tensor] = {}
         self._calls = 0
+        # The blocks' outputs that carry the loss's gradient, and the backwards through them.
+        self._carriers = 0
+        self._carried = 0
         self._totals: Tensor | None = None
         # Each thread's blocks being run: the router calls inside each.
         self._pending = threading.local()
@@ -321,6 +341,7 @@ class RouterTally:
                 handles.append(block.register_forward_pre_hook(self._enter_block))
                 handles.append(block.register_forward_hook(self._leave_block))
             yield
+            self._check_carried()
         finally:
             for handle in handles:
                 handle.remove()
@@ -342,6 +363,9 @@ class RouterTally:
             return None
         logits = [z for z, _, _ in entries]
         kept = [(p, weights) for _, p, weights in entries]
+        if not is_recomputing():  # a recomputed graph's backward is its forward's
+            with self._lock:
+                self._carriers += 1
         if isinstance(output, Tensor):
             return _AddRouterGradient.apply(self, kept, output, *logits)
         if isinstance(output, tuple) and output and isinstance(output[0], Tensor):
@@ -352,6 +376,26 @@ class RouterTally:
             "its gradient through the block's output, which must be a tensor or a tuple "
             "starting with one"
         )
+
+    def carried(self) -> None:
+        """A backward through a block's output: its routers' logits got their terms."""
+        with self._lock:
+            self._carried += 1
+
+    def _check_carried(self) -> None:
+        """Raise if a block's output that carries the loss's gradient had no backward.
+
+        A block whose first output the model does not carry on (split keeps
+        routers from being points for this) would leave its routers without
+        their terms, and every gradient before them wrong.
+        """
+        if self._carried != self._carriers:
+            raise RuntimeError(
+                f"the router loss's gradient reached {self._carried} of the {self._carriers} "
+                "block outputs it rides on in this step: a block holding routers returned a "
+                "first output that the model does not carry on, so its routers' gradients miss "
+                "the loss's term; split with the MoE block or the decoder layer as the point"
+            )
 
     def _hook_of(self, router: Router) -> Callable[[nn.Module, Any, Any], None]:
         def hook(_module: nn.Module, _args: Any, output: Any) -> None:
@@ -496,6 +540,7 @@ class _AddRouterGradient(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         tally: RouterTally = ctx.tally
+        tally.carried()
         saved = ctx.saved_tensors
         terms = [
             gradient(p, tally.totals_on(p.device), tally.scale_on(p.device), weights)

@@ -62,6 +62,7 @@ class RouterLoss:
         self.function = function
         self._in_call = in_call
         self._signature = signature
+        self._around = _around(model, routers)
 
     def settings(self) -> RouterSettings | None:
         """The loss's settings, read now; None when the config no longer asks for it."""
@@ -73,6 +74,18 @@ class RouterLoss:
     def calls(self, values: list[Any]) -> list[dict[str, Any]]:
         """Each micro-batch's call of the model (a first layer's input), by argument name."""
         return [self._signature.arguments(v) for v in values]
+
+    def recomputes_itself(self) -> str | None:
+        """A module around a router whose transformers gradient checkpointing is on in
+        training (it runs its forward again in backward), by name; or None."""
+        return next(
+            (
+                name
+                for name, m in self._around
+                if m.training and getattr(m, "gradient_checkpointing", False) is True
+            ),
+            None,
+        )
 
     def added_to(self, output: Any, logits: list[Tensor], call: dict[str, Any]) -> Any:
         """``output`` of ``seq(...)`` made the model's: its loss, ``aux_loss`` and logits added."""
@@ -92,6 +105,18 @@ class RouterLoss:
         if output.loss is not None:
             output["loss"] = output.loss + settings.coefficient * aux.to(output.loss.device)
         return output
+
+
+def _around(model: nn.Module, routers: list[Router]) -> list[tuple[str, nn.Module]]:
+    """The routers and the modules around them that transformers can checkpoint (they have
+    its ``gradient_checkpointing`` switch), by name."""
+    names = {
+        ".".join(parts[:k])
+        for parts in (router.name.split(".") for router in routers)
+        for k in range(len(parts) + 1)
+    }
+    modules = ((name, model.get_submodule(name)) for name in sorted(names))
+    return [(name or "the model", m) for name, m in modules if hasattr(m, "gradient_checkpointing")]
 
 
 def asked(model: nn.Module, kwargs: dict[str, Any]) -> tuple[bool, bool]:
@@ -152,6 +177,15 @@ def _routers(
                 f"router {name!r} ({type(module).__name__}) runs outside the blocks, in code "
                 f"that split captures, so its logits cannot be followed for the {FLAG} loss: "
                 "name the module that holds it in points, or set the flag False"
+            )
+        if block is module:
+            # Its gradient term would ride on its own output, the logits, which the MoE
+            # block does not pass on: it would never reach the router.
+            raise error(
+                f"router {name!r} ({type(module).__name__}) is itself a point of the split; "
+                f"the {FLAG} loss gives the router its gradient through the output of the "
+                "piece around it, which the model carries on: name the module that holds it "
+                "(its MoE block or its decoder layer) in points instead, or set the flag False"
             )
         routers.append(Router(name, module, block, index))
     if not routers:

@@ -12,6 +12,7 @@ tests/distributed/split_scenarios.py.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import sys
 from collections.abc import Callable
 from functools import cache
@@ -315,6 +316,48 @@ def test_a_router_outside_the_blocks_is_refused_at_split() -> None:
     ids, _, _ = batch()
     with pytest.raises(SplitError, match=r"router 'model.layers.0.mlp.gate'.*outside the blocks"):
         pipeline.split(model, (ids[:2],), points=["model.layers.0.mlp.experts"])
+
+
+def test_a_router_named_as_a_point_is_refused_at_split() -> None:
+    # Its own output, the logits, is not what the model carries on: its term would be lost.
+    model = asking(mixtral)
+    ids, _, _ = batch()
+    points = [f"model.layers.{i}.mlp.{name}" for i in range(2) for name in ("gate", "experts")]
+    with pytest.raises(SplitError, match=r"'model.layers.0.mlp.gate'.*itself a point"):
+        pipeline.split(model, (ids[:2],), points=points)
+
+
+def test_a_block_output_the_model_does_not_carry_on_fails_the_step_loudly() -> None:
+    # What split refuses above, made by hand: each router its own block.
+    _, seq = shared("mixtral")
+    source = seq.router_loss
+    original = list(source.routers)
+    source.routers[:] = [dataclasses.replace(r, block=r.module) for r in original]
+    pipe = Pipe(seq, [1, 1, 1, 1], devices=["cpu"] * 4, chunks=4)
+    try:
+        with pytest.raises(RuntimeError, match="reached 0 of the 8 block outputs it rides on"):
+            step(pipe)
+    finally:
+        source.routers[:] = original
+        pipe.close()
+
+
+def test_a_layer_that_checkpoints_itself_is_refused_before_any_gradient() -> None:
+    # transformers' gradient checkpointing would run the routers again in backward.
+    model, seq = shared("mixtral")
+    layer = model.model.layers[1]
+    pipe = Pipe(seq, [1, 1, 1, 1], devices=["cpu"] * 4, chunks=4)
+    layer.gradient_checkpointing = True
+    try:
+        with pytest.raises(ValueError, match=r"'model\.layers\.1' checkpoints itself"):
+            step(pipe)
+        assert all(p.grad is None for p in model.parameters())
+        layer.eval()  # transformers checkpoints in training only
+        step(pipe)
+    finally:
+        layer.gradient_checkpointing = False
+        layer.train()
+        pipe.close()
 
 
 def test_a_tuple_output_is_refused_at_split() -> None:
