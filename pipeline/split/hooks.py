@@ -44,7 +44,7 @@ def refuse_hooks(modules: list[tuple[str, nn.Module]], error: type[Exception], f
             or module._backward_pre_hooks
         ):
             raise error(
-                f"{describe_module(name, module)} has {' and '.join(_kinds(module))} hooks, but "
+                f"{describe_module(name, module)} has {' and '.join(_kinds(module))}, but "
                 "its forward is captured as torch ops by split, and the pieces run those ops "
                 f"without calling the module, so the hooks would never run: {fix}"
             )
@@ -57,6 +57,7 @@ def refuse_hooks(modules: list[tuple[str, nn.Module]], error: type[Exception], f
 
 
 def _kinds(module: nn.Module) -> list[str]:
+    """Each kind of hook ``module`` has, with the hooks' names (which say whose they are)."""
     backward = "full backward" if module._is_full_backward_hook else "backward"
     found = {
         "forward": module._forward_hooks,
@@ -64,7 +65,20 @@ def _kinds(module: nn.Module) -> list[str]:
         backward: module._backward_hooks,
         "backward pre": module._backward_pre_hooks,
     }
-    return [kind for kind, hooks in found.items() if hooks]
+    return [
+        f"{kind} hooks ({', '.join(_name(hook) for hook in hooks.values())})"
+        for kind, hooks in found.items()
+        if hooks
+    ]
+
+
+def _name(hook: Any) -> str:
+    """A hook function's qualified name: transformers' ``make_inputs_require_grads`` says
+    gradient checkpointing registered it."""
+    function = getattr(hook, "func", hook)  # a functools.partial's function
+    module = getattr(function, "__module__", None) or ""
+    name = getattr(function, "__qualname__", type(function).__qualname__)
+    return f"{module}.{name}" if module else name
 
 
 def model_configs(model: nn.Module) -> list[Any]:
