@@ -362,18 +362,19 @@ class P2PTransport:
                     self._wait_for_sends(self.timeout, [peer])
                 except RuntimeError as error:
                     raise PeerError(f"a send to rank {peer} did not complete: {error}") from error
-            # Framed once nothing can stop it from going: the room moves on with it.
-            parts = self._parts(peer, kind, description, tensors)
-            for part in parts:
-                on_wire = part.to(self.wire)
-                work = self._wire(self.me, peer).send([on_wire], self._wire_rank[peer], _TAG)
+            # Framed whole, on the wire, before its first part goes: a part that failed
+            # after the envelope had left would leave the peer reading what comes next
+            # (an abort) as its bytes.
+            for part in self._parts(peer, kind, description, tensors):
+                work = self._wire(self.me, peer).send([part], self._wire_rank[peer], _TAG)
                 with self._pending_lock:
-                    self._pending.setdefault(peer, []).append((work, on_wire))
+                    self._pending.setdefault(peer, []).append((work, part))
 
     def _parts(
         self, peer: int, kind: int, description: bytes, tensors: list[torch.Tensor]
     ) -> list[torch.Tensor]:
-        """A message's sends to ``peer``: its envelope, then what did not fit in the room."""
+        """A message's sends to ``peer``, on the wire: its envelope, then what did not fit in
+        the room. The room moves on once nothing can stop the message from going."""
         laid = layout(self._room[peer], len(description), [t.nbytes for t in tensors])
         first = head(kind, description, len(tensors), laid.description_inline)
         if laid.offsets is None:
@@ -390,6 +391,7 @@ class P2PTransport:
                 end = at + tensor.nbytes
                 envelope[at:end].copy_(_raw_bytes(tensor))
             parts = [envelope]
+        parts = [part.to(self.wire) for part in parts]
         self._room[peer] = laid.next_room  # the peer's listener moves on once it has this one
         return parts
 
@@ -577,7 +579,9 @@ def _inline(
 
 
 def _raw_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    """The bytes of ``tensor``'s values: a conjugate or negative view's resolved first."""
+    values = tensor.detach().resolve_conj().resolve_neg()
+    return values.contiguous().reshape(-1).view(torch.uint8)
 
 
 def _kind(key: Hashable) -> str:

@@ -48,6 +48,8 @@ from typing import Any, NoReturn
 import torch
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
+from pipeline.runtime.lazy import instance_of
+
 __all__ = [
     "ABORT",
     "DATA",
@@ -108,7 +110,7 @@ _DTYPES = {
 }
 
 _CARRIED = (
-    "messages between processes carry tensors, None, bool, int, float, complex, str, "
+    "messages between processes carry dense tensors, None, bool, int, float, complex, str, "
     "torch.dtype and torch.device, in tuples, lists and dicts with str or int keys"
 )
 
@@ -276,6 +278,17 @@ class _Writer:
             self.refuse(path, _what(x), _hint(x))
 
     def tensor(self, x: torch.Tensor, path: str) -> None:
+        if not _plain(x):
+            # It would arrive as a plain tensor, and code that asks its type would change.
+            self.refuse(
+                path,
+                f"a tensor of type {_type_name(x)}",
+                "; it would arrive as a plain torch.Tensor: send x.as_subclass(torch.Tensor) "
+                "(or the tensor it holds), or keep the layers that need the subclass in one stage",
+            )
+        if x.is_nested or x.is_quantized or x.layout != torch.strided:
+            form = "nested" if x.is_nested else "quantized" if x.is_quantized else str(x.layout)
+            self.refuse(path, f"a {form} tensor", "; send a dense one (to_dense, dequantize)")
         if x.nbytes != x.numel() * x.dtype.itemsize:
             self.refuse(path, f"a {x.dtype} tensor, which is not whole bytes per element")
         self.parts.append(b"t")
@@ -298,6 +311,15 @@ class _Writer:
             f"{self.where()} holds {what}{at}, which cannot be sent to another process: "
             f"{_CARRIED}{hint}"
         )
+
+
+def _plain(x: torch.Tensor) -> bool:
+    """Whether ``x`` is a tensor its receiver gets as it is: a plain one, a parameter (its
+    plain tensor), or the result of a collective still under way (tensor parallelism's
+    outputs), which is a plain tensor once waited for."""
+    return type(x) in (torch.Tensor, torch.nn.Parameter) or instance_of(
+        x, "torch.distributed._functional_collectives", "AsyncCollectiveTensor"
+    )
 
 
 def _type_name(x: Any) -> str:

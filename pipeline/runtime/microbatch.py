@@ -303,12 +303,17 @@ def _gather_column(column: list[Any], position: int) -> Any:
     if isinstance(first, Tensor):
         _check_concatenable(column, position)
         return torch.cat(column)
-    if any(value != first for value in column[1:]):
+    if any(not _same_value(value, first) for value in column[1:]):
         raise ValueError(
             f"output leaf {position} is a non-tensor that differs between micro-batches "
             f"({column!r}); return it as a tensor with a batch dimension to gather it"
         )
     return first
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """Whether two plain values are the same, a NaN the same as a NaN."""
+    return bool(a == b) or (isinstance(a, float) and isinstance(b, float) and a != a and b != b)
 
 
 def check_rows(leaves: Sequence[Any]) -> None:

@@ -274,11 +274,14 @@ class StageRun:
     def _call(self, i: int, stashed: _Stashed, recomputing: bool) -> Batch:
         """Run the partition on the stashed inputs, with this task's skips installed."""
         runtime = self.context.runtime
-        # Views, so that a layer may write into its input as it may into any
-        # non-leaf tensor; in-place first layers get copies (``protected``,
-        # ``pipeline/runtime/partitions.py``).
+        # Views, so that a layer may write into an input that needs no gradient as
+        # into any non-leaf tensor. One that needs a gradient is a leaf of this
+        # stage's graph, which no op may write into: a first layer that declares it
+        # writes into its input gets a copy (``protected``, ``runtime/partitions.py``),
+        # as do a checkpointed task's (the recomputation starts from what it saw)
+        # and the first stage's (the caller's input stays as it was).
         inputs = Batch.of([_view(x) for x in stashed.inputs.leaves], stashed.inputs.spec)
-        if runtime.protect_inputs[self.j] and (stashed.checkpointed or self.j == 0):
+        if runtime.protect_inputs[self.j]:
             inputs = protected(inputs)
         function = partial(runtime.call, self.j)
         if not self.context.skip_layout:

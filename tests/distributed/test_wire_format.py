@@ -80,6 +80,10 @@ class Opaque:
     pass
 
 
+class Marked(torch.Tensor):
+    """A tensor subclass: a stage may branch on it (``isinstance(x, Marked)``)."""
+
+
 @pytest.mark.parametrize(
     ("value", "fragment"),
     [
@@ -89,6 +93,9 @@ class Opaque:
         ((torch.ones(1), 2**64), "an int beyond 64 bits at [1]"),
         ((torch.ones(1), {(1, 2): 3}), "a key of type tuple"),
         ((torch.ones(1), slice(1)), "a value of type slice at [1]"),
+        # Each would arrive as a plain dense tensor, or not at all.
+        ((torch.ones(2).as_subclass(Marked),), f"a tensor of type {__name__}.Marked at [0]"),
+        ((torch.ones(2), torch.eye(2).to_sparse()), "a torch.sparse_coo tensor at [1]"),
     ],
 )
 def test_what_cannot_cross_is_refused_by_the_sender_naming_its_type_and_where(
@@ -280,3 +287,19 @@ def test_known_values_stay_few_and_small() -> None:
     decode(large, DATA, 0, known=known)
     assert len(known._values) == KnownValues.ENTRIES
     assert all(len(data) <= KnownValues.LARGEST for _, data in known._values)
+
+
+def test_a_parameter_crosses_as_the_plain_tensor_it_is() -> None:
+    leaves, tensors = round_trip(torch.nn.Parameter(torch.ones(2, 3)))
+    assert leaves == [TensorSlot(torch.float32, (2, 3), 24)] and len(tensors) == 1
+
+
+def test_a_conjugate_or_negative_view_travels_as_its_values() -> None:
+    from pipeline.distributed.p2p import _raw_bytes
+
+    z = torch.complex(torch.randn(3), torch.randn(3))
+    for view in (z.conj(), z.conj().imag):  # a conjugate view, then a negative one
+        assert view.is_conj() or view.is_neg()
+        sent = _raw_bytes(view)
+        values = view.resolve_conj().resolve_neg().contiguous()
+        assert torch.equal(sent.view(values.dtype).reshape(values.shape), values)

@@ -41,6 +41,13 @@ def test_gather_refuses_differing_non_tensors() -> None:
         gather([Batch((torch.ones(1), 1)), Batch((torch.ones(1), 2))])
 
 
+def test_gather_keeps_a_nan_that_every_micro_batch_returned() -> None:
+    out = gather([Batch((torch.ones(1), float("nan"))), Batch((torch.ones(1), float("nan")))])
+    assert out[1] != out[1]
+    with pytest.raises(ValueError, match="differs between micro-batches"):
+        gather([Batch((torch.ones(1), float("nan"))), Batch((torch.ones(1), 0.0))])
+
+
 @pytest.mark.parametrize(
     ("value", "error", "message"),
     [
