@@ -137,7 +137,7 @@ def step_tally(
     grad_scaler: Any,
     divisor: Any,
     reduce: Callable[[Tensor], Tensor] | None = None,
-    stepping: bool = True,
+    stepping: bool,
 ) -> RouterTally | None:
     """A step's or an evaluation's tally, or None without a router loss.
 
