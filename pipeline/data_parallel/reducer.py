@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Iterator
 from functools import partial
@@ -84,8 +85,21 @@ class Reducer:
         return self._buckets
 
     def prepare_for_backward(self, output: Any) -> None:
-        """Arm the reducer for the backward of `output`; called after every synced forward."""
+        """Arm the reducer for the backward of `output`; called after every synced forward.
+
+        The backward's end is known from a hook on the output's tensors: an
+        output that holds none DataParallel can find, while parameters would
+        get gradients, is refused, since each replica would keep its own.
+        """
         outputs = [t for t in tensors_in(output) if t.requires_grad]
+        if not outputs and torch.is_grad_enabled() and any(p.requires_grad for p in self._params):
+            raise TypeError(
+                f"DataParallel: the module returned {type(output).__name__}, in which it found "
+                "no tensor that requires grad (it looks in tensors, lists, tuples, dicts and "
+                "dataclasses); it averages the gradients when the backward through those "
+                "tensors ends, so a backward through others would leave each replica its own "
+                "gradients. Return the tensors in one of those containers"
+            )
         self.prepare_for_step()
         for tensor in outputs:
             tensor.register_hook(self._on_output_grad)
@@ -302,7 +316,8 @@ class Reducer:
 
 
 def tensors_in(output: Any) -> Iterator[torch.Tensor]:
-    """Every tensor inside a module's output: a tensor, or lists, tuples and dicts of them."""
+    """Every tensor inside a module's output: a tensor, or lists, tuples, dicts and
+    dataclasses of them (as DDP looks)."""
     if isinstance(output, torch.Tensor):
         yield output
     elif isinstance(output, (list, tuple)):
@@ -311,6 +326,9 @@ def tensors_in(output: Any) -> Iterator[torch.Tensor]:
     elif isinstance(output, dict):
         for item in output.values():
             yield from tensors_in(item)
+    elif dataclasses.is_dataclass(output) and not isinstance(output, type):
+        for field in dataclasses.fields(output):
+            yield from tensors_in(getattr(output, field.name))
 
 
 def leaves_reached(outputs: list[torch.Tensor]) -> set[int]:

@@ -81,6 +81,9 @@ class DataParallel(nn.Module):
         # Walking the module tree on every forward costs more than the
         # broadcast of a small model's buffers; like DDP, take them once.
         self._synced_buffers = list(module.buffers())
+        # The parameters frozen when wrapped: none of their gradients would be averaged.
+        averaged = {id(p) for _, p in named_params}
+        self._frozen = [(n, p) for n, p in module.named_parameters() if id(p) not in averaged]
         self._sync = True
         partitions = partition_of_each(module, [p for _, p in named_params])
         self.reducer = Reducer(
@@ -98,6 +101,8 @@ class DataParallel(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the replica; when it records a graph, its backward will average gradients."""
         records_graph = torch.is_grad_enabled()
+        if records_graph and self._sync:
+            self._refuse_unfrozen()
         if records_graph and self._sync and self.broadcast_buffers:
             self._broadcast_buffers()
         output = self.module(*args, **kwargs)
@@ -125,6 +130,8 @@ class DataParallel(nn.Module):
                 f"{type(self.module).__name__} has none (pipeline.Pipe does): call "
                 "model(x) and loss.backward() instead"
             )
+        if self._sync:
+            self._refuse_unfrozen()
         if self._sync and self.broadcast_buffers:
             self._broadcast_buffers()
         if self._sync:
@@ -148,6 +155,17 @@ class DataParallel(nn.Module):
             yield
         finally:
             self._sync = previous
+
+    def _refuse_unfrozen(self) -> None:
+        """Refuse a parameter frozen when wrapped that requires grad now: each replica would
+        keep its own gradient of it (DDP's too), and the replicas would drift apart."""
+        unfrozen = [name for name, p in self._frozen if p.requires_grad]
+        if unfrozen:
+            raise RuntimeError(
+                f"DataParallel: parameter '{unfrozen[0]}' requires grad now but did not when "
+                "DataParallel was built, so its gradients would not be averaged and the "
+                "replicas would drift apart; set requires_grad before wrapping (or wrap again)"
+            )
 
     def _broadcast_buffers(self) -> None:
         if self._synced_buffers:

@@ -11,6 +11,7 @@ not have it.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import sys
 import time
@@ -110,6 +111,54 @@ def matches_ddp_and_full_batch() -> None:
     F.mse_loss(full_batch(x), y).backward()
     assert_grads_close(model, ddp_model, "DataParallel vs DDP")
     assert_grads_close(model, full_batch, "DataParallel vs full batch")
+
+
+@dataclasses.dataclass
+class Prediction:
+    value: torch.Tensor
+
+
+class Hidden:
+    """An output object DataParallel cannot look into."""
+
+    def __init__(self, value: torch.Tensor) -> None:
+        self.value = value
+
+
+class Returning(nn.Module):
+    def __init__(self, wrap: Callable[[torch.Tensor], Any]) -> None:
+        super().__init__()
+        self.body = mlp(seed=0)
+        self.wrap = wrap
+
+    def forward(self, x: torch.Tensor) -> Any:
+        return self.wrap(self.body(x))
+
+
+@scenario
+def a_dataclass_output_is_averaged_like_ddp() -> None:
+    # The backward's end is hooked on the output's tensors: found inside a dataclass too.
+    model, ddp_model = Returning(Prediction), Returning(Prediction)
+    ddp_model.load_state_dict(model.state_dict())
+    dp = DataParallel(model, **SMALL_BUCKETS)
+    ddp = DistributedDataParallel(ddp_model, bucket_cap_mb=SMALL_BUCKETS["bucket_cap_mb"])
+    x, y = global_batch(0)
+    F.mse_loss(dp(shard(x)).value, shard(y)).backward()
+    F.mse_loss(ddp(shard(x)).value, shard(y)).backward()
+    assert_grads_close(model, ddp_model, "DataParallel vs DDP, a dataclass output")
+    hidden = DataParallel(Returning(Hidden))
+    expect_error(TypeError, lambda: hidden(shard(x)), "returned Hidden", "found no tensor")
+
+
+@scenario
+def a_parameter_unfrozen_after_wrapping_is_refused() -> None:
+    model = mlp(seed=0)
+    model[0].weight.requires_grad_(False)
+    dp = DataParallel(model)
+    x, y = global_batch(0)
+    F.mse_loss(dp(shard(x)), shard(y)).backward()  # frozen as when wrapped: fine
+    model[0].weight.requires_grad_(True)
+    expect_error(RuntimeError, lambda: dp(shard(x)), "'0.weight' requires grad now")
 
 
 @scenario
