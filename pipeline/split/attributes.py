@@ -47,7 +47,17 @@ from torch import Tensor, nn
 
 from pipeline.split.where import frame_location
 
-__all__ = ["MISSING", "Read", "Recorded", "Write", "is_value", "paused", "recording"]
+__all__ = [
+    "MISSING",
+    "Read",
+    "Recorded",
+    "Write",
+    "differs",
+    "held_changes",
+    "is_value",
+    "paused",
+    "recording",
+]
 
 # What ``nn.Module`` itself keeps: the mode (followed by pieces), hooks (checked apart), internals.
 _INTERNAL = frozenset(vars(nn.Module)) | frozenset(vars(nn.Module()))
@@ -159,6 +169,27 @@ def recording(modules: dict[nn.Module, str]) -> Iterator[Recorded]:
             _unwatch_class(kind)
         for (_, attribute), (module, value) in recorded.before.items():
             _restore(module, attribute, value)
+        for read, _ in held_changes(recorded):
+            setattr(read.owner, read.attribute, read.value)
+
+
+def differs(value: Any, now: Any) -> bool:
+    """Whether ``now`` is not what a read recorded as ``value`` (a tensor: not the same one)."""
+    return now is not value and (
+        isinstance(value, Tensor) or type(now) is not type(value) or now != value
+    )
+
+
+def held_changes(recorded: Recorded) -> list[tuple[Read, Any]]:
+    """The attributes of held objects (a config) that differ from their first read, with
+    their values now: the captured code assigned them (assignments of module attributes
+    are recorded as ``Write``)."""
+    return [
+        (read, now)
+        for read in recorded.reads.values()
+        if not isinstance(read.owner, nn.Module)
+        and differs(read.value, now := getattr(read.owner, read.attribute, MISSING))
+    ]
 
 
 @contextmanager

@@ -22,7 +22,7 @@ import torch
 from torch import fx
 from torch.export.graph_signature import InputKind
 
-from pipeline.split.attributes import Recorded
+from pipeline.split.attributes import Recorded, held_changes
 from pipeline.split.build import BLOCK_OP, GRAD_REGION
 from pipeline.split.capture import Captured
 from pipeline.split.errors import SplitError
@@ -61,7 +61,19 @@ def check_calls(captured: Captured, points: list[str]) -> None:
 
 
 def check_writes(recorded: Recorded) -> None:
-    """Refuse the captured code's assignments of module attributes (``self.ema = ...``)."""
+    """Refuse the captured code's assignments of module attributes (``self.ema = ...``),
+    and of the attributes of the objects modules hold (``self.config.problem_type = ...``)."""
+    changed = held_changes(recorded)
+    if changed:
+        read, now = changed[0]
+        path = f"{recorded.held[id(read.owner)]}.{read.attribute}"
+        raise SplitError(
+            f"the model's code changed {path} from {read.value!r} to {now!r} during the "
+            "example's call, in code that split captures: the pieces would not change it, and "
+            "the code read one value before the change and another after. Set it before "
+            "splitting, as the model's first call would (transformers' classifiers set "
+            "config.problem_type from the labels)"
+        )
     if not recorded.writes:
         return
     write = recorded.writes[0]

@@ -88,7 +88,8 @@ def split(
         "remove the hooks before splitting, or (for a module's own hooks) name the module in "
         "points: a point runs as itself, hooks included",
     )
-    with recording(names) as recorded, flag_off(model) if routers else nullcontext():
+    # The flag is off before the recording starts: that change is split's own, not the code's.
+    with flag_off(model) if routers else nullcontext(), recording(names) as recorded:
         captured = capture(model, args, kwargs, blocks, names)
         check_writes(recorded)
         check_inputs(captured)

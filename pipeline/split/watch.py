@@ -25,7 +25,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from pipeline.split.attributes import MISSING, Read
+from pipeline.split.attributes import MISSING, Read, differs
 from pipeline.split.hooks import refuse_hooks
 from pipeline.split.where import describe_module
 
@@ -63,9 +63,7 @@ class Watch:
         """Raise ``RuntimeError`` if the model changed in a way the pieces cannot follow."""
         for owner, attribute, value, what in self.reads:
             now = getattr(owner, attribute, MISSING)
-            if now is not value and (
-                isinstance(value, Tensor) or type(now) is not type(value) or now != value
-            ):
+            if differs(value, now):
                 raise RuntimeError(_changed(what, value, now, isinstance(owner, nn.Module)))
         for children, key, child, name in self.places:
             now = children.get(key)

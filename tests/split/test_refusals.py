@@ -201,3 +201,38 @@ def test_a_point_that_does_not_run() -> None:
 
     message = refusal(Skips(), points=["blocks.0", "blocks.3"])
     assert "points ['blocks.3'] did not run" in message
+
+
+class Settings:
+    """A config: an object a module holds, whose attributes the model's code reads."""
+
+    def __init__(self, kind: str | None) -> None:
+        self.kind = kind
+
+
+class SetsItsConfig(nn.Module):
+    """Sets ``config.kind`` on its first call, as transformers' classifiers set problem_type."""
+
+    def __init__(self, kind: str | None = None) -> None:
+        super().__init__()
+        self.config = Settings(kind)
+        self.blocks = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.config.kind is None:
+            self.config.kind = "doubled"
+        for block in self.blocks:
+            x = block(x)
+        return x * (2 if self.config.kind == "doubled" else 1)
+
+
+def test_a_config_the_models_code_changes_during_the_capture_is_refused_and_put_back() -> None:
+    model = SetsItsConfig()
+    message = refusal(model)
+    assert "changed config.kind from None to 'doubled'" in message
+    assert "Set it before splitting" in message
+    assert model.config.kind is None  # the capture left the model as it was
+    model.config.kind = "doubled"  # as the first call would
+    seq = pipeline.split(model, (torch.randn(3, 4),))
+    x = torch.randn(5, 4)
+    torch.testing.assert_close(seq(x), model(x))
