@@ -286,6 +286,8 @@ class _Writer:
                 "; it would arrive as a plain torch.Tensor: send x.as_subclass(torch.Tensor) "
                 "(or the tensor it holds), or keep the layers that need the subclass in one stage",
             )
+        if x.is_meta:
+            self.refuse(path, "a tensor on the meta device", ", which holds no values to send")
         if x.is_nested or x.is_quantized or x.layout != torch.strided:
             form = "nested" if x.is_nested else "quantized" if x.is_quantized else str(x.layout)
             self.refuse(path, f"a {form} tensor", "; send a dense one (to_dense, dequantize)")

@@ -96,6 +96,7 @@ class Marked(torch.Tensor):
         # Each would arrive as a plain dense tensor, or not at all.
         ((torch.ones(2).as_subclass(Marked),), f"a tensor of type {__name__}.Marked at [0]"),
         ((torch.ones(2), torch.eye(2).to_sparse()), "a torch.sparse_coo tensor at [1]"),
+        ((torch.empty(2, device="meta"),), "a tensor on the meta device at [0]"),
     ],
 )
 def test_what_cannot_cross_is_refused_by_the_sender_naming_its_type_and_where(
@@ -303,3 +304,21 @@ def test_a_conjugate_or_negative_view_travels_as_its_values() -> None:
         sent = _raw_bytes(view)
         values = view.resolve_conj().resolve_neg().contiguous()
         assert torch.equal(sent.view(values.dtype).reshape(values.shape), values)
+
+
+@pytest.mark.parametrize("fits", [True, False], ids=["in the envelope", "sent apart"])
+def test_a_message_that_cannot_be_framed_whole_sends_nothing_and_moves_no_room(
+    fits: bool,
+) -> None:
+    from pipeline.distributed.p2p import P2PTransport
+
+    # Framing (every part on the wire) comes before the first send and the room's move: a
+    # wire it cannot reach stands for any part that fails after its envelope.
+    transport = object.__new__(P2PTransport)
+    transport._room = {1: ENVELOPE_BYTES}
+    transport.wire = torch.device("cuda", 99)
+    tensor = torch.ones(4 if fits else 4096)
+    description, tensors = encode(KEY, [tensor], None, [False], where)
+    with pytest.raises((RuntimeError, AssertionError)):
+        transport._parts(1, DATA, description, tensors)
+    assert transport._room == {1: ENVELOPE_BYTES}
