@@ -254,3 +254,38 @@ def test_bad_input_is_refused_before_any_work() -> None:
     with pytest.raises(ValueError, match="different numbers of micro-batches"):
         pipe((torch.zeros(2), torch.zeros(1)))
     assert calls == []
+
+
+class Masked(nn.Module):
+    """Scales its rows by a mask that has no batch dimension, and passes the mask on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 6)
+
+    def forward(self, value: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {"h": torch.tanh(self.linear(value["h"])) * value["mask"], "mask": value["mask"]}
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_a_no_chunk_value_returned_comes_back_once_as_from_the_plain_model(
+    checkpoint: str,
+) -> None:
+    # Every micro-batch returns the same memory: gathered, it is the plain model's one value,
+    # not one copy per micro-batch.
+    from pipeline import NoChunk
+
+    model = nn.Sequential(Masked(), Masked(), Masked()).double()
+    plain = copy.deepcopy(model)
+    h = torch.randn(9, 6, dtype=torch.float64)
+    mask = torch.rand(6, dtype=torch.float64, requires_grad=True)
+    pipe = Pipe(model, [1, 2], devices=["cpu"] * 2, chunks=3, checkpoint=checkpoint)  # type: ignore[arg-type]
+    out = pipe({"h": h, "mask": NoChunk(mask)})
+    expected_mask = mask.detach().clone().requires_grad_()
+    expected = plain({"h": h, "mask": expected_mask})
+    assert out["mask"].shape == expected["mask"].shape == (6,)
+    (out["h"].sum() + out["mask"].pow(2).sum()).backward()
+    (expected["h"].sum() + expected["mask"].pow(2).sum()).backward()
+    torch.testing.assert_close(mask.grad, expected_mask.grad)
+    for ours, theirs in zip(model.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(ours.grad, theirs.grad)

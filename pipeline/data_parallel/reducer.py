@@ -69,6 +69,9 @@ class Reducer:
         self._lock = threading.Lock()
         self._armed = False
         self._callback_queued = False
+        # Each synced forward's number, and whether its backward has averaged the gradients.
+        self._iteration = 0
+        self._reduced = False
         self._ready = [False] * len(self._params)
         self._ready_order: list[int] = []
         self._missing: list[int] = []
@@ -102,7 +105,7 @@ class Reducer:
             )
         self.prepare_for_step()
         for tensor in outputs:
-            tensor.register_hook(self._on_output_grad)
+            tensor.register_hook(partial(self._on_output_grad, self._iteration))
         if self._find_unused and self._partitions is None:
             self._mark_unreached_ready(leaves_reached(outputs))
 
@@ -168,6 +171,8 @@ class Reducer:
             self._partition_members.setdefault(spec.partition, []).extend(spec.indices)
 
     def _start_iteration(self) -> None:
+        self._iteration += 1
+        self._reduced = False
         self._callback_queued = False
         self._ready = [False] * len(self._params)
         self._ready_order = []
@@ -176,11 +181,18 @@ class Reducer:
         for bucket in self._buckets:
             bucket.reset()
 
-    def _on_output_grad(self, grad: torch.Tensor) -> None:
+    def _on_output_grad(self, iteration: int, grad: torch.Tensor) -> None:
         # The output's gradient is the first thing the outer backward computes,
         # so the callback lands on its graph task, not on a nested one (such as
         # a checkpoint's recomputation) that would end too early.
         with self._lock:
+            if iteration == self._iteration and self._reduced:
+                raise RuntimeError(
+                    "DataParallel: a second backward through the output of one forward "
+                    "(retain_graph=True): the first averaged the gradients, and the second "
+                    "would add this replica's own to them (DDP does, silently). Run a forward "
+                    "for each backward, or add the losses and call backward once"
+                )
             if not self._armed or self._callback_queued:
                 return
             self._callback_queued = True
@@ -235,6 +247,7 @@ class Reducer:
         with record_function("dp.finish_backward"):
             with self._lock:
                 self._armed = False
+                self._reduced = True
                 self._load_unsignalled()
                 if self._missing:
                     raise RuntimeError(self._missing_message())

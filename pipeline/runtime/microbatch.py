@@ -301,6 +301,10 @@ def gather(batches: list[Batch]) -> Value:
 def _gather_column(column: list[Any], position: int) -> Any:
     first = column[0]
     if isinstance(first, Tensor):
+        if all(_same_memory(x, first) for x in column[1:]):
+            # Not the micro-batch's own rows (a NoChunk input, a buffer returned as it is):
+            # the plain model returns it once.
+            return first
         _check_concatenable(column, position)
         return torch.cat(column)
     if any(not _same_value(value, first) for value in column[1:]):
@@ -309,6 +313,19 @@ def _gather_column(column: list[Any], position: int) -> Any:
             f"({column!r}); return it as a tensor with a batch dimension to gather it"
         )
     return first
+
+
+def _same_memory(a: Any, b: Tensor) -> bool:
+    """Whether ``a`` is a tensor viewing exactly ``b``'s memory (``b`` itself, detached)."""
+    return (
+        isinstance(a, Tensor)
+        and a.device == b.device
+        and a.dtype == b.dtype
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.numel() > 0
+        and a.data_ptr() == b.data_ptr()
+    )
 
 
 def _same_value(a: Any, b: Any) -> bool:

@@ -162,6 +162,21 @@ def a_parameter_unfrozen_after_wrapping_is_refused() -> None:
 
 
 @scenario
+def a_second_backward_through_one_forward_is_refused() -> None:
+    # The first backward averaged; the second would add each replica's own (DDP: silently).
+    for module in (mlp(seed=0), Pipe(mlp(seed=0), [5, 4], devices=["cpu"] * 2, chunks=2)):
+        dp = DataParallel(module)
+        x, y = global_batch(0)
+        loss = F.mse_loss(dp(shard(x)), shard(y))
+        loss.backward(retain_graph=True)
+        averaged = [p.grad.clone() for p in dp.parameters() if p.grad is not None]
+        expect_error(RuntimeError, loss.backward, "a second backward through the output")
+        after = [p.grad for p in dp.parameters() if p.grad is not None]
+        assert all(torch.equal(a, b) for a, b in zip(averaged, after, strict=True))
+        F.mse_loss(dp(shard(x)), shard(y)).backward()  # a forward per backward: fine again
+
+
+@scenario
 def sgd_keeps_replicas_identical() -> None:
     # Different initialisation per rank: construction must broadcast rank 0's.
     model = mlp(seed=1 + rank())

@@ -19,6 +19,7 @@ SHARED = [
     "matches_ddp_and_full_batch",
     "a_dataclass_output_is_averaged_like_ddp",
     "a_parameter_unfrozen_after_wrapping_is_refused",
+    "a_second_backward_through_one_forward_is_refused",
     "sgd_keeps_replicas_identical",
     "buckets_rebuilt_in_ready_order",
     "trace_names_the_work",

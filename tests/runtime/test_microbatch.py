@@ -112,3 +112,10 @@ def test_gather_names_the_micro_batches_whose_shapes_differ() -> None:
 def test_gather_names_structures_that_differ() -> None:
     with pytest.raises(TypeError, match="different structure per micro-batch"):
         gather([Batch((torch.ones(1), torch.ones(1))), Batch((torch.ones(1),))])
+
+
+def test_gather_returns_once_what_every_micro_batch_returned_as_the_same_memory() -> None:
+    shared = torch.arange(4.0)
+    out = gather([Batch((torch.ones(2), shared)), Batch((torch.ones(1), shared.detach()))])
+    assert out[1] is shared
+    assert torch.equal(out[0], torch.ones(3))
