@@ -7,7 +7,8 @@ clipped by its own norm. Here each process takes the norms of its gradients
 norm), and the processes of the pipeline combine them:
 
     norm_p = ( sum over processes of  sum over their gradients |g|^p ) ^ (1/p)
-    norm_inf = max over processes of max |g|
+    norm_inf = max over processes of max |g|      (-inf: min, of min |g|)
+    norm_0 = sum over processes of their gradients with a nonzero entry
 
 so every process gets the plain model's norm and scales by the same factor.
 """
@@ -37,13 +38,18 @@ def total_norm(
     p = float(norm_type)
     norms = [_whole_norm(g, p).to(device) for g in grads]
     if not norms:
-        here = torch.zeros((), device=device)
+        # What adds nothing to the others' (a minimum: nothing below it).
+        here = torch.full((), float("inf") if p == -float("inf") else 0.0, device=device)
     else:
         here = torch.linalg.vector_norm(torch.stack(norms), p)
     if group is None:
         return here
-    if p == float("inf"):
-        dist.all_reduce(here, op=dist.ReduceOp.MAX, group=group)
+    if p in (float("inf"), -float("inf")):
+        op = dist.ReduceOp.MAX if p > 0 else dist.ReduceOp.MIN
+        dist.all_reduce(here, op=op, group=group)
+        return here
+    if p == 0:  # a count: of the gradients with a nonzero entry
+        dist.all_reduce(here, group=group)
         return here
     powered = here.double() ** p
     dist.all_reduce(powered, group=group)

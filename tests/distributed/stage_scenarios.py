@@ -337,7 +337,7 @@ def clip_grad_norm_clips_by_the_whole_models_norm_counting_tied_weights_once() -
     gen = torch.Generator().manual_seed(6)
     tokens = torch.randint(0, 11, (6,), generator=gen)
     targets = torch.randint(0, 11, (6,), generator=gen)
-    for norm_type in (2.0, 1.0, float("inf")):
+    for norm_type in (2.0, 1.0, float("inf"), -float("inf"), 0.0):
         plain = tied_model()
         pipe = DistributedPipe(tied_model(), [2] * world(), chunks=2)
         F.cross_entropy(plain(tokens), targets).backward()

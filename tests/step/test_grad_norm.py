@@ -24,7 +24,7 @@ def tied() -> nn.Sequential:
     return nn.Sequential(shared, nn.Tanh(), nn.Linear(8, 8), shared, nn.Tanh()).double()
 
 
-@pytest.mark.parametrize("norm_type", [2.0, 1.0, 3.0, float("inf")])
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, 3.0, float("inf"), -float("inf"), 0.0])
 @pytest.mark.parametrize("max_norm", [0.01, 1e6], ids=["clips", "leaves"])
 @pytest.mark.parametrize("build", [mlp, tied], ids=["mlp", "tied on one device"])
 def test_equals_the_plain_models_clip_grad_norm(
