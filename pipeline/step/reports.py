@@ -139,7 +139,8 @@ class _Readable:
         )
         measured = [p.peak_activation_bytes for p in self.partitions]
         if measured and all(b is not None for b in measured):
-            text += f", activations at peak {_bytes(sum(b or 0 for b in measured))}"
+            summed = _bytes(sum(b or 0 for b in measured))
+            text += f", activations {summed} (partitions' peaks summed)"
         return text
 
     def __repr__(self) -> str:

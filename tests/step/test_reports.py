@@ -190,7 +190,7 @@ def test_repr_is_one_line_and_the_table_has_a_row_per_partition() -> None:
     assert "\n" not in text and len(text) < 200
     assert text.startswith("StepReport(ZeroBubbleH1(), 3 micro-batches x 3 partitions, ")
     assert "busy" in text and "waiting" in text and "simulated idle" in text
-    assert "activations at peak" in text
+    assert "(partitions' peaks summed)" in text
     lines = report.table().splitlines()  # type: ignore[union-attr]
     assert lines[0] == text
     assert lines[1].split() == [
