@@ -257,6 +257,7 @@ class Reducer:
                     bucket.wait()
                 except RuntimeError as error:
                     raise self._comm_error(bucket, error) from error
+            self._check_same_step()
             # Only with find_unused can a bucket store nothing: its usage flags,
             # summed across ranks by the all-reduces just waited for, say no
             # rank had a gradient for it, so every rank decides this alike. A
@@ -271,6 +272,30 @@ class Reducer:
                 raise RuntimeError(self._no_gradient_message("on any rank"))
             if not self._rebuilt:
                 self._rebuild_in_ready_order()
+
+    def _check_same_step(self) -> None:
+        """Raise on every replica if the all-reduces just waited for were of different steps.
+
+        A replica whose step or backward raised, and that went on to its next
+        one, pairs its collectives with the others' of another step: every
+        average is then of two steps, with no error (DDP's too). One more
+        all-reduce per step, of each replica's count of synced steps, shows it.
+        """
+        counts = torch.tensor(
+            [self._iteration, -self._iteration],
+            dtype=torch.float64,
+            device=self._buckets[0].flat.device,
+        )
+        dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=self._group)
+        most, least = int(counts[0]), -int(counts[1])
+        if most != least:
+            raise RuntimeError(
+                f"DataParallel: the replicas averaged the gradients of different steps (steps "
+                f"{least} to {most} of theirs; this rank's is {self._iteration}): a replica "
+                "whose step or backward raised went on to its next step, so its all-reduces "
+                "met the others' of another step. These gradients are wrong, and the replicas "
+                "stay out of step: end the job (a replica that fails must stop every replica)"
+            )
 
     def _load_unsignalled(self) -> None:
         unsignalled = [i for i, ready in enumerate(self._ready) if not ready]

@@ -176,6 +176,37 @@ def a_second_backward_through_one_forward_is_refused() -> None:
         F.mse_loss(dp(shard(x)), shard(y)).backward()  # a forward per backward: fine again
 
 
+class ReplicaFailureError(Exception):
+    pass
+
+
+@scenario
+def a_replica_that_fails_a_step_and_goes_on_is_caught_at_the_next_average() -> None:
+    # Rank 1's first step raises before any backward; it goes on to its second, whose
+    # all-reduces meet rank 0's first: both ranks raise instead of averaging two steps.
+    dp = DataParallel(Pipe(mlp(seed=0), [5, 4], devices=["cpu"] * 2, chunks=2))
+    calls = [0]
+
+    def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        calls[0] += 1
+        if rank() == 1 and calls[0] == 1:
+            raise ReplicaFailureError("a replica's own failure")
+        return F.mse_loss(output, target)
+
+    outcomes = []
+    for step in range(1 + rank()):
+        x, y = global_batch(step)
+        try:
+            dp.step(shard(x), shard(y), loss_fn)
+            outcomes.append("averaged")
+        except ReplicaFailureError:
+            outcomes.append("failed")
+        except RuntimeError as error:
+            assert "averaged the gradients of different steps" in str(error), error
+            outcomes.append("refused")
+    assert outcomes == (["refused"] if rank() == 0 else ["failed", "refused"]), outcomes
+
+
 @scenario
 def sgd_keeps_replicas_identical() -> None:
     # Different initialisation per rank: construction must broadcast rank 0's.

@@ -20,6 +20,7 @@ SHARED = [
     "a_dataclass_output_is_averaged_like_ddp",
     "a_parameter_unfrozen_after_wrapping_is_refused",
     "a_second_backward_through_one_forward_is_refused",
+    "a_replica_that_fails_a_step_and_goes_on_is_caught_at_the_next_average",
     "sgd_keeps_replicas_identical",
     "buckets_rebuilt_in_ready_order",
     "trace_names_the_work",
