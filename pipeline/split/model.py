@@ -18,6 +18,7 @@ The layers a Pipe splits are asked for through ``pipeline.runtime.layers``.
 
 from __future__ import annotations
 
+import inspect
 from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any, NoReturn, overload
@@ -132,8 +133,13 @@ class SplitModel(nn.Sequential):
 
 
 def _loss_name(model: nn.Module) -> str | None:
-    # A name, not the function: a split model pickles, and a lambda would not.
+    """The name of the ``loss_function`` the model's forward computes ``out.loss`` with, or
+    None: T5 and BERT's masked LM have one, but their forwards compute their own
+    ``CrossEntropyLoss``, which neither shifts as it does nor takes ``num_items_in_batch``."""
     function = getattr(model, "loss_function", None)
-    if function is None:
+    forward = inspect.unwrap(type(model).forward)
+    names = getattr(getattr(forward, "__code__", None), "co_names", ())
+    if function is None or "loss_function" not in names:
         return None
+    # A name, not the function: a split model pickles, and a lambda would not.
     return f"{getattr(function, '__module__', '')}.{getattr(function, '__qualname__', '')}"

@@ -40,17 +40,22 @@ _SHIFTS = {
 class TokenLoss:
     """The token loss of a split transformers model: how its micro-batches' ``out.loss`` add up."""
 
-    def __init__(self, shift: bool, signature: Any) -> None:
+    def __init__(self, shift: bool | None, signature: Any) -> None:
+        # None: a model whose forward computes its loss without transformers' loss_function
+        # (T5, BERT's masked LM): its out.loss is its own mean, and it ignores a count.
         self.shift = shift
         self._signature = signature
 
     @classmethod
     def of(cls, module: Any, first_layer: Any) -> TokenLoss | None:
         """The token loss of ``module`` (a split model), or None for any other model or loss."""
-        shift = _SHIFTS.get(getattr(module, "loss_name", None) or "")
         signature = getattr(first_layer, "signature", None)
-        if shift is None or signature is None:
+        if not hasattr(module, "loss_name") or signature is None:
             return None
+        name = module.loss_name
+        shift = _SHIFTS.get(name or "")
+        if shift is None and name is not None:
+            return None  # another loss_function: not a mean over tokens
         return cls(shift, signature)
 
     def check(self, batches: list[Batch], reduction: LossReduction, divisor: Any) -> None:
@@ -59,6 +64,9 @@ class TokenLoss:
             return
         _check_number(batches[0].value)
         calls = [self._signature.arguments(batch.value) for batch in batches]
+        if self.shift is None:
+            _refuse_ignored_count(calls[0])
+            return
         if not isinstance(calls[0].get("labels"), Tensor):
             return
         if calls[0].get("num_items_in_batch") is not None:
@@ -126,6 +134,21 @@ def _check_number(call: Any) -> None:
             f"num_items_in_batch is {type(count).__name__}, but the split model takes a number "
             "as a constant of its captured code, fixed at split time; split on a 0-dim tensor "
             "and give each step pipeline.NoChunk(n), n a 0-dim tensor of the batch's count"
+        )
+
+
+def _refuse_ignored_count(call: dict[str, Any]) -> None:
+    """Refuse a count that a model computing its own loss would ignore."""
+    if call.get("num_items_in_batch") is not None:
+        raise ValueError(
+            "num_items_in_batch was given, but this model's forward computes out.loss "
+            "without transformers' loss_function, and ignores the count: each micro-batch's "
+            "out.loss is the mean over its own labelled tokens, so the micro-batches' losses "
+            "would not add up to the plain model's. Compute the loss in loss_fn from the "
+            "output's logits, summed and divided by the batch's count, with "
+            "loss_reduction='sum'; or leave the count out and weigh by rows "
+            "(loss_reduction='mean') where every micro-batch holds labelled tokens in "
+            "proportion to its rows"
         )
 
 

@@ -25,7 +25,7 @@ from hf_labels import (
     recipe,
     split_counted,
 )
-from split_models import assert_same, gpt2, gradients, twin
+from split_models import VOCAB, assert_same, gpt2, gradients, t5, twin
 from torch import nn
 
 import pipeline
@@ -214,3 +214,20 @@ def test_the_recipe_across_processes(two_processes: Outcomes, name: str) -> None
     """A DistributedPipe of two processes, and DataParallel of two replicas' Pipes."""
     for rank, outcomes in enumerate(two_processes):
         assert outcomes.get(name) == "ok", f"rank {rank}:\n{outcomes.get(name)}"
+
+
+def test_a_count_that_a_model_computing_its_own_loss_ignores_is_refused() -> None:
+    # T5's forward computes its own mean CrossEntropyLoss (its loss_function goes unused):
+    # the recipe's sum of out.loss would be chunks times its loss, silently.
+    model = t5()
+    torch.manual_seed(0)
+    ids, labels = torch.randint(1, VOCAB, (6, 8)), torch.randint(1, VOCAB, (6, 8))
+    n = (labels != -100).sum()
+    seq = pipeline.split(model, (ids,), {"labels": labels, "num_items_in_batch": n})
+    assert seq.loss_name is None
+    pipe = Pipe(seq, [3, 3], chunks=3)
+    kwargs = {"labels": labels, "num_items_in_batch": pipeline.NoChunk(n)}
+    with pytest.raises(ValueError, match="ignores the count"):
+        pipe.step(ids, labels, out_loss, kwargs=kwargs, loss_reduction="sum")
+    assert all(p.grad is None for p in model.parameters())
+    pipe.close()
