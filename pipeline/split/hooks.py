@@ -9,6 +9,7 @@ captured modules either.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from torch import nn
@@ -79,6 +80,13 @@ def _name(hook: Any) -> str:
     module = getattr(function, "__module__", None) or ""
     name = getattr(function, "__qualname__", type(function).__qualname__)
     return f"{module}.{name}" if module else name
+
+
+def forward_names(model: nn.Module) -> set[str]:
+    """The global and attribute names the model's own forward code reads (decorators
+    unwrapped): whether it calls ``self.loss_function``, for one."""
+    forward = inspect.unwrap(type(model).forward)
+    return set(getattr(getattr(forward, "__code__", None), "co_names", ()))
 
 
 def model_configs(model: nn.Module) -> list[Any]:

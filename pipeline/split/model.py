@@ -18,7 +18,6 @@ The layers a Pipe splits are asked for through ``pipeline.runtime.layers``.
 
 from __future__ import annotations
 
-import inspect
 from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any, NoReturn, overload
@@ -27,6 +26,7 @@ from torch import nn
 
 from pipeline.runtime.microbatch import Arguments
 from pipeline.runtime.router_loss import asked, recording_logits
+from pipeline.split.hooks import forward_names
 from pipeline.split.piece import Piece
 from pipeline.split.routers import RouterLoss
 
@@ -137,9 +137,7 @@ def _loss_name(model: nn.Module) -> str | None:
     None: T5 and BERT's masked LM have one, but their forwards compute their own
     ``CrossEntropyLoss``, which neither shifts as it does nor takes ``num_items_in_batch``."""
     function = getattr(model, "loss_function", None)
-    forward = inspect.unwrap(type(model).forward)
-    names = getattr(getattr(forward, "__code__", None), "co_names", ())
-    if function is None or "loss_function" not in names:
+    if function is None or "loss_function" not in forward_names(model):
         return None
     # A name, not the function: a split model pickles, and a lambda would not.
     return f"{getattr(function, '__module__', '')}.{getattr(function, '__qualname__', '')}"

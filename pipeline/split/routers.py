@@ -23,7 +23,6 @@ A model without that function and those attributes keeps the refusal of
 
 from __future__ import annotations
 
-import inspect
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -33,7 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from pipeline.runtime.router_loss import Router, RouterSettings, gradient, tokens, value
-from pipeline.split.hooks import model_configs
+from pipeline.split.hooks import forward_names, model_configs
 from pipeline.split.signature import Signature
 
 __all__ = ["FLAG", "RouterLoss", "router_loss_of"]
@@ -155,8 +154,7 @@ def _adds_the_loss(model: nn.Module) -> bool:
     A model whose module has the function but whose forward does not add
     it (or adds it from other attributes) is not one split knows.
     """
-    forward = inspect.unwrap(type(model).forward)
-    names = set(getattr(getattr(forward, "__code__", None), "co_names", ()))
+    names = forward_names(model)
     return {_FUNCTION, *_ATTRIBUTES} <= names and all(hasattr(model, a) for a in _ATTRIBUTES)
 
 
