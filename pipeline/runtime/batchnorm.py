@@ -33,6 +33,7 @@ from pipeline.runtime.phase import is_recomputing
 __all__ = ["DeferredBatchNorm", "deferring_batch_norm", "statistics_of_one_pass"]
 
 _local = threading.local()
+_merging = threading.Lock()
 
 
 def deferring_batch_norm(on: bool) -> AbstractContextManager[None]:
@@ -60,10 +61,6 @@ class _Deferring:
 class DeferredBatchNorm(_BatchNorm):
     """A BatchNorm whose running statistics are updated per mini-batch."""
 
-    sum: Tensor
-    sum_squares: Tensor
-    count: Tensor
-
     def __init__(
         self,
         num_features: int,
@@ -72,16 +69,12 @@ class DeferredBatchNorm(_BatchNorm):
         affine: bool = True,
     ) -> None:
         super().__init__(num_features, eps, momentum, affine, track_running_stats=True)
-        self._register_accumulators()
+        self._start_accumulating()
 
-    def _register_accumulators(self) -> None:
-        # Not persistent: a Pipe's state_dict keys equal the plain model's.
-        running_mean = cast(Tensor, self.running_mean)
-        self.register_buffer("sum", torch.zeros_like(running_mean), persistent=False)
-        self.register_buffer("sum_squares", torch.zeros_like(running_mean), persistent=False)
-        self.register_buffer(
-            "count", torch.zeros((), dtype=torch.long, device=running_mean.device), persistent=False
-        )
+    def _start_accumulating(self) -> None:
+        # An attribute, not buffers: the state_dict, named_buffers() and
+        # DataParallel's broadcast see what the plain model's BatchNorm has.
+        self._pass = _Moments()
 
     def _check_input_dim(self, input: Tensor) -> None:
         if input.dim() < 2:
@@ -110,34 +103,39 @@ class DeferredBatchNorm(_BatchNorm):
 
     def _accumulate(self, input: Tensor) -> None:
         dims = [d for d in range(input.dim()) if d != 1]
+        dtype = torch.promote_types(cast(Tensor, self.running_mean).dtype, torch.float32)
         with torch.no_grad():
-            x = input.detach().to(self.sum.dtype)
-            self.sum += x.sum(dims)
-            self.sum_squares += (x * x).sum(dims)
-            self.count += input.numel() // input.size(1)
+            x = input.detach().to(dtype)
+            # Each micro-batch's own mean and squared deviations, merged
+            # (Chan et al.): a mean far from zero cancels nothing, as it would
+            # in the sum of squares less the squared mean.
+            mean = x.mean(dims)
+            deviations = (x - mean.view(_channel_shape(input))).square().sum(dims)
+            with _merging:  # one layer may run in the tasks of several partitions
+                self._pass.add(input.numel() // input.size(1), mean, deviations)
 
     def commit(self) -> None:
         """Fold the accumulated mini-batch statistics into the running ones."""
-        count = int(self.count)
-        if count == 0:
+        moments = self.reset_accumulators()
+        if moments.count == 0:
             return
+        assert moments.mean is not None and moments.deviations is not None
+        count = moments.count
         with torch.no_grad():
-            mean = self.sum / count
-            variance = self.sum_squares / count - mean * mean
-            unbiased = variance * (count / max(count - 1, 1))
+            unbiased = moments.deviations / max(count - 1, 1)
             tracked = cast(Tensor, self.num_batches_tracked)
             tracked += 1
             factor = 1.0 / float(tracked) if self.momentum is None else self.momentum
-            cast(Tensor, self.running_mean).mul_(1 - factor).add_(mean, alpha=factor)
-            cast(Tensor, self.running_var).mul_(1 - factor).add_(unbiased, alpha=factor)
-        self.reset_accumulators()
+            running_mean = cast(Tensor, self.running_mean)
+            running_var = cast(Tensor, self.running_var)
+            running_mean.mul_(1 - factor).add_(moments.mean.to(running_mean.dtype), alpha=factor)
+            running_var.mul_(1 - factor).add_(unbiased.to(running_var.dtype), alpha=factor)
 
-    def reset_accumulators(self) -> None:
-        """Forget the sums of micro-batches not committed (a failed or interrupted pass)."""
-        with torch.no_grad():
-            self.sum.zero_()
-            self.sum_squares.zero_()
-            self.count.zero_()
+    def reset_accumulators(self) -> _Moments:
+        """Forget the micro-batches not committed (a failed or interrupted pass); return them."""
+        with _merging:
+            moments, self._pass = self._pass, _Moments()
+        return moments
 
     @classmethod
     def convert(cls, module: nn.Module) -> nn.Module:
@@ -178,9 +176,39 @@ class DeferredBatchNorm(_BatchNorm):
         deferred.register_buffer("running_mean", bn.running_mean)
         deferred.register_buffer("running_var", bn.running_var)
         deferred.register_buffer("num_batches_tracked", bn.num_batches_tracked)
-        deferred._register_accumulators()
+        deferred._start_accumulating()
         deferred.train(bn.training)
         return deferred
+
+
+class _Moments:
+    """A pass's rows so far, per channel: their count, mean and summed squared deviations."""
+
+    __slots__ = ("count", "deviations", "mean")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.mean: Tensor | None = None
+        self.deviations: Tensor | None = None
+
+    def add(self, count: int, mean: Tensor, deviations: Tensor) -> None:
+        """Merge ``count`` more rows, of mean ``mean`` and squared deviations ``deviations``."""
+        if count == 0:
+            return
+        if self.mean is None or self.deviations is None:
+            self.count, self.mean, self.deviations = count, mean, deviations
+            return
+        total = self.count + count
+        delta = mean - self.mean
+        self.mean = self.mean + delta * (count / total)
+        between = delta.square() * (self.count * count / total)
+        self.deviations = self.deviations + deviations + between
+        self.count = total
+
+
+def _channel_shape(input: Tensor) -> list[int]:
+    """The shape that broadcasts a per-channel vector over ``input`` (channels in dim 1)."""
+    return [1, input.size(1)] + [1] * (input.dim() - 2)
 
 
 @contextmanager

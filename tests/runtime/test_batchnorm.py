@@ -41,6 +41,25 @@ def test_running_statistics_equal_batch_norm_on_the_full_batch(
         torch.testing.assert_close(pipe.state_dict()[name], value, msg=name)
 
 
+@pytest.mark.parametrize("mean", [1000.0, 3000.0])
+def test_statistics_of_inputs_far_from_zero_keep_their_precision(mean: float) -> None:
+    # float32 inputs of spread 0.1 around a large mean: the sum of squares less
+    # the squared mean cancelled to a negative variance at 3000.
+    model = nn.Sequential(nn.Identity(), nn.BatchNorm1d(4))
+    pipe = Pipe(
+        copy.deepcopy(model), [1, 1], devices=["cpu"] * 2, chunks=4, deferred_batch_norm=True
+    )
+    torch.manual_seed(0)
+    for _ in range(30):
+        x = mean + 0.1 * torch.randn(32, 4)
+        model(x), pipe(x)
+    for name in ("running_mean", "running_var"):
+        torch.testing.assert_close(
+            pipe.state_dict()[f"1.{name}"], model.state_dict()[f"1.{name}"], rtol=1e-4, atol=0
+        )
+    assert "1.sum" not in dict(pipe.named_buffers())  # the pass's moments are no buffers
+
+
 def test_eval_uses_the_running_statistics() -> None:
     model = bn_model()
     pipe = Pipe(
