@@ -105,6 +105,19 @@ class ThreadState:
             _this_thread.intra_op_threads = self.intra_op_threads
         return self.context.copy().run(function, *args, **kwargs)
 
+    @contextlib.contextmanager
+    def autocast_off(self) -> Iterator[None]:
+        """The caller's own thread without its autocast: each task applies it where it belongs.
+
+        A process that runs its stages on the caller's thread (DistributedPipe)
+        would otherwise run their backward inside it too, which the plain
+        model's ``loss.backward()`` (and a worker thread) does not.
+        """
+        with contextlib.ExitStack() as stack:
+            for autocast in self.autocasts:
+                stack.enter_context(torch.autocast(autocast.device_type, enabled=False))
+            yield
+
     def applied(self, device: torch.device) -> AbstractContextManager[object]:
         """Apply the state for a task on ``device`` (which becomes the current CUDA device)."""
         if self.only_grad_mode(device):

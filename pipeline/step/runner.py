@@ -162,8 +162,10 @@ class StepRun:
 
     def run_here(self, program: Program) -> None:
         """Run ``program`` on this thread (a process that runs one worker's stages)."""
+        state = self.context.state
         try:
-            self.context.state.run(self._on_thread, partial(self._work, program))
+            with state.autocast_off():
+                state.run(self._on_thread, partial(self._work, program))
         except KeyboardInterrupt:
             self.transport.abort()
             raise

@@ -425,12 +425,25 @@ def batch_norm_and_autocast_match_the_single_process_pipe() -> None:
             pipe = DistributedPipe(noisy_model(dtype), [2] * world(), chunks=3, checkpoint=mode,
                                    deferred_batch_norm=True)  # fmt: skip
             computed: list[torch.dtype] = []
-            linear = pipe.partitions[pipe.local_stages[0]][0][0]
-            linear.register_forward_hook(lambda m, i, out, seen=computed: seen.append(out.dtype))
+            backward_autocast: list[bool] = []  # backward runs outside it, as loss.backward()
+
+            def seen(
+                module: nn.Module,
+                input: object,
+                out: torch.Tensor,
+                computed: list[torch.dtype] = computed,
+                backward: list[bool] = backward_autocast,
+            ) -> None:
+                computed.append(out.dtype)
+                if out.requires_grad:
+                    out.register_hook(lambda g: backward.append(torch.is_autocast_enabled("cpu")))
+
+            pipe.partitions[pipe.local_stages[0]][0][0].register_forward_hook(seen)
             for model in (local, pipe):
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                     model.step(x, y, F.mse_loss)
             assert set(computed) == {torch.bfloat16 if autocast else dtype}, what
+            assert backward_autocast and not any(backward_autocast), what
             assert_grads_equal(pipe, local, what)
             reference = local.state_dict()
             for key, value in pipe.state_dict().items():
