@@ -195,11 +195,11 @@ class Pipe(PipeBase):
     def _run(self, input: Value) -> Value:
         batches = scatter(to_device(input, self.devices[0]), self.chunks)
         hooks = list(self._completion_hooks.values())
-        rows = sum(b.rows() for b in batches)
+        rows = [b.rows() for b in batches]
         stop = checkpoint_stop(self.checkpoint, len(batches), self.training)
         with self._one_pass():
-            self._driver.run(batches, stop, hooks, rows)
-        return gather(batches)
+            self._driver.run(batches, stop, hooks, sum(rows))
+        return gather(batches, rows)
 
     def _train(self, call: StepCall) -> torch.Tensor | tuple[torch.Tensor, Value]:
         started = time.perf_counter()
@@ -293,7 +293,7 @@ class Pipe(PipeBase):
             time.perf_counter() - started,
         )
         if call.return_outputs:
-            return loss, gather(run.outputs)
+            return loss, gather(run.outputs, micro_batches.rows)
         return loss
 
     def _run_programs(
@@ -339,9 +339,9 @@ class Pipe(PipeBase):
                 with run.routing():
                     self._run_programs(run, programs, by_worker)
         if call.loss_fn is None:
-            return gather(run.outputs)
+            return gather(run.outputs, rows)
         loss = run.with_router_loss(run.loss())
-        return (loss, gather(run.outputs)) if call.return_outputs else loss
+        return (loss, gather(run.outputs, rows)) if call.return_outputs else loss
 
     def __getstate__(self) -> dict[str, Any]:
         # Threads, queues and locks are not copied: a copy, an unpickled Pipe

@@ -7,6 +7,7 @@ from collections import OrderedDict
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pipeline import BalanceError, Pipe
@@ -287,5 +288,56 @@ def test_a_no_chunk_value_returned_comes_back_once_as_from_the_plain_model(
     (out["h"].sum() + out["mask"].pow(2).sum()).backward()
     (expected["h"].sum() + expected["mask"].pow(2).sum()).backward()
     torch.testing.assert_close(mask.grad, expected_mask.grad)
+    for ours, theirs in zip(model.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(ours.grad, theirs.grad)
+
+
+class Expanding(nn.Module):
+    """Returns its rows and a learned state expanded to them (stride 0 in dim 0)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 6)
+        self.state = nn.Parameter(torch.randn(1, 6))
+
+    def forward(self, value: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        h, positions = value
+        return self.linear(h), self.state.expand(h.size(0), 6), positions
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+def test_a_tensor_expanded_to_each_micro_batchs_rows_is_concatenated_like_any_rows(
+    checkpoint: str,
+) -> None:
+    # The micro-batches' pieces share one memory, as a NoChunk value's do; but
+    # each has its micro-batch's rows, and the plain model returns the batch's.
+    model = nn.Sequential(nn.Identity(), Expanding()).double()
+    plain = copy.deepcopy(model)
+    h = torch.randn(6, 6, dtype=torch.float64)
+    positions = torch.arange(4).expand(6, 4)  # as transformers builds position ids
+    pipe = Pipe(model, [1, 1], devices=["cpu"] * 2, chunks=3, checkpoint=checkpoint)  # type: ignore[arg-type]
+    out, expected = pipe((h, positions)), plain((h, positions))
+    assert [tuple(t.shape) for t in out] == [tuple(t.shape) for t in expected]
+    sum(t.sum() for t in out[:2]).backward()
+    sum(t.sum() for t in expected[:2]).backward()
+    for ours, theirs in zip(model.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(ours.grad, theirs.grad)
+    assert pipe.evaluate((h, positions))[2].shape == (6, 4)
+    _, stepped = pipe.step((h, positions), h, lambda o, t: F.mse_loss(o[0], t), return_outputs=True)
+    assert [tuple(t.shape) for t in stepped] == [tuple(t.shape) for t in expected]
+
+
+def test_a_no_chunk_tensor_before_the_split_ones_does_not_count_as_the_rows() -> None:
+    from pipeline import NoChunk
+
+    model = nn.Sequential(Masked(), Masked()).double()
+    plain = copy.deepcopy(model)
+    h, y = torch.randn(7, 6, dtype=torch.float64), torch.randn(7, 6, dtype=torch.float64)
+    mask = torch.rand(6, dtype=torch.float64)
+    pipe = Pipe(model, [1, 1], devices=["cpu"] * 2, chunks=3)
+    loss = pipe.step({"mask": NoChunk(mask), "h": h}, y, lambda o, t: F.mse_loss(o["h"], t))
+    expected = F.mse_loss(plain({"mask": mask, "h": h})["h"], y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach())
     for ours, theirs in zip(model.parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(ours.grad, theirs.grad)

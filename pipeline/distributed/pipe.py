@@ -309,7 +309,7 @@ class DistributedPipe(PipeBase):
         )
         if not call.return_outputs:
             return loss
-        return loss, gather(run.outputs) if last else None
+        return loss, gather(run.outputs, micro_batches.rows) if last else None
 
     def _agreed_step(
         self, call: StepCall
@@ -596,9 +596,7 @@ class DistributedPipe(PipeBase):
                 run.run_here(programs[self.rank])
             if router is not None:
                 router.close()  # while the step's messages go
-            outputs = (
-                self._outputs_everywhere(run, len(micro_batches.rows)) if wants_outputs else None
-            )
+            outputs = self._outputs_everywhere(run, micro_batches.rows) if wants_outputs else None
             self._transport.end_step()
         if call.loss_fn is None:
             return outputs
@@ -633,7 +631,7 @@ class DistributedPipe(PipeBase):
         rows = self._agree(batches, targets, choice, refusal, with_target=with_loss)
         return reduction, MicroBatches(batches, targets, rows), router
 
-    def _outputs_everywhere(self, run: StepRun, m: int) -> Value:
+    def _outputs_everywhere(self, run: StepRun, rows: list[int]) -> Value:
         """The model's output on every process, passed down the ranks from the last stage's.
 
         Stage ``r`` runs on rank ``r`` for ``r`` below the group's size, and
@@ -642,7 +640,7 @@ class DistributedPipe(PipeBase):
         next, under the step's transport (never pickled).
         """
         try:
-            return gather([self._output_passed_down(run, i) for i in range(m)])
+            return gather([self._output_passed_down(run, i) for i in range(len(rows))], rows)
         except BaseException as error:
             # A process that cannot send (an output the wire format refuses)
             # tells the others, which would otherwise wait for it.

@@ -142,18 +142,19 @@ class Batch:
     nesting). Code that moves or links tensors edits ``leaves`` in place.
     """
 
-    __slots__ = ("leaves", "spec")
+    __slots__ = ("leaves", "spec", "split_rows")
 
     def __init__(self, value: Value) -> None:
         if type(value) is Tensor:  # the common value, a pytree leaf: no flattening to do
             self.leaves, self.spec = [value], _TENSOR_SPEC
         else:
             self.leaves, self.spec = tree_flatten(value)
+        self.split_rows: int | None = None
 
     @classmethod
-    def of(cls, leaves: list[Any], spec: TreeSpec) -> Batch:
+    def of(cls, leaves: list[Any], spec: TreeSpec, split_rows: int | None = None) -> Batch:
         batch = cls.__new__(cls)
-        batch.leaves, batch.spec = leaves, spec
+        batch.leaves, batch.spec, batch.split_rows = leaves, spec, split_rows
         return batch
 
     @property
@@ -170,7 +171,10 @@ class Batch:
         return (i for i, v in enumerate(self.leaves) if isinstance(v, Tensor))
 
     def rows(self) -> int:
-        """The micro-batch's size: dim 0 of its first tensor that has one (0 if none)."""
+        """The micro-batch's size: the rows ``scatter`` gave it (its first split tensor's),
+        else dim 0 of its first tensor that has one (0 if none)."""
+        if self.split_rows is not None:
+            return self.split_rows
         for i in self.tensor_indices():
             if self.leaves[i].dim() > 0:
                 return int(self.leaves[i].size(0))
@@ -264,9 +268,13 @@ def scatter(input: Value, chunks: int, name: str = "input") -> list[Batch]:
             "split in NoChunk"
         )
     count = min(counts, default=0)
+    # A NoChunk tensor before the first split one does not say the rows.
+    split = next((column for column in columns if column is not None), None)
     return [
         Batch.of(
-            [_piece(leaf, column, i) for leaf, column in zip(leaves, columns, strict=True)], spec
+            [_piece(leaf, column, i) for leaf, column in zip(leaves, columns, strict=True)],
+            spec,
+            None if split is None else len(split[i]),
         )
         for i in range(count)
     ]
@@ -280,11 +288,16 @@ def _piece(leaf: Any, column: Sequence[Tensor] | None, index: int) -> Any:
     return leaf
 
 
-def gather(batches: list[Batch]) -> Value:
+def gather(batches: list[Batch], rows: Sequence[int] | None = None) -> Value:
     """Concatenate the micro-batches' outputs back into one mini-batch.
 
-    Tensors are concatenated along dim 0, wherever they sit in the output.
-    A non-tensor output must be equal in every micro-batch and is returned once.
+    Tensors are concatenated along dim 0, wherever they sit in the output,
+    but for one that every micro-batch returns as the same memory (a
+    ``NoChunk`` input, a buffer), returned once as from the plain model.
+    ``rows``, the micro-batches' input rows, tells that memory apart from a
+    tensor expanded to each micro-batch's rows (``h.expand(rows, -1)``,
+    stride 0 in dim 0), which is the micro-batch's own. A non-tensor output
+    must be equal in every micro-batch and is returned once.
     """
     spec = batches[0].spec
     for i, batch in enumerate(batches[1:], start=1):
@@ -294,14 +307,14 @@ def gather(batches: list[Batch]) -> Value:
                 f"micro-batch 0 gave {spec}, micro-batch {i} gave {batch.spec}"
             )
     columns = zip(*(batch.leaves for batch in batches), strict=True)
-    leaves = [_gather_column(list(column), k) for k, column in enumerate(columns)]
+    leaves = [_gather_column(list(column), k, rows) for k, column in enumerate(columns)]
     return Batch.of(leaves, spec).value
 
 
-def _gather_column(column: list[Any], position: int) -> Any:
+def _gather_column(column: list[Any], position: int, rows: Sequence[int] | None) -> Any:
     first = column[0]
     if isinstance(first, Tensor):
-        if all(_same_memory(x, first) for x in column[1:]):
+        if all(_same_memory(x, first) for x in column[1:]) and not _expanded(column, rows):
             # Not the micro-batch's own rows (a NoChunk input, a buffer returned as it is):
             # the plain model returns it once.
             return first
@@ -313,6 +326,14 @@ def _gather_column(column: list[Any], position: int) -> Any:
             f"({column!r}); return it as a tensor with a batch dimension to gather it"
         )
     return first
+
+
+def _expanded(column: list[Tensor], rows: Sequence[int] | None) -> bool:
+    """Whether ``column`` is one memory expanded to each micro-batch's rows (stride 0)."""
+    first = column[0]
+    if first.dim() == 0 or first.stride(0) != 0:
+        return False
+    return rows is None or all(t.size(0) == n for t, n in zip(column, rows, strict=True))
 
 
 def _same_memory(a: Any, b: Tensor) -> bool:
