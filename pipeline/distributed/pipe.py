@@ -41,7 +41,7 @@ from pipeline.base import PipeBase
 from pipeline.calls import EvaluateCall, MicroBatches, StepCall, redocumented
 from pipeline.distributed.groups import give_back, message_groups, retire
 from pipeline.distributed.meta import Init, materialized, meta_resets
-from pipeline.distributed.p2p import P2PTransport
+from pipeline.distributed.p2p import P2PTransport, PeerError
 from pipeline.distributed.sharded import check_sharding, sharding_kind
 from pipeline.distributed.stage_arguments import check_alone, disagreement
 from pipeline.distributed.ties import TiedWeights
@@ -52,6 +52,7 @@ from pipeline.runtime.agreement import (
     gather_rows,
     ranks_text,
     refusal_elsewhere,
+    refused_text,
 )
 from pipeline.runtime.lazy import instance_of
 from pipeline.runtime.microbatch import Batch, Value, gather
@@ -292,9 +293,14 @@ class DistributedPipe(PipeBase):
         )
         with self._one_pass(), run.holding_hooks(), run.routing():
             self._transport.begin_step()
-            run.run_here(programs[self.rank])
-            self._transport.end_step()
-            run.finish(self._ties.sum_over_holders)
+            try:
+                run.run_here(programs[self.rank])
+                self._transport.end_step()
+                run.finish(self._ties.sum_over_holders)
+            except BaseException:
+                self._step_ended(failed=True)
+                raise
+            self._step_ended(failed=False)
         for j in sorted(self._ties.stages):
             for hook in self._completion_hooks.values():
                 hook(j)
@@ -310,6 +316,27 @@ class DistributedPipe(PipeBase):
         if not call.return_outputs:
             return loss
         return loss, gather(run.outputs, micro_batches.rows) if last else None
+
+    def _step_ended(self, failed: bool) -> None:
+        """Every process's step ends together: if one failed, every one raises.
+
+        A process whose stages were done before a peer's later action failed
+        (stage 0's last backward, a hook there) would otherwise return as if
+        the step were whole, and its optimizer step would go on alone.
+        """
+        try:
+            rows = gather_rows([int(failed)], self.group)
+        except RuntimeError as error:
+            if failed:
+                return  # this process's own error says more
+            raise self._transport.explain("the step's end", error) from error
+        elsewhere = [rank for rank, row in enumerate(rows) if row[0] and rank != self.rank]
+        if elsewhere and not failed:
+            raise PeerError(
+                f"{refused_text(elsewhere)} of the pipeline failed this step (its error says "
+                "why) after this process's stages were done: the step is not whole, so skip "
+                "the optimizer step here too, as there"
+            )
 
     def _agreed_step(
         self, call: StepCall

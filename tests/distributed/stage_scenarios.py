@@ -841,8 +841,9 @@ class Multiply(nn.Module):
 @scenario
 def the_loss_comes_down_with_the_last_gradients_in_its_dtype_and_no_collective() -> None:
     # Every process returns the plain model's loss, in the loss's dtype, and the step's
-    # only collective is its agreement: the loss rides in the last gradients' message
-    # down the stages (through every middle process), where a broadcast once followed.
+    # only collectives are its agreements, at its start and at its end (every process
+    # ended well): the loss rides in the last gradients' message down the stages
+    # (through every middle process), where a broadcast once followed.
     for dtype, schedule, stages in [
         (torch.float32, "1f1b", world()),
         (torch.float64, "zb-h1", world()),
@@ -860,7 +861,7 @@ def the_loss_comes_down_with_the_last_gradients_in_its_dtype_and_no_collective()
             assert loss.dtype == dtype and loss.dim() == 0, f"{what}: {loss!r}"
             torch.testing.assert_close(loss, expected, msg=what)
             called = {name: n for name, n in counts.items() if n}
-            assert called == {"all_gather": 1}, f"{what}: {called} collectives in a step"
+            assert called == {"all_gather": 2}, f"{what}: {called} collectives in a step"
         dist.barrier()
         pipe.close()
 
@@ -1161,6 +1162,35 @@ def a_failing_process_makes_the_others_fail_at_once_naming_it() -> None:
             f"rank {world() - 1} failed: KeyError: 'bad batch' (raised in action {world() - 1}F1",
         )
     assert time.monotonic() - start < 30, "the failure took the timeout to reach this process"
+    plain = blocks(2 * world(), seed=7)
+    pipe.zero_grad()
+    pipe.step(x, y, F.mse_loss)  # the next step is right
+    F.mse_loss(plain(x), y).backward()
+    assert_grads_equal(pipe, plain, "the step after a failure")
+    pipe.close()
+
+
+@scenario
+def a_failure_after_the_other_processes_are_done_fails_them_too() -> None:
+    # Stage 0's last backward comes after every other stage's: a hook that
+    # raises at its end fails the step when the others' stages are done, and
+    # they must not return as if it were whole (their optimizer would step alone).
+    pipe = DistributedPipe(blocks(2 * world(), seed=7), [2] * world(), chunks=4, timeout=60)
+    x, y = batch()
+    if rank() == 0:
+
+        def refuse(parameter: Tensor) -> None:
+            raise ValueError("this gradient is refused")
+
+        handle = next(pipe.parameters()).register_post_accumulate_grad_hook(refuse)
+        expect_error(ValueError, lambda: pipe.step(x, y, F.mse_loss), "is refused")
+        handle.remove()
+    else:
+        expect_error(
+            RuntimeError,
+            lambda: pipe.step(x, y, F.mse_loss),
+            "rank 0 of the pipeline failed this step",
+        )
     plain = blocks(2 * world(), seed=7)
     pipe.zero_grad()
     pipe.step(x, y, F.mse_loss)  # the next step is right

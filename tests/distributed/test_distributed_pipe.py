@@ -29,6 +29,7 @@ SHARED = [
     "torch_calls_with_a_flattened_optimizer_state_resume_two_stages",
     "a_load_is_refused_on_every_process_for_keys_no_process_asks_for_or_a_shape_one_finds",
     "a_failing_process_makes_the_others_fail_at_once_naming_it",
+    "a_failure_after_the_other_processes_are_done_fails_them_too",
     "bad_arguments_are_refused_by_every_process_before_any_work",
     "arguments_that_differ_between_processes_are_refused_by_every_process_at_construction",
     "chunks_that_differ_on_one_process_are_refused_by_every_process_and_the_group_goes_on",
