@@ -10,6 +10,7 @@ captured modules either.
 from __future__ import annotations
 
 import inspect
+import re
 from typing import Any
 
 from torch import nn
@@ -87,6 +88,28 @@ def forward_names(model: nn.Module) -> set[str]:
     unwrapped): whether it calls ``self.loss_function``, for one."""
     forward = inspect.unwrap(type(model).forward)
     return set(getattr(getattr(forward, "__code__", None), "co_names", ()))
+
+
+def passes_keywords(model: nn.Module, method: str) -> bool:
+    """Whether every call of ``self.<method>(...)`` in the model's forward passes ``**kwargs``
+    on (a ``num_items_in_batch`` given to the model then reaches it); False where the
+    source cannot be read, or no such call is there."""
+    try:
+        source = inspect.getsource(inspect.unwrap(type(model).forward))
+    except (OSError, TypeError):
+        return False
+    calls = [_arguments(source, match.end()) for match in re.finditer(rf"\.{method}\(", source)]
+    return bool(calls) and all("**" in arguments for arguments in calls)
+
+
+def _arguments(source: str, start: int) -> str:
+    """The text of a call's arguments, from just after its opening parenthesis."""
+    depth = 1
+    for end in range(start, len(source)):
+        depth += {"(": 1, ")": -1}.get(source[end], 0)
+        if depth == 0:
+            return source[start:end]
+    return source[start:]
 
 
 def model_configs(model: nn.Module) -> list[Any]:

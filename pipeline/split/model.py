@@ -26,7 +26,7 @@ from torch import nn
 
 from pipeline.runtime.microbatch import Arguments
 from pipeline.runtime.router_loss import asked, recording_logits
-from pipeline.split.hooks import forward_names
+from pipeline.split.hooks import forward_names, passes_keywords
 from pipeline.split.piece import Piece
 from pipeline.split.routers import RouterLoss
 
@@ -51,6 +51,9 @@ class SplitModel(nn.Sequential):
         self._split_pieces = list(pieces)
         self._split_of = type(model).__name__
         self._loss_name = _loss_name(model)
+        self._loss_takes_count = self._loss_name is not None and passes_keywords(
+            model, "loss_function"
+        )
         self._router_loss = router_loss
 
     @property
@@ -62,6 +65,13 @@ class SplitModel(nn.Sequential):
         refuse micro-batches that would weigh that loss wrongly.
         """
         return self._loss_name
+
+    @property
+    def loss_takes_count(self) -> bool:
+        """Whether the model's forward passes its keyword arguments on to its
+        ``loss_function``, so that a ``num_items_in_batch`` given to it reaches its loss
+        (Llama's token classification calls it without them)."""
+        return self._loss_takes_count
 
     @property
     def router_loss(self) -> RouterLoss | None:

@@ -10,10 +10,18 @@ count instead, as ``num_items_in_batch``: each micro-batch's loss is then
 its sum over that count, and the micro-batches' losses add up
 (``loss_reduction="sum"``) to the plain model's, whatever the labels.
 
-``TokenLoss`` knows a split model's token loss (its first piece's call
-names the arguments) and checks each step's micro-batches before any work:
-it refuses a weighing that would give another loss than the plain model's,
-with the recipe (docs/split.md, "transformers' own loss").
+The same holds for any loss of integer labels some of which are ignored
+(-100): classification heads, a forward computing its own
+``CrossEntropyLoss`` (T5, BART, BERT). Only a token loss whose forward
+passes its keyword arguments on takes the count; other models' losses
+ignore it (Llama's classification heads call their ``loss_function``
+without them), and are computed from the logits in ``loss_fn`` instead.
+
+``TokenLoss`` knows a split model's loss (its first piece's call names the
+arguments) and checks each step's micro-batches before any work: it
+refuses a weighing that would give another loss than the plain model's,
+and a count the model would ignore, with the recipe (docs/split.md,
+"transformers' own loss").
 """
 
 from __future__ import annotations
@@ -38,66 +46,75 @@ _SHIFTS = {
 
 
 class TokenLoss:
-    """The token loss of a split transformers model: how its micro-batches' ``out.loss`` add up."""
+    """The loss a split transformers model computes from ``labels``: how its micro-batches'
+    ``out.loss`` add up."""
 
-    def __init__(self, shift: bool | None, signature: Any) -> None:
-        # None: a model whose forward computes its loss without transformers' loss_function
-        # (T5, BERT's masked LM): its out.loss is its own mean, and it ignores a count.
+    def __init__(self, shift: bool | None, takes_count: bool, signature: Any) -> None:
+        # shift None: a forward computing its own loss (T5, BERT), which may or may not
+        # shift its labels; takes_count: whether a num_items_in_batch reaches its loss.
         self.shift = shift
+        self.takes_count = takes_count
         self._signature = signature
 
     @classmethod
     def of(cls, module: Any, first_layer: Any) -> TokenLoss | None:
-        """The token loss of ``module`` (a split model), or None for any other model or loss."""
+        """The loss of ``module`` (a split model) given labels, or None for any other model."""
         signature = getattr(first_layer, "signature", None)
         if not hasattr(module, "loss_name") or signature is None:
             return None
         name = module.loss_name
-        shift = _SHIFTS.get(name or "")
-        if shift is None and name is not None:
-            return None  # another loss_function: not a mean over tokens
-        return cls(shift, signature)
+        shift = _SHIFTS.get(name or "", False if name is not None else None)
+        takes_count = name in _SHIFTS and bool(getattr(module, "loss_takes_count", False))
+        return cls(shift, takes_count, signature)
 
     def check(self, batches: list[Batch], reduction: LossReduction, divisor: Any) -> None:
-        """Refuse, before any work, micro-batches whose ``out.loss`` would be weighed wrongly."""
+        """Refuse, before any work, micro-batches whose ``out.loss`` would be weighed wrongly.
+
+        Given integer labels, ``out.loss`` is the mean over the labels not
+        ignored (-100): each micro-batch's weight must be its share of them.
+        """
         if not batches:
             return
         _check_number(batches[0].value)
         calls = [self._signature.arguments(batch.value) for batch in batches]
-        if self.shift is None:
-            _refuse_ignored_count(calls[0])
-            return
-        if not isinstance(calls[0].get("labels"), Tensor):
-            return
         if calls[0].get("num_items_in_batch") is not None:
+            if not self.takes_count:
+                raise ValueError(_IGNORED_COUNT)
             _check_summed(reduction, divisor)
             return
-        # One read for every micro-batch's count (a device sync on a GPU).
-        counts = [int(c) for c in torch.stack([self._tokens(call) for call in calls]).tolist()]
+        labels = calls[0].get("labels")
+        if not isinstance(labels, Tensor) or labels.is_floating_point():
+            return  # a regression's or multi-label loss: a mean over every row's values
         rows = [batch.rows() for batch in batches]
-        if len(batches) == 1 or (
-            reduction == "mean" and divisor is None and _in_proportion(counts, rows)
-        ):
+        shifts = [self.shift] if self.shift is not None else [False, True]
+        # One read for every micro-batch's counts (a device sync on a GPU).
+        tokens = [self._tokens(call, shift) for shift in shifts for call in calls]
+        read = [int(c) for c in torch.stack(tokens).tolist()]
+        counts = [read[k : k + len(calls)] for k in range(0, len(read), len(calls))]
+        wrong = [c for c in counts if not _in_proportion(c, rows)]
+        if len(batches) == 1 or (reduction == "mean" and divisor is None and not wrong):
             return
         raise ValueError(
-            f"out.loss is the mean over each micro-batch's labelled tokens, but the step weighs "
-            f"the micro-batches {_weighing(reduction, divisor)}: the micro-batches of {rows} rows "
-            f"hold {counts} labelled tokens, so the step's loss and gradients would not be the "
-            f"plain model's. {self._recipe()}. If loss_fn does not use "
-            "out.loss, do not pass labels to the model"
+            f"out.loss is the mean over each micro-batch's labels not ignored, but the step "
+            f"weighs the micro-batches {_weighing(reduction, divisor)}: the micro-batches of "
+            f"{rows} rows hold {(wrong or counts)[0]} of them, so the step's loss and "
+            f"gradients would not be the plain model's. {self._recipe()}. If loss_fn does not "
+            "use out.loss, do not pass labels to the model"
         )
 
-    def _tokens(self, call: dict[str, Any]) -> Tensor:
-        """The tokens one micro-batch's loss counts, as the loss counts them."""
+    def _tokens(self, call: dict[str, Any], shift: bool) -> Tensor:
+        """The labels one micro-batch's loss counts, as the loss counts them."""
         ignored = call.get("ignore_index", -100)
         shifted = call.get("shift_labels")
         if isinstance(shifted, Tensor):
             return shifted.ne(ignored).sum()
         labels: Tensor = call["labels"]
-        counted = labels[..., 1:] if self.shift else labels
+        counted = labels[..., 1:] if shift and labels.dim() > 1 else labels
         return counted.ne(ignored).sum()
 
     def _recipe(self) -> str:
+        if not self.takes_count:
+            return _FROM_LOGITS
         count = "(labels[..., 1:] != -100).sum()" if self.shift else "(labels != -100).sum()"
         return (
             "Pass the batch's token count as transformers' gradient accumulation does: split "
@@ -106,6 +123,24 @@ class TokenLoss:
             f"n = {count} over the whole batch, and loss_reduction='sum' (docs/split.md, "
             '"transformers\' own loss")'
         )
+
+
+_FROM_LOGITS = (
+    "This model's loss takes no count (its forward computes its own loss, or calls its "
+    "loss_function without its keyword arguments): compute the loss in loss_fn from the "
+    "output's logits, summed and divided by the batch's count of labels not ignored, with "
+    "loss_reduction='sum'"
+)
+
+_IGNORED_COUNT = (
+    "num_items_in_batch was given, but this model ignores it: its forward computes out.loss "
+    "without transformers' loss_function, or calls it without its keyword arguments, so each "
+    "micro-batch's out.loss is the mean over its own labels and the micro-batches' losses "
+    "would not add up to the plain model's. "
+    + _FROM_LOGITS
+    + "; or leave the count out and weigh by rows (loss_reduction='mean') where every "
+    "micro-batch holds labels not ignored in proportion to its rows"
+)
 
 
 def _in_proportion(counts: list[int], rows: list[int]) -> bool:
@@ -134,21 +169,6 @@ def _check_number(call: Any) -> None:
             f"num_items_in_batch is {type(count).__name__}, but the split model takes a number "
             "as a constant of its captured code, fixed at split time; split on a 0-dim tensor "
             "and give each step pipeline.NoChunk(n), n a 0-dim tensor of the batch's count"
-        )
-
-
-def _refuse_ignored_count(call: dict[str, Any]) -> None:
-    """Refuse a count that a model computing its own loss would ignore."""
-    if call.get("num_items_in_batch") is not None:
-        raise ValueError(
-            "num_items_in_batch was given, but this model's forward computes out.loss "
-            "without transformers' loss_function, and ignores the count: each micro-batch's "
-            "out.loss is the mean over its own labelled tokens, so the micro-batches' losses "
-            "would not add up to the plain model's. Compute the loss in loss_fn from the "
-            "output's logits, summed and divided by the batch's count, with "
-            "loss_reduction='sum'; or leave the count out and weigh by rows "
-            "(loss_reduction='mean') where every micro-batch holds labelled tokens in "
-            "proportion to its rows"
         )
 
 

@@ -227,7 +227,50 @@ def test_a_count_that_a_model_computing_its_own_loss_ignores_is_refused() -> Non
     assert seq.loss_name is None
     pipe = Pipe(seq, [3, 3], chunks=3)
     kwargs = {"labels": labels, "num_items_in_batch": pipeline.NoChunk(n)}
-    with pytest.raises(ValueError, match="ignores the count"):
+    with pytest.raises(ValueError, match="this model ignores it"):
         pipe.step(ids, labels, out_loss, kwargs=kwargs, loss_reduction="sum")
+    assert all(p.grad is None for p in model.parameters())
+    pipe.close()
+
+
+def llama_heads(kind: str) -> nn.Module:
+    """A tiny Llama for token or sequence classification: 3 labels, padding token 0."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=16, intermediate_size=32, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=32, use_cache=False,
+        num_labels=3, pad_token_id=0,
+    )  # fmt: skip
+    head = {"token": transformers.LlamaForTokenClassification}
+    head["sequence"] = transformers.LlamaForSequenceClassification
+    return head[kind](config).double()
+
+
+@pytest.mark.parametrize("kind", ["token", "sequence"])
+def test_a_loss_of_labels_not_ignored_that_takes_no_count_is_checked_and_its_count_refused(
+    kind: str,
+) -> None:
+    # Llama's classification heads call their loss_function without the keyword
+    # arguments: a count never reaches it (the recipe gave twice the loss), and the
+    # mean is over each micro-batch's labels not ignored (-100), weighed wrongly by rows.
+    model = llama_heads(kind)
+    model.config.problem_type = "single_label_classification"  # as its first call sets it
+    torch.manual_seed(0)
+    ids = torch.randint(1, VOCAB, (8, 6))
+    labels = torch.randint(0, 3, (8, 6) if kind == "token" else (8,))
+    labels[:3] = -100  # the first micro-batch's labels mostly ignored
+    if kind == "token":  # the sequence's loss_function is called alike (a split less)
+        n = (labels != -100).sum()
+        seq = pipeline.split(model, (ids,), {"labels": labels, "num_items_in_batch": n})
+        assert not seq.loss_takes_count
+        pipe = Pipe(seq, [2, 2], chunks=2)
+        counted = {"labels": labels, "num_items_in_batch": pipeline.NoChunk(n)}
+        with pytest.raises(ValueError, match="this model ignores it"):
+            pipe.step(ids, labels, out_loss, kwargs=counted, loss_reduction="sum")
+        pipe.close()
+    pipe = Pipe(pipeline.split(model, (ids,), {"labels": labels}), [2, 2], chunks=2)
+    held = r"hold \[(6, 24|1, 4)\] of them.*from the output's logits"
+    with pytest.raises(ValueError, match=held):
+        pipe.step(ids, labels, out_loss, kwargs={"labels": labels})
     assert all(p.grad is None for p in model.parameters())
     pipe.close()
