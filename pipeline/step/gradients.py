@@ -325,6 +325,7 @@ def backward_to_leaves(
     grads: Sequence[Tensor | None],
     inputs: Sequence[Tensor],
     hold: Callable[[list[Tensor]], bool],
+    parameters: Iterable[Tensor] = (),
 ) -> tuple[list[Tensor | None], list[Tensor], list[Tensor | None]]:
     """One backward from ``roots``, accumulating nothing (but see below).
 
@@ -332,19 +333,29 @@ def backward_to_leaves(
     leaves of the stage's own), every other leaf it reaches, and their
     gradients; ``hold`` is first given those leaves (their hooks wait for
     the whole gradient) and says whether their gradients must be summed. If
-    not, or through a reentrant checkpoint, which refuses ``autograd.grad``,
-    it is a plain backward that accumulates into every leaf at once (no
-    other leaf is returned).
+    not, it is a plain backward that accumulates into every leaf at once (no
+    other leaf is returned). Through a reentrant checkpoint, which refuses
+    ``autograd.grad`` and accumulates into ``.grad`` from a backward of its
+    own, a plain backward too, each leaf's ``.grad`` set aside meanwhile
+    where they must be summed: what it accumulated is then their gradient.
+    Its own backward reaches leaves that the walk of the graph does not see:
+    the stage's ``parameters`` count among them then.
     """
     if not roots:
         return [None] * len(inputs), [], []
     known = {id(x) for x in inputs}
     reached, reentrant = leaves_of(roots)
+    if reentrant:
+        reached = list({id(t): t for t in (*reached, *parameters)}.values())
     leaves = [t for t in reached if id(t) not in known]
+    summed = hold(leaves)
     # torch takes tensors and edges mixed, though its hints name one or the other.
-    if reentrant or not hold(leaves):
+    if not summed:
         torch.autograd.backward(roots, grads)  # type: ignore[arg-type]
         return [x.grad for x in inputs], [], []
+    if reentrant:
+        of_inputs, of_leaves = _accumulated_apart(roots, grads, inputs, leaves)
+        return of_inputs, leaves, of_leaves
     wanted = [*inputs, *leaves]
     found: list[Tensor | None] = (
         list(torch.autograd.grad(roots, wanted, grads, allow_unused=True))  # type: ignore[arg-type]
@@ -352,3 +363,23 @@ def backward_to_leaves(
         else []
     )
     return found[: len(inputs)], leaves, found[len(inputs) :]
+
+
+def _accumulated_apart(
+    roots: Sequence[Root],
+    grads: Sequence[Tensor | None],
+    inputs: Sequence[Tensor],
+    leaves: list[Tensor],
+) -> tuple[list[Tensor | None], list[Tensor | None]]:
+    """A plain backward whose accumulations into ``leaves`` are taken out of their ``.grad``
+    (their hooks held back meanwhile), which is then as it was: the gradients of
+    ``inputs`` and of ``leaves``."""
+    kept = [leaf.grad for leaf in leaves]
+    for leaf in leaves:
+        leaf.grad = None
+    try:
+        torch.autograd.backward(roots, grads)  # type: ignore[arg-type]
+        return [x.grad for x in inputs], [leaf.grad for leaf in leaves]
+    finally:
+        for leaf, grad in zip(leaves, kept, strict=True):
+            leaf.grad = grad

@@ -335,8 +335,9 @@ class StageRun:
         if halves is not None:
             found, stashed.weight_work = halves
         else:
+            parameters = self.context.runtime.partitions[self.j].parameters()  # read if needed
             found, leaves, leaf_grads = backward_to_leaves(
-                roots, grads, targets, self.context.gradients.hold
+                roots, grads, targets, self.context.gradients.hold, parameters
             )
             if leaves:
                 self.context.gradients.add(self.j, leaves, leaf_grads)

@@ -264,6 +264,35 @@ def test_a_layer_under_reentrant_checkpointing_trains_like_the_plain_model(sched
         cpu_pipe(model, [1, 1, 1], "never").step(x, y, F.mse_loss, schedule="zb-h1")
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_hooked_weight_tied_into_a_reentrant_checkpoint_gets_its_whole_gradient_once(
+    schedule: str,
+) -> None:
+    # The reentrant checkpoint's own backward accumulates into .grad while the
+    # other partition holds the weight's hooks back: its part missed the hook.
+    class Reentrant(nn.Module):
+        def __init__(self, linear: nn.Linear) -> None:
+            super().__init__()
+            self.linear = linear  # the first layer's: tied
+
+        def forward(self, x: Tensor) -> Tensor:
+            return checkpoint(lambda t: torch.tanh(self.linear(t)), x, use_reentrant=True)  # type: ignore[no-any-return]
+
+    x, y = data()
+    torch.manual_seed(8)
+    shared = nn.Linear(WIDTH, WIDTH)
+    model = nn.Sequential(shared, nn.Tanh(), block(), Reentrant(shared), block()).double()
+    plain = copy.deepcopy(model)
+    seen: dict[str, list[Tensor]] = {"plain": [], schedule: []}
+    for name, net in (("plain", plain), (schedule, model)):
+        net[0].weight.register_hook(lambda g, calls=seen[name]: calls.append(g) or g * 3)
+    F.mse_loss(plain(x), y).backward()
+    cpu_pipe(model, [3, 2], "never").step(x, y, F.mse_loss, schedule=schedule)
+    assert_same(grads(model), grads(plain), schedule)
+    assert len(seen[schedule]) == 1  # once, with the whole gradient (the plain model: per part)
+    torch.testing.assert_close(seen[schedule][0], sum(seen["plain"]), rtol=1e-12, atol=1e-14)
+
+
 class Borrowing(nn.Module):
     """Uses another layer's weight through a list: a parameter it does not register."""
 
