@@ -121,6 +121,7 @@ class PipeBase(nn.Module, ABC):
     def _partition(self, module: nn.Sequential, deferred_batch_norm: bool) -> list[nn.Sequential]:
         """The module's layers as ``len(balance)`` partitions, BatchNorm converted if asked."""
         if deferred_batch_norm:
+            _refuse_nested_pipes(module)
             DeferredBatchNorm.convert(module)
         layers = list(named_layers(module).items())
         self._token_loss = TokenLoss.of(module, layers[0][1] if layers else None)
@@ -140,17 +141,18 @@ class PipeBase(nn.Module, ABC):
         names = None if held is None else [name for p in held for name in p._modules]
         register_names(self, module, names)
 
-    def _start_runtime(self, devices: list[torch.device], deferred_batch_norm: bool) -> None:
+    def _start_runtime(self, devices: list[torch.device]) -> None:
         """What running the partitions needs, and fresh step state (hooks, programs).
 
-        Called at construction and, for a ``Pipe``, after a copy.
+        Called at construction and, for a ``Pipe``, after a copy. A pipe defers
+        the statistics of every DeferredBatchNorm it holds, converted or given.
         """
         self._deferred_batch_norms = [m for m in self.modules() if isinstance(m, DeferredBatchNorm)]
         self._runtime = PartitionRuntime(
             self.partitions,
             devices,
             positional=self.call_style == "positional",
-            deferred_batch_norm=deferred_batch_norm,
+            deferred_batch_norm=bool(self._deferred_batch_norms),
         )
         self._completion_hooks = OrderedDict()
         self._validated = ProgramCache()
@@ -542,7 +544,7 @@ class PipeBase(nn.Module, ABC):
 
     def _one_pass(self) -> AbstractContextManager[None]:
         """Around one pass: DeferredBatchNorm statistics committed once, at its end."""
-        return statistics_of_one_pass(self._deferred_batch_norms, self.training)
+        return statistics_of_one_pass(self._deferred_batch_norms)
 
     # Gradients
 
@@ -617,3 +619,16 @@ class PipeBase(nn.Module, ABC):
         Garbage collection does it otherwise.
         """
         self._finalizer()
+
+
+def _refuse_nested_pipes(module: nn.Module) -> None:
+    """Refuse a pipe among ``module``'s layers when their BatchNorm statistics are deferred:
+    it runs its own micro-batches, each of them updating them (or committing them)."""
+    for name, child in module.named_modules():
+        if isinstance(child, PipeBase):
+            raise ValueError(
+                f"the layer {name!r} is a {type(child).__name__} of its own: its micro-batches "
+                "within each of this pipe's would update its BatchNorm statistics, which "
+                "deferred_batch_norm=True promises to update once per mini-batch; give this "
+                "pipe its layers, not a pipe of them, or pass deferred_batch_norm=False"
+            )

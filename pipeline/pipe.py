@@ -26,7 +26,6 @@ from pipeline.arguments import (
 from pipeline.base import PipeBase
 from pipeline.calls import EvaluateCall, MicroBatches, StepCall
 from pipeline.clock.driver import ClockDriver
-from pipeline.runtime.batchnorm import DeferredBatchNorm
 from pipeline.runtime.borrowed import find_loans
 from pipeline.runtime.microbatch import Batch, Value, check_input, gather, scatter, to_device
 from pipeline.runtime.partitions import PositionalSequential
@@ -135,11 +134,7 @@ class Pipe(PipeBase):
         self._thread_of = thread_layout(self.devices, self.threads)
         self._workers = start_workers(self.devices, self.threads)
         self._finalizer = weakref.finalize(self, stop_workers, self._workers)
-        # A Pipe defers the statistics of every DeferredBatchNorm it holds, converted or given.
-        self._start_runtime(
-            self.devices,
-            deferred_batch_norm=any(isinstance(m, DeferredBatchNorm) for m in self.modules()),
-        )
+        self._start_runtime(self.devices)
         self._driver = ClockDriver(self._runtime, self._workers, self._thread_of, self.skip_layout)
         self.last_step: StepReport | None = None
 

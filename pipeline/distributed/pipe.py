@@ -238,7 +238,7 @@ class DistributedPipe(PipeBase):
             for s, p in enumerate(every)
         ]
         self._register_names(module, [self.partitions[s] for s in self.local_stages])
-        self._start_runtime([self.device] * n, deferred_batch_norm=deferred_batch_norm)
+        self._start_runtime([self.device] * n)
         self._ties.resolve(self.partitions, self.local_stages, pipelines, self.rank)
         self._ties.synchronize()
 

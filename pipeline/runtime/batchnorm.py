@@ -30,7 +30,14 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from pipeline.runtime.phase import is_recomputing
 
-__all__ = ["DeferredBatchNorm", "deferring_batch_norm", "statistics_of_one_pass"]
+__all__ = [
+    "DeferredBatchNorm",
+    "DeferredBatchNorm1d",
+    "DeferredBatchNorm2d",
+    "DeferredBatchNorm3d",
+    "deferring_batch_norm",
+    "statistics_of_one_pass",
+]
 
 _local = threading.local()
 _merging = threading.Lock()
@@ -139,46 +146,83 @@ class DeferredBatchNorm(_BatchNorm):
 
     @classmethod
     def convert(cls, module: nn.Module) -> nn.Module:
-        """Replace every BatchNorm in ``module`` by a DeferredBatchNorm with the same state.
+        """Make every BatchNorm in ``module`` a DeferredBatchNorm, in place; return ``module``.
 
-        Returns ``module`` itself when it is not a BatchNorm (its children are
-        replaced in place), or the new layer when it is one.
+        Each ``BatchNorm1d``, ``2d`` and ``3d`` that tracks running statistics
+        changes class (to ``DeferredBatchNorm1d``, ...), not object, as
+        torch's parametrizations do: its hooks, parameters, buffers and mode,
+        and a reference kept to it, stay its own. One that cannot defer is
+        refused before any is changed: a subclass of its own (its forward
+        would be lost), ``SyncBatchNorm``, a layer not yet materialised
+        (``LazyBatchNorm``), and one layer in two places of the model (its
+        statistics would be updated once for both uses, where BatchNorm
+        updates them per use).
         """
-        if (
-            isinstance(module, _BatchNorm)
-            and module.track_running_stats
-            and not isinstance(module, cls)
-        ):
-            return cls._from(module)
-        for name, child in module.named_children():
-            converted = cls.convert(child)
-            if converted is not child:
-                setattr(module, name, converted)
+        where: dict[int, list[str]] = {}
+        layers: dict[int, _BatchNorm] = {}
+        for name, child in module.named_modules(remove_duplicate=False):
+            if isinstance(child, _BatchNorm) and child.track_running_stats:
+                where.setdefault(id(child), []).append(name or type(child).__name__)
+                layers[id(child)] = child
+        for key, bn in layers.items():
+            _check_convertible(bn, where[key])
+        for bn in layers.values():
+            if not isinstance(bn, DeferredBatchNorm):
+                bn.__class__ = _DEFERRED[type(bn)]
+                cast(DeferredBatchNorm, bn)._start_accumulating()
         return module
 
-    @classmethod
-    def _from(cls, bn: _BatchNorm) -> DeferredBatchNorm:
-        """A DeferredBatchNorm sharing ``bn``'s parameters and running statistics.
 
-        Sharing (not copying) keeps an optimizer built on the model before the
-        Pipe pointed at the parameters that are trained.
-        """
-        assert bn.running_mean is not None and bn.running_var is not None
-        deferred = cls.__new__(cls)
-        nn.Module.__init__(deferred)
-        deferred.num_features = bn.num_features
-        deferred.eps = bn.eps
-        deferred.momentum = bn.momentum
-        deferred.affine = bn.affine
-        deferred.track_running_stats = True
-        deferred.weight = bn.weight
-        deferred.bias = bn.bias
-        deferred.register_buffer("running_mean", bn.running_mean)
-        deferred.register_buffer("running_var", bn.running_var)
-        deferred.register_buffer("num_batches_tracked", bn.num_batches_tracked)
-        deferred._start_accumulating()
-        deferred.train(bn.training)
-        return deferred
+class DeferredBatchNorm1d(DeferredBatchNorm, nn.BatchNorm1d):
+    """A ``BatchNorm1d`` whose running statistics are updated per mini-batch."""
+
+    _check_input_dim = nn.BatchNorm1d._check_input_dim
+
+
+class DeferredBatchNorm2d(DeferredBatchNorm, nn.BatchNorm2d):
+    """A ``BatchNorm2d`` whose running statistics are updated per mini-batch."""
+
+    _check_input_dim = nn.BatchNorm2d._check_input_dim
+
+
+class DeferredBatchNorm3d(DeferredBatchNorm, nn.BatchNorm3d):
+    """A ``BatchNorm3d`` whose running statistics are updated per mini-batch."""
+
+    _check_input_dim = nn.BatchNorm3d._check_input_dim
+
+
+_DEFERRED: dict[type[nn.Module], type[DeferredBatchNorm]] = {
+    nn.BatchNorm1d: DeferredBatchNorm1d,
+    nn.BatchNorm2d: DeferredBatchNorm2d,
+    nn.BatchNorm3d: DeferredBatchNorm3d,
+}
+
+
+def _check_convertible(bn: _BatchNorm, names: list[str]) -> None:
+    """Raise ValueError unless ``bn`` (at ``names`` in the model) can defer its statistics."""
+    what = f"the BatchNorm at {names[0]!r} ({type(bn).__name__})"
+    if len(names) > 1:
+        raise ValueError(
+            f"{what} is one layer at {names}: deferred, its running statistics would be "
+            "updated once for every use, where BatchNorm updates them per use; give each "
+            "place a layer of its own, or pass deferred_batch_norm=False"
+        )
+    if isinstance(bn, DeferredBatchNorm):
+        return
+    if any(isinstance(p, nn.parameter.UninitializedParameter) for p in bn.parameters()) or any(
+        isinstance(b, nn.parameter.UninitializedBuffer) for b in bn.buffers()
+    ):
+        raise ValueError(
+            f"{what} is not materialised yet: run the model once (or build the layer with "
+            "its number of features) before deferring its statistics"
+        )
+    if type(bn) not in _DEFERRED:
+        raise ValueError(
+            f"deferred_batch_norm=True converts BatchNorm1d, 2d and 3d, but {what} is of "
+            "another class (a SyncBatchNorm synchronises its statistics itself; a subclass's "
+            "own code would be lost): make it a pipeline.DeferredBatchNorm yourself, or pass "
+            "deferred_batch_norm=False"
+        )
 
 
 class _Moments:
@@ -212,15 +256,15 @@ def _channel_shape(input: Tensor) -> list[int]:
 
 
 @contextmanager
-def statistics_of_one_pass(norms: list[DeferredBatchNorm], training: bool) -> Iterator[None]:
+def statistics_of_one_pass(norms: list[DeferredBatchNorm]) -> Iterator[None]:
     """Around a pass: its micro-batches' statistics, committed only if it completes.
 
     A failed or interrupted pass commits nothing; the next pass starts afresh.
+    Each layer in training mode commits, whatever the pipe's mode (a layer
+    not training accumulates nothing).
     """
-    if training:
-        for bn in norms:
-            bn.reset_accumulators()
+    for bn in norms:
+        bn.reset_accumulators()
     yield
-    if training:
-        for bn in norms:
-            bn.commit()
+    for bn in norms:
+        bn.commit()

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-from pipeline import DataParallel, Pipe
+from pipeline import DataParallel, DeferredBatchNorm, Pipe
 from pipeline.distributed import DistributedPipe, PeerError
 from pipeline.schedules import GPipe, Interleaved1F1B, OneFOneB, Schedule, resolve_schedule
 from pipeline.skip import Namespace
@@ -422,8 +422,11 @@ def batch_norm_and_autocast_match_the_single_process_pipe() -> None:
             x, y = (t.to(dtype) for t in batch(rows=12))
             local = Pipe(noisy_model(dtype), [2] * world(), devices=["cpu"] * world(), chunks=3,
                          checkpoint=mode, deferred_batch_norm=True)  # fmt: skip
-            pipe = DistributedPipe(noisy_model(dtype), [2] * world(), chunks=3, checkpoint=mode,
-                                   deferred_batch_norm=True)  # fmt: skip
+            # Converted by the pipe, or by the user before it (a pipe defers what it holds).
+            given = noisy_model(dtype)
+            given = given if autocast else DeferredBatchNorm.convert(given)
+            pipe = DistributedPipe(given, [2] * world(), chunks=3, checkpoint=mode,
+                                   deferred_batch_norm=autocast)  # fmt: skip
             computed: list[torch.dtype] = []
             backward_autocast: list[bool] = []  # backward runs outside it, as loss.backward()
 

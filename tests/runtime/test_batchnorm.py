@@ -80,23 +80,67 @@ def test_without_deferral_statistics_are_per_micro_batch() -> None:
     assert not torch.allclose(pipe.state_dict()["2.running_var"], model[2].running_var)
 
 
-def test_convert_shares_parameters_and_buffers() -> None:
+def test_convert_changes_the_class_of_the_layer_itself_keeping_its_hooks() -> None:
+    # The object stays: its hooks, a reference kept to it, and its own mode.
     bn = nn.BatchNorm2d(3)
     model = nn.Sequential(nn.Conv2d(3, 3, 1), bn)
-    DeferredBatchNorm.convert(model)
-    deferred = model[1]
-    assert isinstance(deferred, DeferredBatchNorm)
-    assert deferred.weight is bn.weight and deferred.running_mean is bn.running_mean
-    out = model(torch.randn(4, 3, 2, 2))
-    assert out.shape == (4, 3, 2, 2)
-    deferred.commit()
+    calls: list[str] = []
+    bn.register_forward_pre_hook(lambda *_: calls.append("pre"))
+    bn.register_forward_hook(lambda *_: calls.append("forward"))
+    assert DeferredBatchNorm.convert(model) is model
+    assert model[1] is bn and isinstance(bn, DeferredBatchNorm) and isinstance(bn, nn.BatchNorm2d)
+    pipe = Pipe(model, [1, 1], devices=["cpu"] * 2, chunks=2, deferred_batch_norm=True)
+    pipe(torch.randn(4, 3, 2, 2))
+    assert calls == ["pre", "forward"] * 2 and int(bn.num_batches_tracked) == 1
+    bn.eval()  # frozen through the reference kept from before the pipe
+    pipe(torch.randn(4, 3, 2, 2))
     assert int(bn.num_batches_tracked) == 1
-
-
-def test_convert_returns_a_lone_batch_norm_replaced() -> None:
     assert isinstance(DeferredBatchNorm.convert(nn.BatchNorm1d(2)), DeferredBatchNorm)
     with pytest.raises(ValueError, match="expected at least 2D input"):
         DeferredBatchNorm(2)(torch.zeros(2))
+
+
+class OwnBatchNorm(nn.BatchNorm1d):
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return 2 * super().forward(input)
+
+
+@pytest.mark.parametrize(
+    ("layers", "message"),
+    [
+        ([nn.Linear(4, 4), OwnBatchNorm(4)], "of another class"),
+        ([nn.Linear(4, 4), nn.SyncBatchNorm(4)], "of another class"),
+        ([nn.Linear(4, 4), nn.LazyBatchNorm1d()], "not materialised"),
+        ("shared", r"one layer at \['1', '2'\]"),
+        ("nested", "is a Pipe of its own"),
+    ],
+)
+def test_a_batch_norm_that_cannot_defer_is_refused_before_any_is_converted(
+    layers: list[nn.Module] | str, message: str
+) -> None:
+    first = nn.BatchNorm1d(4)
+    if layers == "shared":
+        shared = nn.BatchNorm1d(4)
+        layers = [first, shared, shared]
+    elif layers == "nested":
+        inner = Pipe(nn.Sequential(nn.BatchNorm1d(4), nn.Tanh()), [1, 1], devices=["cpu"] * 2)
+        layers = [first, inner]
+    model = nn.Sequential(first, *layers) if layers[0] is not first else nn.Sequential(*layers)
+    with pytest.raises(ValueError, match=message):
+        Pipe(model, [1, len(model) - 1], devices=["cpu"] * 2, deferred_batch_norm=True)
+    assert type(first) is nn.BatchNorm1d  # nothing converted
+
+
+def test_a_layer_training_in_a_pipe_in_eval_mode_commits_its_statistics() -> None:
+    model = bn_model()
+    plain = copy.deepcopy(model)
+    pipe = Pipe(model, [2, 1], devices=["cpu"] * 2, chunks=3, deferred_batch_norm=True)
+    pipe.eval(), plain.eval()
+    model[2].train(), plain[2].train()
+    x = torch.randn(12, 4)
+    pipe(x), plain(x)  # outputs normalised per micro-batch; the statistics the plain model's
+    for name, value in plain.state_dict().items():
+        torch.testing.assert_close(pipe.state_dict()[name], value, msg=name)
 
 
 def test_a_batch_norm_after_another_sees_inputs_normalised_per_micro_batch() -> None:
