@@ -31,15 +31,18 @@ def total_norm(
     group: dist.ProcessGroup | None,
     device: torch.device,
 ) -> Tensor:
-    """The ``norm_type``-norm of every gradient of the pipeline, on ``device``, in float32 or wider.
+    """The ``norm_type``-norm of every gradient of the pipeline, on ``device``, in float64.
 
     ``group`` is the pipeline's processes (None: this process holds it whole).
+    In float64 whatever the gradients' dtypes: every process computes and
+    reduces the same dtype (processes of bfloat16 and of float32 stages).
     """
     p = float(norm_type)
-    norms = [_whole_norm(g, p).to(device) for g in grads]
+    norms = [_whole_norm(g, p).to(device, torch.float64) for g in grads]
     if not norms:
         # What adds nothing to the others' (a minimum: nothing below it).
-        here = torch.full((), float("inf") if p == -float("inf") else 0.0, device=device)
+        empty = float("inf") if p == -float("inf") else 0.0
+        here = torch.full((), empty, device=device, dtype=torch.float64)
     else:
         here = torch.linalg.vector_norm(torch.stack(norms), p)
     if group is None:
@@ -51,9 +54,9 @@ def total_norm(
     if p == 0:  # a count: of the gradients with a nonzero entry
         dist.all_reduce(here, group=group)
         return here
-    powered = here.double() ** p
+    powered = here**p
     dist.all_reduce(powered, group=group)
-    return (powered ** (1.0 / p)).to(here.dtype)
+    return powered ** (1.0 / p)
 
 
 def clip_grad_norm(
@@ -67,11 +70,13 @@ def clip_grad_norm(
 ) -> Tensor:
     """Scale the gradients of ``params`` so that the pipeline's norm is at most ``max_norm``.
 
-    Returns the norm before scaling. ``counted`` are those of ``params``
-    whose gradients the norm counts: a weight tied across processes is
-    counted at one of its holders and scaled at every one.
+    Returns the norm before scaling, in float32 or the widest dtype of this
+    process's gradients. ``counted`` are those of ``params`` whose gradients
+    the norm counts: a weight tied across processes is counted at one of its
+    holders and scaled at every one.
     """
-    norm = total_norm([p.grad for p in counted if p.grad is not None], norm_type, group, device)
+    grads = [p.grad for p in counted if p.grad is not None]
+    norm = total_norm(grads, norm_type, group, device)
     if error_if_nonfinite and not torch.isfinite(norm):
         raise RuntimeError(
             f"the total norm of order {float(norm_type)} of the pipeline's gradients is "
@@ -82,7 +87,10 @@ def clip_grad_norm(
     with torch.no_grad():
         for g in (p.grad for p in params if p.grad is not None):
             _local(g).mul_(factor.to(g.device, g.dtype))
-    return norm
+    widest = torch.float32
+    for g in grads:
+        widest = torch.promote_types(widest, g.dtype)
+    return norm.to(widest)
 
 
 def _whole_norm(grad: Tensor, p: float) -> Tensor:

@@ -347,6 +347,19 @@ def clip_grad_norm_clips_by_the_whole_models_norm_counting_tied_weights_once() -
         assert torch.allclose(norm, expected, rtol=1e-12, atol=0), (norm_type, norm, expected)
         assert_grads_equal(pipe, plain, f"clipped by the norm of order {norm_type}")
         pipe.close()
+    # Stages of other dtypes: every process reduces its norm in one dtype (bfloat16's
+    # and float32's crashed gloo with inf, and clipped by different norms with 2).
+    for norm_type in (2.0, float("inf")):
+        plain = blocks(2 * world()).float()
+        plain[:2].to(torch.bfloat16)  # stage 0, on rank 0
+        pipe = DistributedPipe(copy.deepcopy(plain), [2] * world(), chunks=2)
+        for model in (plain, pipe):
+            for p in model.parameters():
+                p.grad = torch.full_like(p, 0.1 + p.numel() % 7)  # grads of their own dtypes
+        expected = torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.05, norm_type)
+        norm = pipe.clip_grad_norm_(0.05, norm_type)
+        torch.testing.assert_close(norm, expected, msg=str(norm_type))
+        pipe.close()
 
 
 def step_in_backward(model: nn.Module) -> dict[int, list[Tensor]]:
