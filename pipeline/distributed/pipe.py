@@ -414,7 +414,7 @@ class DistributedPipe(PipeBase):
     def _step_choice(self, chosen: Schedule, reduction: LossReduction, call: StepCall) -> str:
         """What every process must agree on of a step's arguments (``_agree``)."""
         choice = f"{self._schedule_name(chosen)} {_loss_choice(reduction, call.loss_divisor)}"
-        choice += f", grad_scaler {_given(call.grad_scaler)}"
+        choice += f", grad_scaler {_scaler_state(call.grad_scaler)}"
         return choice + f", {sharding_kind(self.partitions, self.local_stages)}"
 
     def _placement(self) -> str:
@@ -535,8 +535,9 @@ class DistributedPipe(PipeBase):
         choices = camps([theirs[1] for theirs in rows])
         if len(choices) > 1:
             raise ValueError(
-                "the processes of the pipeline chose different schedules or loss arguments for "
-                f"this call, or shard their stages differently: {ranks_text(choices)} chose "
+                "the processes of the pipeline chose different schedules, loss arguments or "
+                "grad scalers (enabled, their scale) for this call, or shard their stages "
+                f"differently: {ranks_text(choices)} chose "
                 f"differently (this process, rank {self.rank}: {choice}); every process must "
                 "pass the same ones, and with FSDP2, shard every stage"
             )
@@ -744,6 +745,21 @@ def _loss_choice(reduction: LossReduction | None, divisor: LossDivisor | None) -
 
 def _given(value: Any) -> str:
     return "none" if value is None else "given"
+
+
+def _scaler_state(scaler: Any) -> str:
+    """What every process's grad scaler must agree on: enabled, and its scale.
+
+    The last stage scales the loss by its scale and every process unscales
+    by its own: scales that differ (a state loaded on one process) give
+    gradients off by their ratio; one process disabled waits in the others'
+    reduction of infs.
+    """
+    if scaler is None:
+        return "none"
+    if not scaler.is_enabled():
+        return "disabled"
+    return f"scale {float(scaler.get_scale())!r}"
 
 
 def _micro_batch_sizes(row: list[int]) -> list[int]:

@@ -711,7 +711,7 @@ def evaluate_arguments_are_agreed_by_every_process() -> None:
     expect_error(
         ValueError,
         lambda: pipe.evaluate(x, y if odd else None, F.mse_loss if odd else None),
-        "chose different schedules or loss arguments",
+        "chose different schedules, loss arguments",
         split_at_rank_1(),
     )
     refused_last = f"rank {world() - 1} of the pipeline refused"
@@ -789,6 +789,16 @@ def a_grad_scaler_must_agree_on_infs_across_processes() -> None:
             lambda scaler=scaler: pipe.step(x.float(), y.float(), F.mse_loss, grad_scaler=scaler),
             fragment,
             "ShardedGradScaler(device, process_group=...)",
+        )
+    # Scales that differ (a state loaded on one process): the last stage's scales the
+    # loss, each process unscales by its own; one disabled: the others wait for it.
+    for scale, enabled in [(2.0 ** (10 + (rank() == 1)), True), (2.0**10, rank() != 1)]:
+        differing = ShardedGradScaler("cpu", init_scale=scale, enabled=enabled)
+        expect_error(
+            ValueError,
+            lambda s=differing: pipe.step(x.float(), y.float(), F.mse_loss, grad_scaler=s),
+            "chose differently",
+            "grad_scaler ",
         )
     assert all(p.grad is None for p in pipe.parameters())
 
