@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from pipeline.runtime.layers import modules_only_read
+from pipeline.runtime.module_hooks import call_hook_kinds, state_dict_hook_kinds
 from pipeline.skip.verify import verify_skippables
 
 __all__ = [
@@ -88,6 +89,14 @@ def check_module(module: Any) -> None:
             f"Pipe splits an nn.Sequential, got {type(module).__name__}; for any other model, "
             "pipeline.split(model, example_args) makes the nn.Sequential to pass (docs/split.md), "
             "or wrap your layers in nn.Sequential(...)"
+        )
+    kinds = call_hook_kinds(module) + state_dict_hook_kinds(module)
+    if kinds:
+        raise ValueError(
+            f"the nn.Sequential given to the pipe has {' and '.join(kinds)}, but the pipe runs "
+            "its layers, never the Sequential's own forward, and makes its state_dict itself, "
+            "so they would never run: register them on the layers, or the state_dict hooks "
+            "on the pipe"
         )
 
 

@@ -341,3 +341,14 @@ def test_a_no_chunk_tensor_before_the_split_ones_does_not_count_as_the_rows() ->
     torch.testing.assert_close(loss, expected.detach())
     for ours, theirs in zip(model.parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(ours.grad, theirs.grad)
+
+
+@pytest.mark.parametrize("kind", ["forward", "state_dict"])
+def test_hooks_on_the_sequential_itself_are_refused_as_they_would_never_run(kind: str) -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    if kind == "forward":
+        model.register_forward_hook(lambda *_: None)
+    else:
+        model.register_state_dict_post_hook(lambda *_: None)
+    with pytest.raises(ValueError, match=f"has {kind} hooks .*would never run"):
+        Pipe(model, [1, 1], devices=["cpu"] * 2)

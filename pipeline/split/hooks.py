@@ -15,6 +15,7 @@ from typing import Any
 
 from torch import nn
 
+from pipeline.runtime.module_hooks import call_hook_kinds
 from pipeline.split.where import describe_module
 
 __all__ = ["captured_modules", "model_configs", "refuse_hooks", "refuse_recorded_outputs"]
@@ -46,8 +47,8 @@ def refuse_hooks(modules: list[tuple[str, nn.Module]], error: type[Exception], f
             or module._backward_pre_hooks
         ):
             raise error(
-                f"{describe_module(name, module)} has {' and '.join(_kinds(module))}, but "
-                "its forward is captured as torch ops by split, and the pieces run those ops "
+                f"{describe_module(name, module)} has {' and '.join(call_hook_kinds(module))}, "
+                "but its forward is captured as torch ops by split, and the pieces run those ops "
                 f"without calling the module, so the hooks would never run: {fix}"
             )
     if nn.modules.module._has_any_global_hook():
@@ -56,31 +57,6 @@ def refuse_hooks(modules: list[tuple[str, nn.Module]], error: type[Exception], f
             "register_module_forward_hook and the like); the modules that split captures as "
             f"torch ops would never call them: {fix}"
         )
-
-
-def _kinds(module: nn.Module) -> list[str]:
-    """Each kind of hook ``module`` has, with the hooks' names (which say whose they are)."""
-    backward = "full backward" if module._is_full_backward_hook else "backward"
-    found = {
-        "forward": module._forward_hooks,
-        "forward pre": module._forward_pre_hooks,
-        backward: module._backward_hooks,
-        "backward pre": module._backward_pre_hooks,
-    }
-    return [
-        f"{kind} hooks ({', '.join(_name(hook) for hook in hooks.values())})"
-        for kind, hooks in found.items()
-        if hooks
-    ]
-
-
-def _name(hook: Any) -> str:
-    """A hook function's qualified name: transformers' ``make_inputs_require_grads`` says
-    gradient checkpointing registered it."""
-    function = getattr(hook, "func", hook)  # a functools.partial's function
-    module = getattr(function, "__module__", None) or ""
-    name = getattr(function, "__qualname__", type(function).__qualname__)
-    return f"{module}.{name}" if module else name
 
 
 def forward_names(model: nn.Module) -> set[str]:
