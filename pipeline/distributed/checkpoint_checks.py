@@ -29,7 +29,7 @@ from pipeline.runtime.agreement import gather_texts
 from pipeline.runtime.lazy import instance_of
 from pipeline.runtime.process_group import collective_device
 
-__all__ = ["check_before_loading", "check_shards_within"]
+__all__ = ["check_before_loading", "check_groups_alike", "check_shards_within"]
 
 # Texts name 4 keys of each kind at most; this bounds what a peer may announce.
 _TEXT_LIMIT = 1 << 20
@@ -72,6 +72,22 @@ def check_before_loading(
             f"load_checkpoint({os.fspath(path)!r}) refused, nothing was loaded: "
             + "; ".join(problems)
         )
+
+
+def check_groups_alike(
+    path: str | os.PathLike[str], problem: str, group: dist.ProcessGroup | None
+) -> None:
+    """Raise ``RuntimeError`` on every process of ``group`` if one found ``problem`` in
+    its optimizer's param groups (settings the checkpoint gives one group differently)."""
+    if not _any_process([bool(problem)], group)[0]:
+        return
+    raise RuntimeError(
+        f"load_checkpoint({os.fspath(path)!r}) refused, nothing was loaded: "
+        + "; ".join(_every_process(problem, group))
+        + ": the checkpoint's settings are per parameter, and torch gives a group the "
+        "settings of its first parameter; build the optimizer with the param groups it was "
+        "saved with"
+    )
 
 
 def check_shards_within(

@@ -67,7 +67,11 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.nn.parallel import DistributedDataParallel
 
 from pipeline.data_parallel.wrapper import DataParallel
-from pipeline.distributed.checkpoint_checks import check_before_loading, check_shards_within
+from pipeline.distributed.checkpoint_checks import (
+    check_before_loading,
+    check_groups_alike,
+    check_shards_within,
+)
 from pipeline.distributed.pipe import DistributedPipe
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
@@ -135,7 +139,9 @@ def load_checkpoint(
     saved key of the model's (or, given an optimizer, the optimizer's) state
     that no process of the load asks for are refused together, on every
     process, by a ``RuntimeError`` naming them, before anything is read: the
-    model and the optimizer are left as they were. ``strict=False`` loads
+    model and the optimizer are left as they were. So is an optimizer whose
+    param groups hold together parameters the checkpoint gives different
+    settings (their settings are read first). ``strict=False`` loads
     what the model has and leaves the checkpoint's other keys unread: then
     nothing is checked for keys the model lacks (missing keys and shapes
     still are). ``extra``'s entries are loaded by name; other entries of the
@@ -159,6 +165,8 @@ def load_checkpoint(
     group = process_group if process_group is not None or not _distributed() else dist.group.WORLD
     try:
         check_before_loading(path, metadata, asked, covered, target is not None, strict, group)
+        if target is not None:
+            check_groups_alike(path, target.groups_unlike(path, process_group), group)
         with _single_process_quietly():
             load(state, checkpoint_id=path, process_group=process_group)
     except BaseException:
@@ -273,7 +281,11 @@ class _Reading:
 
     def loaded(self) -> dict[str, Any]:
         """The target's keys with what DCP read (into the tensors, or in place of other values)."""
-        return {key: self.asked[found] for key, found in self._source.items()}
+        return self.found(self.asked)
+
+    def found(self, read: Mapping[str, Any]) -> dict[str, Any]:
+        """The target's keys with what ``read`` (some of the asked keys, read) holds for them."""
+        return {key: read[found] for key, found in self._source.items() if found in read}
 
 
 def _model_state(module: nn.Module) -> dict[str, Any]:
@@ -345,6 +357,38 @@ class _OptimizerTarget:
         self.reading = _Reading("optim.", wanted, names, stored)
         self.covered = names.covered("optim.", self._target)
 
+    def groups_unlike(
+        self, path: str | os.PathLike[str], process_group: dist.ProcessGroup | None
+    ) -> str:
+        """Where the checkpoint gives the parameters of one of the optimizer's param groups
+        different settings, as text ('' if nowhere): read first, on their own (collective)."""
+        settings = {
+            key: value.clone() if isinstance(value, torch.Tensor) else value
+            for key, value in self.reading.asked.items()
+            if key.startswith(_GROUPS)
+        }
+        with _single_process_quietly():
+            load({"optim": settings}, checkpoint_id=path, process_group=process_group)
+        read = self.reading.found(settings)
+        names: dict[int, str] = {}
+        for name, param in self._module.named_parameters(remove_duplicate=False):
+            names.setdefault(id(param), name)
+        for group in self._optimizer.param_groups:
+            first: dict[str, tuple[str, Any]] = {}
+            for param in group["params"]:
+                held = names.get(id(param), "")
+                for field in (f for f in group if f != "params"):
+                    value = read.get(f"{_GROUPS}{held}.{field}", _ABSENT)
+                    if value is _ABSENT:
+                        continue
+                    seen = first.setdefault(field, (held, value))
+                    if not _same(seen[1], value):
+                        return (
+                            f"the checkpoint gives {seen[0]} {field}={seen[1]!r} and {held} "
+                            f"{field}={value!r}, which this optimizer holds in one param group"
+                        )
+        return ""
+
     def load(self) -> None:
         """Into the optimizer, once DCP has read: a parameter without saved state keeps none."""
         if not self._target:
@@ -380,6 +424,16 @@ def _without_empty_groups(optimizer: torch.optim.Optimizer) -> Iterator[None]:
         # A load replaces the groups holding parameters by new ones, in order.
         loaded = iter(optimizer.param_groups)
         optimizer.param_groups = [next(loaded) if group["params"] else group for group in groups]
+
+
+_ABSENT = object()
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether two settings of a param group are equal (a tensor ``lr`` as its values)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    return bool(a == b)
 
 
 def _distributed() -> bool:

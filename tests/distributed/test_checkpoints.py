@@ -151,6 +151,22 @@ def trained_and_saved(path: Path) -> tuple[nn.Sequential, torch.optim.Optimizer]
     return plain, optimizer
 
 
+def test_param_groups_that_mix_the_saved_settings_are_refused(tmp_path: Path) -> None:
+    # Saved with decay on the weights alone; one group for all would give every
+    # parameter the first one's settings (torch's flattened load reads no other).
+    plain, _ = trained_and_saved(tmp_path)
+    merged = torch.optim.AdamW(plain.parameters(), lr=0.05, weight_decay=0.1)
+    train(BLOCKS, plain, merged, 1)
+    refused_untouched(
+        lambda: load_checkpoint(tmp_path, plain, merged),
+        plain,
+        merged,
+        "weight_decay=0.1 and",
+        "weight_decay=0.0, which this optimizer holds in one param group",
+    )
+    load_checkpoint(tmp_path, plain, adamw(plain))  # the saved groups load
+
+
 def test_keys_the_model_lacks_are_refused_unless_strict_is_false(tmp_path: Path) -> None:
     # A checkpoint of 4 blocks into a Pipe of 3 (another depth): as torch's load_state_dict.
     plain, optimizer = trained_and_saved(tmp_path)
