@@ -148,7 +148,7 @@ class Batch:
         if type(value) is Tensor:  # the common value, a pytree leaf: no flattening to do
             self.leaves, self.spec = [value], _TENSOR_SPEC
         else:
-            self.leaves, self.spec = tree_flatten(value)
+            self.leaves, self.spec = tree_flatten(value, is_leaf=_is_leaf)
         self.split_rows: int | None = None
 
     @classmethod
@@ -201,7 +201,9 @@ class Batch:
 
 
 def _is_leaf(value: Any) -> bool:
-    return isinstance(value, NoChunk)
+    """A value kept whole: a ``NoChunk``, and a ``torch.Size``, which pytree flattens as
+    a tuple and would rebuild as one."""
+    return isinstance(value, (NoChunk, torch.Size))
 
 
 def check_input(input: Value, name: str = "input") -> None:
@@ -390,9 +392,7 @@ def to_device(input: Value, device: torch.device) -> Value:
     """``input`` with every tensor in it (``NoChunk`` ones included) on ``device``."""
     if isinstance(input, torch.Tensor):
         return input.to(device)
-    return tree_map(
-        partial(_value_to_device, device), input, is_leaf=lambda v: isinstance(v, NoChunk)
-    )
+    return tree_map(partial(_value_to_device, device), input, is_leaf=_is_leaf)
 
 
 def _value_to_device(device: torch.device, value: Any) -> Any:

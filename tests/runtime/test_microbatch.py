@@ -119,3 +119,11 @@ def test_gather_returns_once_what_every_micro_batch_returned_as_the_same_memory(
     out = gather([Batch((torch.ones(2), shared)), Batch((torch.ones(1), shared.detach()))])
     assert out[1] is shared
     assert torch.equal(out[0], torch.ones(3))
+
+
+def test_a_torch_size_keeps_its_type_through_batches_and_scatter() -> None:
+    # pytree flattens a torch.Size as a tuple, and rebuilt it as one: .numel() was gone.
+    x = torch.zeros(4, 2)
+    assert type(Batch((x, x.shape)).value[1]) is torch.Size
+    assert all(type(b.value[1]) is torch.Size for b in scatter((x, x.shape), 2))
+    assert type(gather([Batch((x, x.shape)), Batch((x, x.shape))])[1]) is torch.Size
