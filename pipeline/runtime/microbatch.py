@@ -327,7 +327,21 @@ def _gather_column(column: list[Any], position: int, rows: Sequence[int] | None)
             f"output leaf {position} is a non-tensor that differs between micro-batches "
             f"({column!r}); return it as a tensor with a batch dimension to gather it"
         )
+    if rows is not None and len(rows) > 1 and all(_counts_rows(first, n) for n in rows):
+        raise ValueError(
+            f"output leaf {position} is {first!r} in every micro-batch, which holds its "
+            f"micro-batch's rows ({rows[0]}): the plain model's would hold the batch's "
+            f"({sum(rows)}); take it from the pipe's output tensors (out.shape, out.size(0)), "
+            "not from inside the model"
+        )
     return first
+
+
+def _counts_rows(value: Any, rows: int) -> bool:
+    """Whether ``value`` (a non-tensor output) is a row count: ``rows``, or a shape of them."""
+    if isinstance(value, torch.Size):
+        return len(value) > 0 and value[0] == rows
+    return type(value) is int and value == rows
 
 
 def _expanded(column: list[Tensor], rows: Sequence[int] | None) -> bool:

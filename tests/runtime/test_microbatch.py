@@ -127,3 +127,13 @@ def test_a_torch_size_keeps_its_type_through_batches_and_scatter() -> None:
     assert type(Batch((x, x.shape)).value[1]) is torch.Size
     assert all(type(b.value[1]) is torch.Size for b in scatter((x, x.shape), 2))
     assert type(gather([Batch((x, x.shape)), Batch((x, x.shape))])[1]) is torch.Size
+
+
+def test_gather_refuses_a_non_tensor_that_counts_each_micro_batchs_rows() -> None:
+    # x.size(0) or x.shape returned: equal in every micro-batch, but the plain
+    # model's would count the batch's rows, not one micro-batch's.
+    pieces = scatter(torch.zeros(6, 8), 3)
+    for counted in (2, torch.Size([2, 8])):
+        with pytest.raises(ValueError, match=r"micro-batch's rows \(2\).*the batch's \(6\)"):
+            gather([Batch((b.value, counted)) for b in pieces], [2, 2, 2])
+    assert gather([Batch((b.value, 5)) for b in pieces], [2, 2, 2])[1] == 5
