@@ -14,8 +14,8 @@ import itertools
 import weakref
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any, ClassVar, Literal, overload
 
 import torch
@@ -542,9 +542,12 @@ class PipeBase(nn.Module, ABC):
             run.timed, programs, run.peak_in_flight, run.peak_activation_bytes, worker_of_program
         )
 
-    def _one_pass(self) -> AbstractContextManager[None]:
-        """Around one pass: DeferredBatchNorm statistics committed once, at its end."""
-        return statistics_of_one_pass(self._deferred_batch_norms)
+    @contextmanager
+    def _one_pass(self, batches: list[Batch]) -> Iterator[None]:
+        """Around one pass over ``batches``: DeferredBatchNorm statistics committed once, at
+        its end; a write into a tensor every micro-batch holds refused."""
+        with statistics_of_one_pass(self._deferred_batch_norms), self._runtime.watching(batches):
+            yield
 
     # Gradients
 

@@ -192,7 +192,7 @@ class Pipe(PipeBase):
         hooks = list(self._completion_hooks.values())
         rows = [b.rows() for b in batches]
         stop = checkpoint_stop(self.checkpoint, len(batches), self.training)
-        with self._one_pass():
+        with self._one_pass(batches):
             self._driver.run(batches, stop, hooks, sum(rows))
         return gather(batches, rows)
 
@@ -277,7 +277,7 @@ class Pipe(PipeBase):
         )
         thread_of_program = _thread_of_program(len(programs), by_worker)
         begin_explicit_step(simulation.idle_on(programs, thread_of_program).stages)
-        with self._one_pass(), run.holding_hooks(), run.routing():
+        with self._one_pass(batches), run.holding_hooks(), run.routing():
             self._run_programs(run, programs, by_worker, simulation)
             run.finish()
         loss = run.with_router_loss(run.loss())
@@ -322,7 +322,7 @@ class Pipe(PipeBase):
             programs = forward_programs(len(batches), n, n)
             by_worker = programs_by_worker(programs, self._thread_of)
             begin_explicit_step()
-            with self._evaluating():
+            with self._evaluating(), self._runtime.watching(batches):
                 run = self._evaluation_run(
                     call,
                     reduction,

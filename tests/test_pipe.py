@@ -352,3 +352,33 @@ def test_hooks_on_the_sequential_itself_are_refused_as_they_would_never_run(kind
         model.register_state_dict_post_hook(lambda *_: None)
     with pytest.raises(ValueError, match=f"has {kind} hooks .*would never run"):
         Pipe(model, [1, 1], devices=["cpu"] * 2)
+
+
+class Doubling(nn.Module):
+    """Doubles, in place, the mask it is given (a NoChunk input) and scales its rows by it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 6)
+
+    def forward(self, value: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        h, mask = value
+        return self.linear(h) * mask.mul_(2)
+
+
+@pytest.mark.parametrize("call", ["pipe(x)", "evaluate", "step"])
+def test_a_write_into_a_tensor_every_micro_batch_is_given_is_refused(call: str) -> None:
+    # Once per micro-batch where the plain model writes once: 8 times the mask, not 2.
+    from pipeline import NoChunk
+
+    model = nn.Sequential(Doubling(), nn.Linear(6, 6))
+    pipe = Pipe(model, [1, 1], devices=["cpu"] * 2, chunks=3)
+    h, mask = torch.randn(6, 6), torch.ones(6)
+    run = {
+        "pipe(x)": lambda: pipe((h, NoChunk(mask))),
+        "evaluate": lambda: pipe.evaluate((h, NoChunk(mask))),
+        "step": lambda: pipe.step((h, NoChunk(mask)), h, F.mse_loss),
+    }[call]
+    with pytest.raises(RuntimeError, match="partition 0 wrote in place into a tensor that every"):
+        run()
+    assert all(p.grad is None for p in model.parameters())

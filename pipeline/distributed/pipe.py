@@ -291,7 +291,7 @@ class DistributedPipe(PipeBase):
             at_end=self._ties.parameters(),
             router=router,
         )
-        with self._one_pass(), run.holding_hooks(), run.routing():
+        with self._one_pass(micro_batches.batches), run.holding_hooks(), run.routing():
             self._transport.begin_step()
             try:
                 run.run_here(programs[self.rank])
@@ -608,7 +608,8 @@ class DistributedPipe(PipeBase):
         reduction, micro_batches, router = self._agreed_evaluation(call)
         programs = forward_programs(len(micro_batches.rows), len(self.balance), self.size)
         local = [self.partitions[s] for s in self.local_stages]
-        with self._evaluating(), resharded_after(local):
+        watching = self._runtime.watching(micro_batches.batches)
+        with self._evaluating(), resharded_after(local), watching:
             run = self._evaluation_run(
                 call,
                 reduction,

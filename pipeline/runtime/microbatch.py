@@ -44,6 +44,7 @@ __all__ = [
     "check_rows",
     "gather",
     "scatter",
+    "shared_leaves",
     "to_device",
 ]
 
@@ -279,6 +280,19 @@ def scatter(input: Value, chunks: int, name: str = "input") -> list[Batch]:
             None if split is None else len(split[i]),
         )
         for i in range(count)
+    ]
+
+
+def shared_leaves(batches: list[Batch]) -> list[Tensor]:
+    """The tensors every micro-batch holds as one object (``NoChunk`` ones): a write into
+    one would be made once per micro-batch, where the plain model makes it once."""
+    if len(batches) < 2:
+        return []
+    first = batches[0].leaves
+    return [
+        leaf
+        for i, leaf in enumerate(first)
+        if isinstance(leaf, Tensor) and all(b.leaves[i] is leaf for b in batches[1:])
     ]
 
 

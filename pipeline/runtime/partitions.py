@@ -15,7 +15,8 @@ partitions.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -24,7 +25,7 @@ from torch import Tensor, nn
 from pipeline.runtime.batchnorm import deferring_batch_norm
 from pipeline.runtime.borrowed import find_loans
 from pipeline.runtime.buffers import PartitionBuffers
-from pipeline.runtime.microbatch import Arguments, Batch, Value
+from pipeline.runtime.microbatch import Arguments, Batch, Value, shared_leaves
 from pipeline.runtime.ownership import holds_compiled, holds_generator, randomness_plans
 from pipeline.runtime.rng import PartitionRandomness
 
@@ -71,6 +72,7 @@ class PartitionRuntime:
         # Held by each forward pass, each recomputation and each Pipe.step:
         # one thread at a time runs the partitions and touches their buffers.
         self.lock = threading.RLock()
+        self._shared: list[tuple[Tensor, int]] = []
 
     def __len__(self) -> int:
         return len(self.partitions)
@@ -94,10 +96,34 @@ class PartitionRuntime:
         partition = self.partitions[j]
         with deferring_batch_norm(self.deferred_batch_norm), self.loans.lent(j):
             if type(value) is Arguments:
-                return value.call(partition)
-            if self.positional and type(value) is tuple:
-                return partition(*value)
-            return partition(value)
+                output = value.call(partition)
+            elif self.positional and type(value) is tuple:
+                output = partition(*value)
+            else:
+                output = partition(value)
+        if self._shared:
+            self._check_shared(j)
+        return output
+
+    @contextmanager
+    def watching(self, batches: list[Batch]) -> Iterator[None]:
+        """Around a pass over ``batches``: a partition that writes into a tensor every
+        micro-batch holds (a ``NoChunk`` input) fails at once."""
+        self._shared = [(t, t._version) for t in shared_leaves(batches)]
+        try:
+            yield
+        finally:
+            self._shared = []
+
+    def _check_shared(self, j: int) -> None:
+        for tensor, version in self._shared:
+            if tensor._version != version:
+                raise RuntimeError(
+                    f"partition {j} wrote in place into a tensor that every micro-batch is "
+                    f"given whole (a NoChunk input of shape {tuple(tensor.shape)}): the write "
+                    "would be made once per micro-batch, where the plain model makes it once; "
+                    "write into a copy (tensor.clone()) inside the layer"
+                )
 
 
 class KeywordSequential(nn.Sequential):
