@@ -18,6 +18,7 @@ process raises the same error, and none waits in DCP for the others.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Collection, Mapping
 from typing import Any
 
@@ -25,11 +26,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from pipeline.runtime.agreement import gather_texts
+from pipeline.runtime.agreement import fingerprint, gather_texts, ranks_text
 from pipeline.runtime.lazy import instance_of
 from pipeline.runtime.process_group import collective_device
 
-__all__ = ["check_before_loading", "check_groups_alike", "check_shards_within"]
+__all__ = [
+    "check_before_loading",
+    "check_extra_alike",
+    "check_groups_alike",
+    "check_shards_within",
+]
 
 # Texts name 4 keys of each kind at most; this bounds what a peer may announce.
 _TEXT_LIMIT = 1 << 20
@@ -88,6 +94,56 @@ def check_groups_alike(
         "settings of its first parameter; build the optimizer with the param groups it was "
         "saved with"
     )
+
+
+def check_extra_alike(extra: Mapping[str, Any], group: dist.ProcessGroup | None) -> None:
+    """Raise ``ValueError`` on every process of ``group`` if an entry of ``extra`` to save,
+    under one name, differs between the processes that give it.
+
+    DCP keeps one copy of a value that is not sharded: every process would
+    load that one's. An LR scheduler over param groups that differ between
+    the processes of a pipeline (its ``base_lrs``) is one.
+    """
+    if group is None or not _distributed():
+        return
+    mine = "".join(
+        f"{fingerprint(name)} {fingerprint(_described(_saved(v)))}\n" for name, v in extra.items()
+    )
+    texts = gather_texts(mine, group, _TEXT_LIMIT) or [mine]
+    held: dict[int, dict[int, list[int]]] = {}  # name -> value -> ranks
+    for rank, text in enumerate(texts):
+        for line in text.splitlines():
+            key, value = (int(part) for part in line.split())
+            held.setdefault(key, {}).setdefault(value, []).append(rank)
+    for name in extra:
+        values = held.get(fingerprint(name), {})
+        if len(values) > 1:
+            raise ValueError(
+                f"save_checkpoint: extra[{name!r}] differs between the processes "
+                f"({ranks_text(list(values.values()))} hold different ones): DCP saves one "
+                "copy of a value that is not sharded, and every process would load that one's "
+                "(an LR scheduler's base_lrs where the processes' param groups differ); give "
+                f"each process's value a name of its own (f'{name}.{{rank}}', loaded in the "
+                "same layout), or save only what is alike"
+            )
+
+
+def _saved(value: Any) -> Any:
+    state_dict = getattr(value, "state_dict", None)
+    return state_dict() if callable(state_dict) else value
+
+
+def _described(value: Any) -> str:
+    """A text that tells values apart: tensors by their values, a sharded one by its shape."""
+    if isinstance(value, torch.Tensor):
+        if instance_of(value, _DTENSOR, "DTensor"):
+            return f"sharded {tuple(value.shape)}"  # each process holds its own shard
+        return f"tensor {value.dtype} {tuple(value.shape)} {value.detach().cpu().tolist()!r}"
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{k!r}: {_described(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_described(v) for v in value) + "]"
+    return re.sub(r"0x[0-9a-fA-F]+", "0x", repr(value))  # an object's address is its own
 
 
 def check_shards_within(

@@ -69,6 +69,7 @@ from torch.nn.parallel import DistributedDataParallel
 from pipeline.data_parallel.wrapper import DataParallel
 from pipeline.distributed.checkpoint_checks import (
     check_before_loading,
+    check_extra_alike,
     check_groups_alike,
     check_shards_within,
 )
@@ -111,6 +112,8 @@ def save_checkpoint(
     if optimizer is not None:
         state["optim"] = names.every_name(_optimizer_state(holder, optimizer))
     state.update(_extra(extra))
+    group = process_group if process_group is not None or not _distributed() else dist.group.WORLD
+    check_extra_alike(extra or {}, group)
     with _single_process_quietly():
         save(state, checkpoint_id=path, process_group=process_group)
 

@@ -426,6 +426,15 @@ def a_load_is_refused_on_every_process_for_keys_no_process_asks_for_or_a_shape_o
             loaded,
             "shapes differ on rank 1: model.4.bias is (8,) in the checkpoint, (16,) in the model",
         )
+        # A scheduler over each process's own param groups: DCP would keep one's base_lrs.
+        per_group = torch.optim.SGD(pipe.parameters(), lr=0.1 * (rank() + 1))
+        scheduler = torch.optim.lr_scheduler.StepLR(per_group, step_size=1)
+        expect_error(
+            ValueError,
+            lambda: save_checkpoint(path, pipe, extra={"scheduler": scheduler}),
+            "extra['scheduler'] differs between the processes",
+        )
+        save_checkpoint(path, pipe, extra={f"scheduler.{rank()}": scheduler})
         pipe.close()
 
 
