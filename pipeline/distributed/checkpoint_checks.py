@@ -32,9 +32,11 @@ from pipeline.runtime.process_group import collective_device
 
 __all__ = [
     "check_before_loading",
+    "check_everywhere",
     "check_extra_alike",
     "check_groups_alike",
     "check_shards_within",
+    "optimizer_outside",
 ]
 
 # Texts name 4 keys of each kind at most; this bounds what a peer may announce.
@@ -94,6 +96,34 @@ def check_groups_alike(
         "settings of its first parameter; build the optimizer with the param groups it was "
         "saved with"
     )
+
+
+def check_everywhere(
+    call: str, problem: str, group: dist.ProcessGroup | None, error: type[Exception]
+) -> None:
+    """Raise ``error`` on every process of ``group`` if one found ``problem`` ('' if none)
+    before ``call`` touched anything: alone, it would leave the others waiting in the
+    call's collectives until their timeout."""
+    if not _any_process([bool(problem)], group)[0]:
+        return
+    raise error(f"{call} refused, nothing was done: " + "; ".join(_every_process(problem, group)))
+
+
+def optimizer_outside(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> str:
+    """Where ``optimizer`` holds a parameter that ``module`` does not, as text ('' if nowhere)."""
+    if optimizer is None:
+        return ""
+    held = {id(p) for p in module.parameters()}
+    for index, group in enumerate(optimizer.param_groups):
+        for param in group["params"]:
+            if id(param) not in held:
+                return (
+                    f"the optimizer holds a parameter of shape {tuple(param.shape)} (param group "
+                    f"{index}) that the module does not: its state is saved under the module's "
+                    "parameter names; make it a parameter of the module, or give it an optimizer "
+                    "of its own and save that in extra"
+                )
+    return ""
 
 
 def check_extra_alike(extra: Mapping[str, Any], group: dist.ProcessGroup | None) -> None:

@@ -69,9 +69,11 @@ from torch.nn.parallel import DistributedDataParallel
 from pipeline.data_parallel.wrapper import DataParallel
 from pipeline.distributed.checkpoint_checks import (
     check_before_loading,
+    check_everywhere,
     check_extra_alike,
     check_groups_alike,
     check_shards_within,
+    optimizer_outside,
 )
 from pipeline.distributed.pipe import DistributedPipe
 
@@ -105,6 +107,8 @@ def save_checkpoint(
         save_checkpoint(f"ckpt/{step}", pipe, optimizer, extra={"scheduler": scheduler})
     """
     holder = _unwrapped(module)
+    group = process_group if process_group is not None or not _distributed() else dist.group.WORLD
+    check_everywhere("save_checkpoint", optimizer_outside(holder, optimizer), group, ValueError)
     names = _Names(holder)
     model_state = _model_state(holder)
     check_shards_within(model_state, process_group, "save_checkpoint")
@@ -112,7 +116,6 @@ def save_checkpoint(
     if optimizer is not None:
         state["optim"] = names.every_name(_optimizer_state(holder, optimizer))
     state.update(_extra(extra))
-    group = process_group if process_group is not None or not _distributed() else dist.group.WORLD
     check_extra_alike(extra or {}, group)
     with _single_process_quietly():
         save(state, checkpoint_id=path, process_group=process_group)
@@ -151,6 +154,9 @@ def load_checkpoint(
     checkpoint are not checked.
     """
     holder = _unwrapped(module)
+    group = process_group if process_group is not None or not _distributed() else dist.group.WORLD
+    called = f"load_checkpoint({os.fspath(path)!r})"
+    check_everywhere(called, optimizer_outside(holder, optimizer), group, RuntimeError)
     names = _Names(holder)
     metadata = FileSystemReader(path).read_metadata().state_dict_metadata
     stored = set(metadata)
@@ -165,7 +171,6 @@ def load_checkpoint(
         covered |= target.covered
     asked = {f"{section}.{key}": v for section in state for key, v in state[section].items()}
     state.update(_extra(extra))
-    group = process_group if process_group is not None or not _distributed() else dist.group.WORLD
     try:
         check_before_loading(path, metadata, asked, covered, target is not None, strict, group)
         if target is not None:
@@ -348,6 +353,9 @@ class _OptimizerTarget:
                 if _holds_parameters(optimizer)
                 else {}
             )
+        except BaseException:
+            optimizer.state = self._before  # a target that could not be made changes nothing
+            raise
         finally:
             for param, grad in zip(params, grads, strict=True):
                 param.grad = grad

@@ -10,6 +10,7 @@ lacks (unless strict=False), a shape that differs.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -165,6 +166,21 @@ def test_param_groups_that_mix_the_saved_settings_are_refused(tmp_path: Path) ->
         "weight_decay=0.0, which this optimizer holds in one param group",
     )
     load_checkpoint(tmp_path, plain, adamw(plain))  # the saved groups load
+
+
+def test_an_optimizer_holding_a_parameter_the_module_lacks_is_refused(tmp_path: Path) -> None:
+    # A learnable loss scale beside the model: torch's calls failed with a bare
+    # KeyError, and the failed load had emptied the optimizer's state.
+    plain, optimizer = trained_and_saved(tmp_path)
+    scale = nn.Parameter(torch.ones((), dtype=torch.double))
+    optimizer.add_param_group({"params": [scale], "lr": 0.5})
+    outside = "holds a parameter of shape () (param group 2) that the module does not"
+    with pytest.raises(ValueError, match=r"save_checkpoint refused.*" + re.escape(outside)):
+        save_checkpoint(tmp_path / "again", plain, optimizer)
+    refused = refused_untouched(
+        lambda: load_checkpoint(tmp_path, plain, optimizer), plain, optimizer, outside
+    )
+    assert refused.startswith("load_checkpoint(")
 
 
 def test_keys_the_model_lacks_are_refused_unless_strict_is_false(tmp_path: Path) -> None:
