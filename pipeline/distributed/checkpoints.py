@@ -46,12 +46,13 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from collections.abc import Iterator, Mapping, MutableMapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.optim.optimizer as optimizers
 from torch import nn
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.state_dict import (
@@ -320,7 +321,8 @@ def _optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dic
     if not _holds_parameters(optimizer):
         return {}
     fresh = not optimizer.state
-    state = get_optimizer_state_dict(module, optimizer, options=_FLAT)
+    with _step_hooks_quiet(optimizer):
+        state = get_optimizer_state_dict(module, optimizer, options=_FLAT)
     if fresh:
         optimizer.state.clear()
         state = {k: v for k, v in state.items() if not k.startswith(_STATE)}
@@ -348,11 +350,12 @@ class _OptimizerTarget:
         for param in params:
             param.grad = None
         try:
-            self._target = (
-                get_optimizer_state_dict(module, optimizer, options=_FLAT)
-                if _holds_parameters(optimizer)
-                else {}
-            )
+            with _step_hooks_quiet(optimizer):
+                self._target = (
+                    get_optimizer_state_dict(module, optimizer, options=_FLAT)
+                    if _holds_parameters(optimizer)
+                    else {}
+                )
         except BaseException:
             optimizer.state = self._before  # a target that could not be made changes nothing
             raise
@@ -405,7 +408,7 @@ class _OptimizerTarget:
         if not self._target:
             return  # no parameter here: nothing to load
         loaded = {**self._target, **self.reading.loaded()}
-        with _without_empty_groups(self._optimizer):
+        with _without_empty_groups(self._optimizer), _step_hooks_quiet(self._optimizer):
             set_optimizer_state_dict(self._module, self._optimizer, loaded, options=_FLAT)
         for name in self._stateless:
             self._optimizer.state.pop(self._module.get_parameter(name), None)
@@ -445,6 +448,28 @@ def _same(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
     return bool(a == b)
+
+
+@contextlib.contextmanager
+def _step_hooks_quiet(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """The optimizer's step hooks (its own and the global ones) set aside meanwhile: torch's
+    calls give an optimizer without state some by a zero-lr step, which is no step of the
+    training (a weight average or a step counter in a hook would count it)."""
+    kept = (
+        optimizer._optimizer_step_pre_hooks,
+        optimizer._optimizer_step_post_hooks,
+        optimizers._global_optimizer_pre_hooks,
+        optimizers._global_optimizer_post_hooks,
+    )
+    optimizer._optimizer_step_pre_hooks = OrderedDict()
+    optimizer._optimizer_step_post_hooks = OrderedDict()
+    optimizers._global_optimizer_pre_hooks = OrderedDict()
+    optimizers._global_optimizer_post_hooks = OrderedDict()
+    try:
+        yield
+    finally:
+        optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks = kept[:2]
+        optimizers._global_optimizer_pre_hooks, optimizers._global_optimizer_post_hooks = kept[2:]
 
 
 def _distributed() -> bool:

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from pipeline import Pipe
 from pipeline.distributed import load_checkpoint, save_checkpoint
@@ -58,12 +59,17 @@ def test_an_optimizer_before_its_first_step_is_saved_as_it_is(tmp_path: Path) ->
     model = BLOCKS
     plain, reference = model.build(0), model.build(0)
     optimizer, reference_optimizer = adamw(plain), adamw(reference)
+    steps: list[str] = []  # that zero-lr step is no step of the training: its hooks are quiet
+    optimizer.register_step_post_hook(lambda *_: steps.append("own"))
+    handle = register_optimizer_step_post_hook(lambda *_: steps.append("global"))
     save_checkpoint(tmp_path, plain, optimizer)
     assert not optimizer.state
     pipe = cpu_pipe(model, seed=7)
     loaded = adamw(pipe)
     load_checkpoint(tmp_path, pipe, loaded)
     assert not loaded.state
+    handle.remove()
+    assert steps == []
     for step in range(STEPS):
         for module, opt in ((plain, optimizer), (pipe, loaded), (reference, reference_optimizer)):
             train(model, module, opt, step)
