@@ -17,6 +17,7 @@ process raises the same error, and none waits in DCP for the others.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from collections.abc import Collection, Mapping
@@ -99,14 +100,18 @@ def check_groups_alike(
 
 
 def check_everywhere(
-    call: str, problem: str, group: dist.ProcessGroup | None, error: type[Exception]
+    call: str,
+    problem: str,
+    group: dist.ProcessGroup | None,
+    error: type[Exception],
+    outcome: str = "refused, nothing was done",
 ) -> None:
-    """Raise ``error`` on every process of ``group`` if one found ``problem`` ('' if none)
-    before ``call`` touched anything: alone, it would leave the others waiting in the
-    call's collectives until their timeout."""
+    """Raise ``error`` on every process of ``group`` if one found ``problem`` ('' if none):
+    alone, it would leave the others waiting in the call's collectives until their timeout,
+    or going on as if the call had succeeded. ``outcome`` says what became of the call."""
     if not _any_process([bool(problem)], group)[0]:
         return
-    raise error(f"{call} refused, nothing was done: " + "; ".join(_every_process(problem, group)))
+    raise error(f"{call} {outcome}: " + "; ".join(_every_process(problem, group)))
 
 
 def optimizer_outside(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> str:
@@ -136,9 +141,18 @@ def check_extra_alike(extra: Mapping[str, Any], group: dist.ProcessGroup | None)
     """
     if group is None or not _distributed():
         return
-    mine = "".join(
-        f"{fingerprint(name)} {fingerprint(_described(_saved(v)))}\n" for name, v in extra.items()
-    )
+    try:
+        mine = "".join(
+            f"{fingerprint(name)} {fingerprint(_described(_saved(v)))}\n"
+            for name, v in extra.items()
+        )
+    except BaseException as error:  # an entry's state_dict, on this process alone
+        who = f"rank {dist.get_rank(group)}"
+        failed = f"{who} failed reading extra: {type(error).__name__}: {error}"
+        with contextlib.suppress(ValueError):
+            check_everywhere("save_checkpoint", failed, group, ValueError)
+        raise
+    check_everywhere("save_checkpoint", "", group, ValueError)
     texts = gather_texts(mine, group, _TEXT_LIMIT) or [mine]
     held: dict[int, dict[int, list[int]]] = {}  # name -> value -> ranks
     for rank, text in enumerate(texts):

@@ -157,9 +157,13 @@ def load_checkpoint(
     holder = _unwrapped(module)
     group = process_group if process_group is not None or not _distributed() else dist.group.WORLD
     called = f"load_checkpoint({os.fspath(path)!r})"
-    check_everywhere(called, optimizer_outside(holder, optimizer), group, RuntimeError)
+    problem, metadata = optimizer_outside(holder, optimizer), {}
+    try:
+        metadata = FileSystemReader(path).read_metadata().state_dict_metadata
+    except Exception as error:  # on this process alone (a path it does not see)
+        problem = problem or f"{_failed_here(error, group)} (its metadata)"
+    check_everywhere(called, problem, group, RuntimeError)
     names = _Names(holder)
-    metadata = FileSystemReader(path).read_metadata().state_dict_metadata
     stored = set(metadata)
     model_target = _model_state(holder)
     check_shards_within(model_target, process_group, "load_checkpoint")
@@ -177,7 +181,15 @@ def load_checkpoint(
         if target is not None:
             check_groups_alike(path, target.groups_unlike(path, process_group), group)
         with _single_process_quietly():
-            load(state, checkpoint_id=path, process_group=process_group)
+            try:
+                load(state, checkpoint_id=path, process_group=process_group)
+            except BaseException as error:
+                # An extra entry's load_state_dict, say, on this process alone: it raises its
+                # own error, the others one naming it.
+                with contextlib.suppress(RuntimeError):
+                    check_everywhere(called, _failed_here(error, group), group, RuntimeError)
+                raise
+        check_everywhere(called, "", group, RuntimeError, _HALF_READ)
     except BaseException:
         if target is not None:
             target.undo()
@@ -189,6 +201,17 @@ def load_checkpoint(
     if extra is not None:
         # DCP loads a value that is neither a tensor nor Stateful by replacing it.
         extra.update({k: state[k] for k, v in extra.items() if not isinstance(v, Stateful)})
+
+
+_HALF_READ = (
+    "failed on another process, after the weights here were read (the optimizer's state was "
+    "left as it was): load again"
+)
+
+
+def _failed_here(error: BaseException, group: dist.ProcessGroup | None) -> str:
+    who = "this process" if group is None else f"rank {dist.get_rank(group)}"
+    return f"{who} failed reading it: {type(error).__name__}: {error}"
 
 
 def _extra(extra: Mapping[str, Any] | None) -> dict[str, Any]:

@@ -435,6 +435,38 @@ def a_load_is_refused_on_every_process_for_keys_no_process_asks_for_or_a_shape_o
             "extra['scheduler'] differs between the processes",
         )
         save_checkpoint(path, pipe, extra={f"scheduler.{rank()}": scheduler})
+
+        # A failure on rank 0 alone fails every process at once, none left waiting in
+        # DCP's collectives, none going on as if it had worked.
+        class Unsaved:
+            def state_dict(self) -> dict[str, int]:
+                if rank() == 0:
+                    raise KeyError("no state here")
+                return {"steps": 1}
+
+        class Unloaded:
+            def state_dict(self) -> dict[str, int]:
+                return {"steps": 0}
+
+            def load_state_dict(self, state: dict[str, int]) -> None:
+                if rank() == 0:
+                    raise KeyError("cannot take it")
+
+        save = lambda: save_checkpoint(path, pipe, extra={"f": Unsaved()})  # noqa: E731
+        load = lambda: load_checkpoint(path, pipe, extra={"f": Unloaded()})  # noqa: E731
+        if rank() == 0:
+            expect_error(KeyError, save, "no state here")
+        else:
+            expect_error(ValueError, save, "rank 0 failed reading extra: KeyError")
+        missing = path / "elsewhere" if rank() == 0 else path
+        expect_error(
+            RuntimeError, lambda: load_checkpoint(missing, pipe), "rank 0 failed reading it"
+        )
+        save_checkpoint(path, pipe, extra={"f": Unloaded()})
+        if rank() == 0:
+            expect_error(KeyError, load, "cannot take it")
+        else:
+            expect_error(RuntimeError, load, "after the weights here were read", "KeyError")
         pipe.close()
 
 
