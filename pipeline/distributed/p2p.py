@@ -111,6 +111,10 @@ class PeerError(RuntimeError):
     """Another process of the pipeline failed, died, stalled, closed or sent a malformed message."""
 
 
+class _RelayedError(PeerError):
+    """A peer's abort, which this process's listener passed on to its other peers at once."""
+
+
 class P2PTransport:
     """The transport of one process: local stages by mail, remote ones by sends on ``wire``.
 
@@ -270,8 +274,10 @@ class P2PTransport:
     def abort(self, error: BaseException | None = None) -> None:
         reason = error if error is not None else AbortedError("interrupted")
         self._mailboxes.abort(self.step, reason)
-        if isinstance(error, AbortedError):
-            return  # a peer's failure reached this process: its listener passed it on
+        if isinstance(error, AbortedError) and isinstance(error.__cause__, _RelayedError):
+            return  # a peer's abort reached this process: its listener passed it on
+        # Else this process's own failure, or a wait that failed on a peer that closed or
+        # died: the peers beyond it would not hear of it otherwise, and wait their timeout.
         summary = " ".join(
             [f"rank {self.me} failed: {type(reason).__name__}: {reason}", *_notes(reason)]
         )
@@ -418,7 +424,7 @@ class P2PTransport:
                     # Passed on at once, whatever this process is doing: the
                     # processes beyond it are not the failed one's neighbours.
                     summary = str(message.leaves[0])
-                    if self._mailboxes.abort(key, PeerError(summary)):
+                    if self._mailboxes.abort(key, _RelayedError(summary)):
                         self._tell_peers(key, summary, but=peer)
                     continue
                 with self._received_lock:

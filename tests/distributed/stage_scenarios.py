@@ -1499,6 +1499,38 @@ def a_failure_reaches_a_process_whose_send_follows_the_failed_peers_close() -> N
     pipe.close()
 
 
+class ClosesItsPipe(nn.Module):
+    """Closes ``pipe`` (when set) in its second call: a script ending its pipeline mid-step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pipe: DistributedPipe | None = None
+        self.calls = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.calls += 1
+        if self.pipe is not None and self.calls == 2:
+            self.pipe.close()
+        return x
+
+
+@scenario
+def a_pipe_closed_mid_step_fails_every_process_at_once() -> None:
+    # Rank 0's neighbour fails waiting for it; the ranks beyond, no neighbours of
+    # rank 0, heard nothing and waited the pipe's whole timeout, blaming the neighbour.
+    closes = ClosesItsPipe()
+    pipe = DistributedPipe(
+        nn.Sequential(closes, *blocks(2 * world() - 1)), [2] * world(), chunks=4, timeout=120
+    )
+    if rank() == 0:
+        closes.pipe = pipe
+    x, y = batch()
+    start = time.monotonic()
+    expect_error(RuntimeError, lambda: pipe.step(x, y, F.mse_loss), "rank")
+    assert time.monotonic() - start < 15, "the close took a timeout to reach this process"
+    pipe.close()
+
+
 def tied_model_for(stages: int) -> nn.Sequential:
     torch.manual_seed(11)
     embed = Embed()
