@@ -399,7 +399,10 @@ def _without_rows(position: int) -> ValueError:
     return ValueError(
         f"the last partition returned a 0-dim tensor (output leaf {position}); the outputs of "
         "the micro-batches are concatenated along dim 0, so return one value per row (e.g. a "
-        "per-sample loss, reduced after the Pipe) instead of a reduced scalar"
+        "per-sample loss, reduced after the Pipe) instead of a reduced scalar. A transformers "
+        "model given labels= returns its loss so: where you ask for the outputs (pipe(x), "
+        "return_outputs=True, evaluate without a loss_fn), leave the labels out of its inputs "
+        "and compute the loss in loss_fn from the logits"
     )
 
 
