@@ -228,6 +228,8 @@ class DistributedPipe(PipeBase):
         n = len(self.balance)
         self.owner = [s % self.size for s in range(n)]
         self.local_stages = [s for s in range(n) if self.owner[s] == self.rank]
+        # The whole model's keys: what a strict load_state_dict may be given.
+        self._model_keys = frozenset(module.state_dict(keep_vars=True))
         every = self._partition(module, deferred_batch_norm)
         self.skip_layout = inspect_skip_layout(every, [self.device] * n)
         self._ties = TiedWeights(every, self.owner)
@@ -703,10 +705,20 @@ class DistributedPipe(PipeBase):
     def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
     ) -> Any:
-        """Load this process's layers from a whole model's state dict (other keys are skipped).
+        """Load this process's layers from a whole model's state dict (the other stages' keys
+        are skipped).
 
-        ``strict`` still requires every key of this process's layers.
+        ``strict``, as torch's: every key of this process's layers is required,
+        and a key that the whole model lacks (a deeper model's) is refused,
+        before anything is loaded.
         """
+        unexpected = [k for k in state_dict if k not in self._model_keys]
+        if strict and unexpected:
+            raise RuntimeError(
+                f"Error(s) in loading state_dict for {type(self).__name__}: Unexpected key(s) "
+                f"in state_dict: {', '.join(repr(k) for k in unexpected)} (the whole model "
+                "has no such key: a state dict of another model; pass strict=False to skip them)"
+            )
         own = set(self.state_dict())
         mine = OrderedDict((k, v) for k, v in state_dict.items() if k in own)
         return super().load_state_dict(mine, strict=strict, assign=assign)

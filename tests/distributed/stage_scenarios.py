@@ -184,6 +184,8 @@ def a_model_on_the_meta_device_is_materialised_stage_by_stage() -> None:
     assert [name for name, _ in pipe.named_parameters()] == [
         name for name, _ in plain.named_parameters() if int(name.split(".")[0]) in mine
     ]
+    deeper = {**plain.state_dict(), "99.weight": torch.zeros(1)}  # a key the model lacks
+    expect_error(RuntimeError, lambda: pipe.load_state_dict(deeper), "Unexpected key(s)", "99.w")
     pipe.load_state_dict(plain.state_dict())
     x, y = batch()
     pipe.step(x, y, F.mse_loss)
