@@ -721,6 +721,11 @@ class DistributedPipe(PipeBase):
             )
         own = set(self.state_dict())
         mine = OrderedDict((k, v) for k, v in state_dict.items() if k in own)
+        for names in self._tied_names():
+            # The plain model loads each name into its one tensor: the last one stays.
+            given = [name for name in names if name in state_dict]
+            for name in (n for n in names if n in own and given):
+                mine[name] = state_dict[given[-1]]
         return super().load_state_dict(mine, strict=strict, assign=assign)
 
     def close(self) -> None:
