@@ -15,6 +15,7 @@ from typing import Any, Literal, TypeAlias, cast
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from pipeline.runtime.layers import modules_only_read
 from pipeline.runtime.module_hooks import call_hook_kinds, state_dict_hook_kinds
@@ -211,6 +212,7 @@ def check_sharing(partitions: list[nn.Sequential], devices: list[torch.device]) 
             held.setdefault(id(thing), []).append((j, name, thing))
     for key, holders in held.items():
         (first, first_name, thing), *others = holders
+        _refuse_shared_statistics(thing, first, first_name, others)
         elsewhere = [(j, name) for j, name, _ in others if devices[j] != devices[first]]
         if not elsewhere or _only_read(key, thing, holders, read):
             continue
@@ -224,6 +226,26 @@ def check_sharing(partitions: list[nn.Sequential], devices: list[torch.device]) 
             "its parameters between two layers instead (a parameter may be tied across "
             "devices)"
         )
+
+
+def _refuse_shared_statistics(
+    thing: nn.Module | torch.Tensor,
+    first: int,
+    name: str,
+    others: list[tuple[int, str, nn.Module | torch.Tensor]],
+) -> None:
+    """Refuse a BatchNorm run by two partitions: its running statistics would be updated in
+    the order the partitions' tasks run (the clock's, or the threads'), not the plain
+    model's micro-batch by micro-batch."""
+    other = next(((j, n) for j, n, _ in others if j != first), None)
+    if other is None or not isinstance(thing, _BatchNorm) or not thing.track_running_stats:
+        return
+    raise ValueError(
+        f"{type(thing).__name__} {name!r} of partition {first} is also {other[1]!r} of "
+        f"partition {other[0]}: its running statistics would be updated in the order the "
+        "partitions run their micro-batches, not the plain model's; give each use a layer of "
+        "its own, or keep its uses in one partition"
+    )
 
 
 def _only_read(

@@ -170,3 +170,12 @@ def test_a_batch_norm_after_another_sees_inputs_normalised_per_micro_batch() -> 
         untouched[4](untouched[3](torch.tanh(torch.cat(normalised))))
     for name in ("4.running_mean", "4.running_var"):
         torch.testing.assert_close(state[name], untouched.state_dict()[name], msg=name)
+
+
+def test_a_batch_norm_run_by_two_partitions_is_refused() -> None:
+    # Its running statistics were updated in the order of the partitions' threads.
+    shared = nn.BatchNorm1d(4)
+    model = nn.Sequential(shared, nn.Linear(4, 4), shared)
+    with pytest.raises(ValueError, match="is also '2' of partition 1: its running statistics"):
+        Pipe(model, [2, 1], devices=["cpu"] * 2)
+    Pipe(model, [3], devices=["cpu"])  # one partition: its uses in the plain model's order
