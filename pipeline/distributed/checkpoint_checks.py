@@ -75,7 +75,8 @@ def check_before_loading(
     ]
     problems = _every_process(mine, group) if troubled else []
     if strict and unexpected:
-        problems.append(_unexpected_text(unexpected))
+        saved = {k[len("model.") :] for k in stored if k.startswith("model.")}
+        problems.append(_unexpected_text(unexpected, saved))
     if problems:
         raise RuntimeError(
             f"load_checkpoint({os.fspath(path)!r}) refused, nothing was loaded: "
@@ -252,12 +253,26 @@ def _why(missing: list[str], stored: Mapping[str, Any]) -> str:
         k.startswith("optim.") for k in stored
     ):
         return "it was saved without an optimizer: load it without one"
+    if all(k.startswith("optim.param_groups.") and k.endswith(".initial_lr") for k in missing):
+        return (
+            "the optimizer's param groups hold initial_lr, which an LR scheduler adds and the "
+            "saving optimizer had not: build the scheduler after the load"
+        )
     return "it was saved from a model with other parameters, or an optimizer of another kind"
 
 
-def _unexpected_text(unexpected: list[str]) -> str:
+def _unexpected_text(unexpected: list[str], saved: set[str]) -> str:
     model = [k for k in unexpected if k.startswith("model.")]
     optimizer = [k for k in unexpected if k.startswith("optim.")]
+    if not model and all(_parameter_in(k, saved) for k in optimizer):
+        return (
+            f"the checkpoint holds {len(optimizer)} keys of the optimizer's state or settings "
+            f"({_shown(optimizer, 2)}) for parameters this optimizer keeps no such entry for: "
+            "a parameter frozen since it was saved (it has no state now), an optimizer of "
+            "another kind, or settings an LR scheduler added (initial_lr); pass strict=False "
+            "to load what this optimizer has and leave the rest, or load it into the "
+            "optimizer it was saved from"
+        )
     # The model's keys first: the optimizer's follow its parameters, many per parameter.
     held = [_shown(model)] if model else []
     if optimizer:
@@ -268,6 +283,16 @@ def _unexpected_text(unexpected: list[str]) -> str:
         "an optimizer of another kind; load it into the model and optimizer it was saved "
         "from, or pass strict=False to load what the model has and leave the rest"
     )
+
+
+def _parameter_in(key: str, saved: set[str]) -> bool:
+    """Whether the optimizer's ``key`` (``optim.state.<name>.<field>``) is of a parameter of
+    the model's saved state."""
+    for section in ("optim.state.", "optim.param_groups."):
+        if key.startswith(section):
+            parts = key[len(section) :].split(".")
+            return any(".".join(parts[:k]) in saved for k in range(len(parts) - 1, 0, -1))
+    return False
 
 
 def _shown(items: list[str], most: int = _SHOWN) -> str:

@@ -189,6 +189,23 @@ def test_an_optimizer_holding_a_parameter_the_module_lacks_is_refused(tmp_path: 
     assert refused.startswith("load_checkpoint(")
 
 
+def test_a_parameter_frozen_since_the_save_is_named_as_such(tmp_path: Path) -> None:
+    # Its saved state has no entry in the loading optimizer: refused as strict, with why.
+    plain, _ = trained_and_saved(tmp_path)
+    plain[0].weight.requires_grad_(False)  # fine-tuning the rest
+    optimizer = adamw(plain)
+    train(BLOCKS, plain, optimizer, 1)
+    refused_untouched(
+        lambda: load_checkpoint(tmp_path, plain, optimizer),
+        plain,
+        optimizer,
+        "optim.state.0.weight.exp_avg",
+        "a parameter frozen since it was saved",
+    )
+    load_checkpoint(tmp_path, plain, optimizer, strict=False)
+    assert plain[0].weight not in optimizer.state
+
+
 def test_keys_the_model_lacks_are_refused_unless_strict_is_false(tmp_path: Path) -> None:
     # A checkpoint of 4 blocks into a Pipe of 3 (another depth): as torch's load_state_dict.
     plain, optimizer = trained_and_saved(tmp_path)
