@@ -33,7 +33,7 @@ class PartitionCompletion:
 
     def __init__(self, partition: int, expected: int, hooks: list[Hook]) -> None:
         self.partition = partition
-        self.remaining = expected
+        self.expected = self.remaining = expected
         self.hooks = hooks
         self._lock = threading.Lock()
 
@@ -41,6 +41,8 @@ class PartitionCompletion:
         with self._lock:
             self.remaining -= 1
             done = self.remaining == 0
+            if done:  # a second backward through the same graph (retain_graph) counts anew
+                self.remaining = self.expected
         if done:
             for hook in self.hooks:
                 hook(self.partition)

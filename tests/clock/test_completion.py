@@ -70,3 +70,16 @@ def test_no_hooks_add_no_autograd_nodes() -> None:
             names.append(type(node).__name__)
             stack.extend(n for n, _ in node.next_functions)
     assert not any("Arrival" in name for name in names)
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+def test_a_second_backward_through_one_graph_signals_again(checkpoint: str) -> None:
+    # retain_graph=True: each backward makes every partition's gradients final once more.
+    pipe = Pipe(mlp(), [3, 3], devices=["cpu"] * 2, chunks=3, checkpoint=checkpoint)  # type: ignore[arg-type]
+    signals: list[int] = []
+    pipe.register_partition_backward_hook(signals.append)
+    out = pipe(torch.randn(6, 8, dtype=torch.float64))
+    assert isinstance(out, Tensor)
+    out.sum().backward(retain_graph=True)
+    out.sum().backward()
+    assert signals == [1, 1]  # partition 0 signals only for an input that requires grad
