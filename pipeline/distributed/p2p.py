@@ -216,6 +216,12 @@ class P2PTransport:
         if reasons:
             raise PeerError(f"{'; '.join(reasons)}: this pipeline cannot run another step")
 
+    def alone(self) -> bool:
+        """Whether every other process of the pipeline is gone: none would meet this one's
+        collectives, which would wait their whole timeout."""
+        with self._gone_lock:
+            return set(self.owner) - {self.me} <= set(self._gone)
+
     def explain(self, what: str, error: Exception) -> PeerError:
         """``error``, which ended a collective of the pipeline, naming the peers that left.
 

@@ -364,6 +364,8 @@ class DistributedPipe(PipeBase):
             choice += _router_choice(router)
         except Exception as error:
             refusal = error
+            if isinstance(error, PeerError) and self._transport.alone():
+                raise  # no process is left to agree with
         rows = self._agree(batches, targets, choice, refusal)
         assert chosen is not None and reduction is not None, "else every process raised"
         return chosen, reduction, MicroBatches(batches, targets, rows), router
@@ -656,6 +658,8 @@ class DistributedPipe(PipeBase):
             router = self._router_here(call, batches, None)
         except Exception as error:
             refusal = error
+            if isinstance(error, PeerError) and self._transport.alone():
+                raise  # no process is left to agree with
         choice = "evaluate the loss" if with_loss else "evaluate the outputs"
         choice += f" ({_loss_choice(reduction, call.loss_divisor)}), outputs "
         choice += str(call.return_outputs or not with_loss) + _router_choice(router)

@@ -1137,6 +1137,26 @@ def a_pipe_closed_right_after_construction_lets_its_peers_close_at_once() -> Non
         del pipe  # at once: a STOP still being sent must not go with it
 
 
+@scenario
+def a_step_after_every_peer_closed_is_refused_at_once() -> None:
+    # Rank 0 closes its pipe and lives on; rank 1's step would wait for it in the
+    # step's agreement for the whole group timeout.
+    pipe = DistributedPipe(blocks(2 * world()), [2] * world(), timeout=60)
+    if rank() == 0:
+        pipe.close()
+        dist.barrier()
+        return
+    deadline = time.monotonic() + 60
+    while not pipe._transport.alone() and time.monotonic() < deadline:
+        time.sleep(0.05)  # the stop's arrival, filed by the listener
+    x, y = batch()
+    start = time.monotonic()
+    expect_error(PeerError, lambda: pipe.step(x, y, F.mse_loss), "rank 0 closed its pipeline")
+    assert time.monotonic() - start < 10, "the step waited for a process that had closed"
+    pipe.close()
+    dist.barrier()
+
+
 class RaiseOnRank(nn.Module):
     """Raises ``error`` in the forward of its second call, on the rank it is told."""
 

@@ -36,6 +36,7 @@ SHARED = [
     "an_argument_refused_on_one_process_fails_every_process_within_seconds",
     "an_interrupted_process_stops_the_others_and_the_next_step_is_right",
     "a_pipe_closed_right_after_construction_lets_its_peers_close_at_once",
+    "a_step_after_every_peer_closed_is_refused_at_once",
     "batch_norm_and_autocast_match_the_single_process_pipe",
     "dropout_is_replayed_exactly_in_every_checkpoint_mode",
     "compiled_stages_compile_and_give_the_plain_models_gradients",
