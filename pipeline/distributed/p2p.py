@@ -168,6 +168,7 @@ class P2PTransport:
         self._stops_lock = threading.Lock()
         # Why a peer is no longer listened to (it closed, broke or misbehaved).
         self._gone: dict[int, str] = {}
+        self._left: set[int] = set()  # of those gone, the peers that closed or died
         self._gone_lock = threading.Lock()
         self._listeners = [
             threading.Thread(
@@ -217,10 +218,11 @@ class P2PTransport:
             raise PeerError(f"{'; '.join(reasons)}: this pipeline cannot run another step")
 
     def alone(self) -> bool:
-        """Whether every other process of the pipeline is gone: none would meet this one's
-        collectives, which would wait their whole timeout."""
+        """Whether every other process of the pipeline closed it or died: none would meet
+        this one's collectives, which would wait their whole timeout. (One that sent a
+        malformed message may still take part in them.)"""
         with self._gone_lock:
-            return set(self.owner) - {self.me} <= set(self._gone)
+            return set(self.owner) - {self.me} <= self._left
 
     def explain(self, what: str, error: Exception) -> PeerError:
         """``error``, which ended a collective of the pipeline, naming the peers that left.
@@ -422,7 +424,7 @@ class P2PTransport:
                         f"rank {peer} closed its pipeline (its script ended or raised, or it "
                         "called close())"
                     )
-                    self._gone_because(peer, reason)
+                    self._gone_because(peer, reason, left=True)
                     self._mailboxes.stopped(peer, PeerError(reason))
                     self._send_stop(peer)  # its listener, waiting for this one's, can end
                     return
@@ -443,18 +445,22 @@ class P2PTransport:
                 "listening to it (a peer of another version, or not a pipeline process)",
             )
         except Exception as error:
-            self._leave(peer, f"lost the connection to rank {peer}: {error}")
+            self._leave(peer, f"lost the connection to rank {peer}: {error}", left=True)
 
-    def _leave(self, peer: int, reason: str) -> None:
-        """``peer`` broke or misbehaved: every wait, now and later, fails with ``reason``."""
-        self._gone_because(peer, reason)
+    def _leave(self, peer: int, reason: str, left: bool = False) -> None:
+        """``peer`` broke (``left``) or misbehaved: every wait, now and later, fails with
+        ``reason``."""
+        self._gone_because(peer, reason, left)
         if not self._closing:
             self._mailboxes.break_down(PeerError(reason))
 
-    def _gone_because(self, peer: int, reason: str) -> None:
-        """``peer`` is no longer listened to, for ``reason`` (the first one stays)."""
+    def _gone_because(self, peer: int, reason: str, left: bool = False) -> None:
+        """``peer`` is no longer listened to, for ``reason`` (the first one stays); ``left``:
+        it closed its pipeline or its connection broke."""
         with self._gone_lock:
             self._gone.setdefault(peer, reason)
+            if left:
+                self._left.add(peer)
 
     def _wire(self, sender: int, receiver: int) -> dist.ProcessGroup:
         """The group for messages from ``sender`` to ``receiver``: one per direction.

@@ -1490,8 +1490,13 @@ def a_failure_on_the_last_process_reaches_every_process() -> None:
     pipe.close()
 
 
-class EndsOnceTheLastRankClosed(nn.Module):
-    """On the last rank's neighbour, the second forward ends once the last rank has closed."""
+class EndsOnceTheLastRankFailed(nn.Module):
+    """On the last rank's neighbour, the second forward ends once the last rank's abort came.
+
+    The failed rank waits for every process at the step's end (its agreement)
+    before it returns, so its close comes after: the neighbour's send follows
+    its abort.
+    """
 
     def __init__(self) -> None:
         super().__init__()
@@ -1503,18 +1508,16 @@ class EndsOnceTheLastRankClosed(nn.Module):
         if self.pipe is not None and self.calls == 2:
             mailboxes = self.pipe._transport._mailboxes
             with mailboxes._changed:
-                closed = mailboxes._changed.wait_for(
-                    lambda: world() - 1 in mailboxes._stopped, timeout=60
-                )
-            assert closed, "the last rank did not close its pipeline within 60 s"
+                aborted = mailboxes._changed.wait_for(lambda: bool(mailboxes._aborted), timeout=60)
+            assert aborted, "the last rank's abort did not come within 60 s"
         return x
 
 
 @scenario
-def a_failure_reaches_a_process_whose_send_follows_the_failed_peers_close() -> None:
+def a_failure_reaches_a_process_whose_send_follows_the_failed_peers_abort() -> None:
     # Found by CI: the neighbour's send after the last rank's close named the
     # close, not the failure that ended the step.
-    waits = EndsOnceTheLastRankClosed()
+    waits = EndsOnceTheLastRankFailed()
     layers = list(blocks(2 * world() - 1))
     layers.insert(2 * (world() - 2), waits)  # the neighbour's first layer
     pipe = DistributedPipe(nn.Sequential(*layers), [2] * world(), chunks=2)

@@ -101,7 +101,7 @@ def test_three_stage_processes_with_skips_over_the_middle_one(group_runner: Grou
         "evaluate_returns_loss_and_outputs_on_every_process",
         "an_output_that_cannot_cross_fails_evaluate_on_every_process",
         "a_failure_on_the_last_process_reaches_every_process",
-        "a_failure_reaches_a_process_whose_send_follows_the_failed_peers_close",
+        "a_failure_reaches_a_process_whose_send_follows_the_failed_peers_abort",
         "a_pipe_closed_mid_step_fails_every_process_at_once",
     ]
     check(group_runner(names, script=STAGES, world_size=3, wall_timeout_s=150), names)
