@@ -35,7 +35,6 @@ __all__ = [
     "check_before_loading",
     "check_everywhere",
     "check_extra_alike",
-    "check_groups_alike",
     "check_shards_within",
     "optimizer_outside",
 ]
@@ -82,22 +81,6 @@ def check_before_loading(
             f"load_checkpoint({os.fspath(path)!r}) refused, nothing was loaded: "
             + "; ".join(problems)
         )
-
-
-def check_groups_alike(
-    path: str | os.PathLike[str], problem: str, group: dist.ProcessGroup | None
-) -> None:
-    """Raise ``RuntimeError`` on every process of ``group`` if one found ``problem`` in
-    its optimizer's param groups (settings the checkpoint gives one group differently)."""
-    if not _any_process([bool(problem)], group)[0]:
-        return
-    raise RuntimeError(
-        f"load_checkpoint({os.fspath(path)!r}) refused, nothing was loaded: "
-        + "; ".join(_every_process(problem, group))
-        + ": the checkpoint's settings are per parameter, and torch gives a group the "
-        "settings of its first parameter; build the optimizer with the param groups it was "
-        "saved with"
-    )
 
 
 def check_everywhere(

@@ -72,7 +72,6 @@ from pipeline.distributed.checkpoint_checks import (
     check_before_loading,
     check_everywhere,
     check_extra_alike,
-    check_groups_alike,
     check_shards_within,
     optimizer_outside,
 )
@@ -162,7 +161,7 @@ def load_checkpoint(
         metadata = FileSystemReader(path).read_metadata().state_dict_metadata
     except Exception as error:  # on this process alone (a path it does not see)
         problem = problem or f"{_failed_here(error, group)} (its metadata)"
-    check_everywhere(called, problem, group, RuntimeError)
+    check_everywhere(called, problem, group, RuntimeError, _REFUSED)
     names = _Names(holder)
     stored = set(metadata)
     model_target = _model_state(holder)
@@ -179,7 +178,8 @@ def load_checkpoint(
     try:
         check_before_loading(path, metadata, asked, covered, target is not None, strict, group)
         if target is not None:
-            check_groups_alike(path, target.groups_unlike(path, process_group), group)
+            unlike = target.groups_unlike(path, process_group)
+            check_everywhere(called, unlike, group, RuntimeError, _REFUSED)
         with _single_process_quietly():
             try:
                 load(state, checkpoint_id=path, process_group=process_group)
@@ -203,6 +203,7 @@ def load_checkpoint(
         extra.update({k: state[k] for k, v in extra.items() if not isinstance(v, Stateful)})
 
 
+_REFUSED = "refused, nothing was loaded"
 _HALF_READ = (
     "failed on another process, after the weights here were read (the optimizer's state was "
     "left as it was): load again"
@@ -422,7 +423,10 @@ class _OptimizerTarget:
                     if not _same(seen[1], value):
                         return (
                             f"the checkpoint gives {seen[0]} {field}={seen[1]!r} and {held} "
-                            f"{field}={value!r}, which this optimizer holds in one param group"
+                            f"{field}={value!r}, which this optimizer holds in one param "
+                            "group (the settings are saved per parameter, and torch would "
+                            "give the group its first one's): build the optimizer with the "
+                            "param groups it was saved with"
                         )
         return ""
 
