@@ -187,6 +187,11 @@ class StepGradients:
         holding = self.hooks.hold(tensors)
         return holding or (bool(self._kept) and any(id(t) in self._kept for t in tensors))
 
+    def summed(self, tensor: Tensor) -> bool:
+        """Whether ``tensor``'s gradient (after ``hold``) must be summed here: its hooks are
+        held back, or it waits for the step's end."""
+        return self.hooks.holds(tensor) or id(tensor) in self._kept
+
     def add(self, j: int, tensors: Sequence[Tensor], grads: Sequence[Tensor | None]) -> None:
         """Stage ``j`` computed ``grads`` for the leaves ``tensors`` (on its own thread)."""
         self._stages[j].add(tensors, grads)
@@ -326,6 +331,7 @@ def backward_to_leaves(
     inputs: Sequence[Tensor],
     hold: Callable[[list[Tensor]], bool],
     parameters: Iterable[Tensor] = (),
+    summed: Callable[[Tensor], bool] = lambda tensor: True,
 ) -> tuple[list[Tensor | None], list[Tensor], list[Tensor | None]]:
     """One backward from ``roots``, accumulating nothing (but see below).
 
@@ -336,10 +342,12 @@ def backward_to_leaves(
     not, it is a plain backward that accumulates into every leaf at once (no
     other leaf is returned). Through a reentrant checkpoint, which refuses
     ``autograd.grad`` and accumulates into ``.grad`` from a backward of its
-    own, a plain backward too, each leaf's ``.grad`` set aside meanwhile
-    where they must be summed: what it accumulated is then their gradient.
-    Its own backward reaches leaves that the walk of the graph does not see:
-    the stage's ``parameters`` count among them then.
+    own, a plain backward too, the ``.grad`` of each leaf to be ``summed``
+    set aside meanwhile: what it accumulated is then their gradient (the
+    others accumulate as in a plain backward: another partition may be
+    accumulating into them at the same time). Its own backward reaches
+    leaves that the walk of the graph does not see: the stage's
+    ``parameters`` count among them then.
     """
     if not roots:
         return [None] * len(inputs), [], []
@@ -348,14 +356,14 @@ def backward_to_leaves(
     if reentrant:
         reached = list({id(t): t for t in (*reached, *parameters)}.values())
     leaves = [t for t in reached if id(t) not in known]
-    summed = hold(leaves)
     # torch takes tensors and edges mixed, though its hints name one or the other.
-    if not summed:
+    if not hold(leaves):
         torch.autograd.backward(roots, grads)  # type: ignore[arg-type]
         return [x.grad for x in inputs], [], []
     if reentrant:
-        of_inputs, of_leaves = _accumulated_apart(roots, grads, inputs, leaves)
-        return of_inputs, leaves, of_leaves
+        apart = [t for t in leaves if summed(t)]
+        of_inputs, of_leaves = _accumulated_apart(roots, grads, inputs, apart)
+        return of_inputs, apart, of_leaves
     wanted = [*inputs, *leaves]
     found: list[Tensor | None] = (
         list(torch.autograd.grad(roots, wanted, grads, allow_unused=True))  # type: ignore[arg-type]

@@ -63,6 +63,10 @@ class HeldHooks:
                 holding = True
         return holding
 
+    def holds(self, tensor: Tensor) -> bool:
+        """Whether ``tensor``'s hooks are held back now."""
+        return id(tensor) in self._held
+
     def release(self, tensors: Iterable[Tensor] | None = None) -> None:
         """Give ``tensors`` (every tensor held, if None) their hooks back."""
         with self._lock:

@@ -336,8 +336,9 @@ class StageRun:
             found, stashed.weight_work = halves
         else:
             parameters = self.context.runtime.partitions[self.j].parameters()  # read if needed
+            gradients = self.context.gradients
             found, leaves, leaf_grads = backward_to_leaves(
-                roots, grads, targets, self.context.gradients.hold, parameters
+                roots, grads, targets, gradients.hold, parameters, gradients.summed
             )
             if leaves:
                 self.context.gradients.add(self.j, leaves, leaf_grads)
