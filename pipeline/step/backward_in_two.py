@@ -47,7 +47,11 @@ Cases torch's own split has got wrong, and how this one handles them:
   backward, which cannot be split, and running it twice is not safe:
   inductor's compiled backward reuses the buffers it saved, so its second
   run (W) returns other numbers, with no error. Such a stage's I is a whole
-  backward (``B``), and its W has nothing left to do.
+  backward (``B``), and its W has nothing left to do;
+- a stage crossing a reentrant checkpoint (``torch.utils.checkpoint`` with
+  ``use_reentrant=True``), whose backward runs a backward of its own that
+  ``autograd.grad`` refuses (it failed mid-step, other stages' W done): the
+  same, a whole backward.
 """
 
 from __future__ import annotations
@@ -60,7 +64,7 @@ from torch import Tensor
 from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
-from pipeline.step.gradients import Root, gradient_node
+from pipeline.step.gradients import REENTRANT_CHECKPOINT, Root, gradient_node
 
 __all__ = ["WeightWork", "backward_input"]
 
@@ -149,10 +153,13 @@ def backward_input(
     ``outputs`` and ``grads`` are the roots of the backward (a ``None``
     gradient for a scalar loss); W computes the gradients of every other
     leaf the outputs reach (the weights). None, with nothing computed, when
-    an anchor is a Python function's node: the caller runs a whole backward.
+    an anchor is a Python function's node, or the graph crosses a reentrant
+    checkpoint: the caller runs a whole backward.
     """
     wanted = [x for x in inputs if x.requires_grad]
     graph = _successors(gradient_node(o) for o in outputs)
+    if any(type(node).__name__ == REENTRANT_CHECKPOINT for node in graph):
+        return None  # its backward runs a backward of its own, which autograd.grad refuses
     weight_of = _weights(graph, {gradient_node(x) for x in wanted})
     input_path = _reaching({gradient_node(x) for x in wanted}, graph)
     groups = _groups(outputs, grads, graph, input_path, weight_of)

@@ -46,6 +46,7 @@ from pipeline.step.held_hooks import HeldHooks
 from pipeline.step.sharded import ShardedUnits
 
 __all__ = [
+    "REENTRANT_CHECKPOINT",
     "GradientSums",
     "Root",
     "StepGradients",
@@ -307,7 +308,7 @@ def leaves_of(roots: Iterable[Root]) -> tuple[list[Tensor], bool]:
         for child, _ in node.next_functions:
             if child is not None:
                 pending.append(child)
-    return found, any(kind.__name__ == _REENTRANT_CHECKPOINT for kind in kinds)
+    return found, any(kind.__name__ == REENTRANT_CHECKPOINT for kind in kinds)
 
 
 def gradient_node(tensor: Root) -> Node:
@@ -322,7 +323,7 @@ def gradient_node(tensor: Root) -> Node:
 
 
 _ACCUMULATE_GRAD = type(gradient_node(torch.zeros((), requires_grad=True)))
-_REENTRANT_CHECKPOINT = "CheckpointFunctionBackward"
+REENTRANT_CHECKPOINT = "CheckpointFunctionBackward"
 
 
 def backward_to_leaves(

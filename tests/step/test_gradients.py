@@ -243,8 +243,10 @@ def test_a_weight_tied_across_partitions_accumulates_once_its_last_partition_end
     torch.testing.assert_close(seen[schedule][0], seen["plain"][0], rtol=1e-12, atol=1e-14)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
 def test_a_layer_under_reentrant_checkpointing_trains_like_the_plain_model(schedule: str) -> None:
+    # Under ZB-H1 the stage's I is a whole backward: autograd.grad refuses the
+    # reentrant checkpoint's own backward (it failed mid-step, other stages' W done).
     class Reentrant(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -260,8 +262,6 @@ def test_a_layer_under_reentrant_checkpointing_trains_like_the_plain_model(sched
     F.mse_loss(plain(x), y).backward()
     cpu_pipe(model, [1, 1, 1], "never").step(x, y, F.mse_loss, schedule=schedule)
     assert_same(grads(model), grads(plain), schedule)
-    with pytest.raises(RuntimeError, match="use_reentrant"):  # autograd.grad: torch refuses
-        cpu_pipe(model, [1, 1, 1], "never").step(x, y, F.mse_loss, schedule="zb-h1")
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
