@@ -59,6 +59,7 @@ from pipeline.runtime.microbatch import Batch, Value, gather
 from pipeline.runtime.process_group import collective_device, resolve_group
 from pipeline.runtime.router_loss import ASKED, RouterTally, asked
 from pipeline.skip.layout import SkipLayout, inspect_skip_layout
+from pipeline.step.actions import Program
 from pipeline.step.cache import described_by_repr
 from pipeline.step.losses import LossDivisor
 from pipeline.step.mail import Message
@@ -66,6 +67,7 @@ from pipeline.step.reports import DistributedStepReport
 from pipeline.step.runner import StepRun, forward_programs
 from pipeline.step.schedules import Schedule, resolve_schedule
 from pipeline.step.sharded import resharded_after
+from pipeline.step.simulate import ProgramError, Simulation
 
 __all__ = ["DistributedPipe"]
 
@@ -318,6 +320,21 @@ class DistributedPipe(PipeBase):
         if not call.return_outputs:
             return loss
         return loss, gather(run.outputs, micro_batches.rows) if last else None
+
+    def _programs(self, schedule: Schedule, m: int) -> tuple[list[Program], Simulation]:
+        """The schedule's programs, each to run in the process of its number: refused, on
+        every process alike, if one holds an action of a stage that lives elsewhere."""
+        programs, simulation = super()._programs(schedule, m)
+        for rank, program in enumerate(programs):
+            for action in program:
+                if self.owner[action.stage] != rank:
+                    raise ProgramError(
+                        f"{schedule!r}: program {rank} holds {action}, of stage "
+                        f"{action.stage}, which runs in process {self.owner[action.stage]} "
+                        f"(stage s in process s % {self.size}): a DistributedPipe runs "
+                        "program r in process r; give each program its process's stages"
+                    )
+        return programs, simulation
 
     def _step_ended(self, failed: bool) -> None:
         """Every process's step ends together: if one failed, every one raises.

@@ -28,7 +28,15 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from pipeline import DataParallel, DeferredBatchNorm, Pipe
 from pipeline.distributed import DistributedPipe, PeerError
-from pipeline.schedules import GPipe, Interleaved1F1B, OneFOneB, Schedule, resolve_schedule
+from pipeline.schedules import (
+    GPipe,
+    Interleaved1F1B,
+    OneFOneB,
+    ProgramError,
+    Programs,
+    Schedule,
+    resolve_schedule,
+)
 from pipeline.skip import Namespace
 from pipeline.step.runner import forward_programs
 from tests import gloo_groups
@@ -649,6 +657,11 @@ def bad_arguments_are_refused_by_every_process_before_any_work() -> None:
         lambda: pipe.step(x, y, F.mse_loss, schedule=wrapped),
         "chose different schedules",
         "Wrapped() (programs for 2 micro-batches: #",
+    )
+    # Programs whose stages are not their processes' (program r runs in process r).
+    swapped = Programs([f"{s}F0 {s}F1 {s}B0 {s}B1" for s in reversed(range(world()))])
+    expect_error(
+        ProgramError, lambda: pipe.step(x, y, F.mse_loss, schedule=swapped), "runs in process"
     )
     assert all(p.grad is None for p in pipe.parameters()), "a refused step computed something"
     pipe.step(x, y, F.mse_loss)
