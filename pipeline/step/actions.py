@@ -62,7 +62,8 @@ def parse_program(program: str | Sequence[str | Action]) -> Program:
     ['0F0', '0F1', '0B0']
     """
     items = program.split() if isinstance(program, str) else program
-    return [item if isinstance(item, Action) else Action.parse(item) for item in items]
+    # Anything else is left for validation to name.
+    return [Action.parse(item) if isinstance(item, str) else item for item in items]
 
 
 def backward_before_forward(programs: list[Program]) -> Action | None:

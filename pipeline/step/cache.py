@@ -11,7 +11,7 @@ step to the next; any other schedule is asked at every step.
 
 from __future__ import annotations
 
-from pipeline.step.actions import Action, Program
+from pipeline.step.actions import Action, Program, parse_program
 from pipeline.step.schedules import (
     GPipe,
     Interleaved1F1B,
@@ -46,7 +46,9 @@ class ProgramCache:
         key = (repr(schedule), m) if described_by_repr(schedule) else None
         programs = self._built_in.get(key) if key is not None else None
         if programs is None:
-            programs = schedule.programs(m, stages)
+            # A list each (a schedule of one's own may give iterators, read once), and a
+            # program's text parsed as Programs takes it.
+            programs = [parse_program(p) for p in schedule.programs(m, stages)]
         actions = tuple(tuple(program) for program in programs)
         simulation = self._validated.get(actions)
         if simulation is None:

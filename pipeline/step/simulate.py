@@ -196,6 +196,12 @@ def _check_actions(programs: list[Program], m: int, stages: int) -> dict[int, in
     worker_of: dict[int, int] = {}
     for w, program in enumerate(programs):
         for action in program:
+            if not isinstance(action, Action) or not _well_formed(action):
+                raise ProgramError(
+                    f"worker {w}'s program holds {action!r}, which is not an action: give "
+                    "Action(stage, kind, micro-batch) with int stage and micro-batch and a "
+                    "kind of 'F', 'B', 'I', 'W' (or its text, '1F3', through parse_program)"
+                )
             if not (0 <= action.stage < stages and 0 <= action.microbatch < m):
                 raise ProgramError(
                     f"action {action} of worker {w} names stage {action.stage} or micro-batch "
@@ -208,6 +214,10 @@ def _check_actions(programs: list[Program], m: int, stages: int) -> dict[int, in
                     "actions must all be in one worker's program"
                 )
     return worker_of
+
+
+def _well_formed(action: Action) -> bool:
+    return type(action.stage) is int and type(action.microbatch) is int and action.kind in COSTS
 
 
 def _check_counts(programs: list[Program], m: int, stages: int) -> None:

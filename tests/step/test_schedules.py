@@ -23,6 +23,7 @@ from pipeline.schedules import (
     resolve_schedule,
     validate,
 )
+from pipeline.step.actions import parse_program
 
 
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
@@ -83,6 +84,36 @@ def test_programs_of_ones_own_run_and_bad_ones_are_refused_before_any_work() -> 
         assert calls == [], name
     with pytest.raises(ValueError, match="is not an action"):
         Programs(["0X0"])
+    # Actions built by hand that parse_program would not make: refused before any work
+    # (a float micro-batch passed, then failed after .grad was written).
+    model.zero_grad(set_to_none=True)
+    for odd in (Action(0, "X", 0), Action(0, "F", 1.0)):  # type: ignore[arg-type]
+        programs = [[Action(0, "F", 0), odd, Action(0, "B", 0)], parse_program("1F0 1B0")]
+        with pytest.raises(ProgramError, match="which is not an action"):
+            pipe.step(x, y, F.mse_loss, schedule=Given(programs))
+        assert calls == [] and all(p.grad is None for p in model.parameters()), odd
+
+
+class Given(Schedule):
+    """A schedule of one's own that gives its programs as they are."""
+
+    def __init__(self, programs: list[list[Action]]) -> None:
+        self.given = programs
+
+    def programs(self, m: int, stages: int) -> list[list[Action]]:
+        return self.given
+
+
+def test_programs_given_as_iterators_or_texts_run_as_lists_do() -> None:
+    # Iterators were read once, by the first check: the next saw no action at all.
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    pipe = Pipe(model, [1, 1], devices=["cpu"] * 2, chunks=2, checkpoint="never")
+    x, y = torch.randn(4, 2), torch.randn(4, 2)
+    texts = ["0F0 0F1 0B0 0B1", "1F0 1B0 1F1 1B1"]
+    for programs in ([iter(parse_program(t)) for t in texts], texts):
+        model.zero_grad(set_to_none=True)
+        pipe.step(x, y, F.mse_loss, schedule=Given(programs))  # type: ignore[arg-type]
+        assert all(p.grad is not None for p in model.parameters())
 
 
 class Wrapped(Schedule):
