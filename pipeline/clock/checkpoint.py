@@ -30,6 +30,7 @@ import torch.utils.checkpoint
 from pipeline.runtime.microbatch import Batch, Value
 from pipeline.runtime.partitions import PartitionCall, protected
 from pipeline.runtime.recompute import Recomputation
+from pipeline.runtime.rng import own_checkpoint
 
 __all__ = ["Checkpointing"]
 
@@ -73,7 +74,8 @@ class Checkpointing:
 
     def _run(self, *leaves: Any) -> Value:
         if not self.forward_done:
-            return self._call(leaves)
+            with own_checkpoint():
+                return self._call(leaves)
         with self.recomputation.replaying():
             return self._call(leaves)
 

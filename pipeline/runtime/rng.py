@@ -337,6 +337,9 @@ class TaskRandomness:
         with _Acting(self), _SeedEachDraw(self, replay):
             yield
 
+    def partition(self) -> int:
+        return self._task[1]
+
     def draw(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], replay: bool) -> Any:
         """Run random op ``func`` as this task's next draw."""
         self._draws += 1
@@ -481,4 +484,47 @@ class _SeedEachDraw(TorchDispatchMode):
         kwargs = kwargs or {}
         if not _random(func):
             return func(*args, **kwargs)
+        if not self.replay:
+            _refuse_a_checkpoint_of_its_own(self.task.partition())
         return self.task.draw(func, args, kwargs, self.replay)
+
+
+# The saved-tensors hook of the pipe's own torch checkpoint around the task this
+# thread runs (``pipe(x)``'s checkpointed tasks), told apart from a layer's own.
+_own = threading.local()
+
+
+@contextmanager
+def own_checkpoint() -> Iterator[None]:
+    """Around a task's forward inside the pipe's own ``torch.utils.checkpoint``."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    previous = getattr(_own, "hook", None)
+    _own.hook = None if top is None else top[0]
+    try:
+        yield
+    finally:
+        _own.hook = previous
+
+
+def _refuse_a_checkpoint_of_its_own(partition: int) -> None:
+    """Refuse a draw inside a layer's own (non-reentrant) ``torch.utils.checkpoint``.
+
+    This partition seeds each draw by its place in the task; the layer's
+    recomputation, run by autograd inside the backward, would draw from the
+    generator's state instead: other masks than its forward's, and gradients
+    that are not the forward's, without an error (transformers' gradient
+    checkpointing with dropout).
+    """
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if top is None or top[0] is getattr(_own, "hook", None):
+        return
+    if "_checkpoint_hook" not in getattr(top[0], "__qualname__", ""):
+        return
+    raise RuntimeError(
+        f"partition {partition} drew random numbers inside a torch.utils.checkpoint of a "
+        "layer's own (transformers' gradient checkpointing): its recomputation in the "
+        "backward would not draw what its forward drew, as this partition seeds each draw "
+        "(CPU partitions on threads of their own); let the pipe recompute instead "
+        "(checkpoint=..., model.gradient_checkpointing_disable()), or run the partitions on "
+        "one thread (threads='device'), or turn the dropout off"
+    )
