@@ -1503,13 +1503,8 @@ def a_failure_on_the_last_process_reaches_every_process() -> None:
     pipe.close()
 
 
-class EndsOnceTheLastRankFailed(nn.Module):
-    """On the last rank's neighbour, the second forward ends once the last rank's abort came.
-
-    The failed rank waits for every process at the step's end (its agreement)
-    before it returns, so its close comes after: the neighbour's send follows
-    its abort.
-    """
+class OnItsSecondCall(nn.Module):
+    """Passes its input on; in its second call, ``act``s on ``pipe`` first (when set)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -1519,11 +1514,26 @@ class EndsOnceTheLastRankFailed(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         self.calls += 1
         if self.pipe is not None and self.calls == 2:
-            mailboxes = self.pipe._transport._mailboxes
-            with mailboxes._changed:
-                aborted = mailboxes._changed.wait_for(lambda: bool(mailboxes._aborted), timeout=60)
-            assert aborted, "the last rank's abort did not come within 60 s"
+            self.act(self.pipe)
         return x
+
+    def act(self, pipe: DistributedPipe) -> None:
+        raise NotImplementedError
+
+
+class EndsOnceTheLastRankFailed(OnItsSecondCall):
+    """On the last rank's neighbour, the second forward ends once the last rank's abort came.
+
+    The failed rank waits for every process at the step's end (its agreement)
+    before it returns, so its close comes after: the neighbour's send follows
+    its abort.
+    """
+
+    def act(self, pipe: DistributedPipe) -> None:
+        mailboxes = pipe._transport._mailboxes
+        with mailboxes._changed:
+            aborted = mailboxes._changed.wait_for(lambda: bool(mailboxes._aborted), timeout=60)
+        assert aborted, "the last rank's abort did not come within 60 s"
 
 
 @scenario
@@ -1546,19 +1556,11 @@ def a_failure_reaches_a_process_whose_send_follows_the_failed_peers_abort() -> N
     pipe.close()
 
 
-class ClosesItsPipe(nn.Module):
+class ClosesItsPipe(OnItsSecondCall):
     """Closes ``pipe`` (when set) in its second call: a script ending its pipeline mid-step."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.pipe: DistributedPipe | None = None
-        self.calls = 0
-
-    def forward(self, x: Tensor) -> Tensor:
-        self.calls += 1
-        if self.pipe is not None and self.calls == 2:
-            self.pipe.close()
-        return x
+    def act(self, pipe: DistributedPipe) -> None:
+        pipe.close()
 
 
 @scenario
