@@ -1215,6 +1215,16 @@ def an_interrupted_process_stops_the_others_and_the_next_step_is_right() -> None
     pipe.close()
 
 
+def next_step_is_right(pipe: DistributedPipe, x: Tensor, y: Tensor) -> None:
+    """After a failed step: the next one gives the plain model's gradients (blocks seed 7)."""
+    plain = blocks(2 * world(), seed=7)
+    pipe.zero_grad()
+    pipe.step(x, y, F.mse_loss)
+    F.mse_loss(plain(x), y).backward()
+    assert_grads_equal(pipe, plain, "the step after a failure")
+    pipe.close()
+
+
 @scenario
 def a_failing_process_makes_the_others_fail_at_once_naming_it() -> None:
     model = blocks(2 * world(), seed=7)
@@ -1232,12 +1242,7 @@ def a_failing_process_makes_the_others_fail_at_once_naming_it() -> None:
             f"rank {world() - 1} failed: KeyError: 'bad batch' (raised in action {world() - 1}F1",
         )
     assert time.monotonic() - start < 30, "the failure took the timeout to reach this process"
-    plain = blocks(2 * world(), seed=7)
-    pipe.zero_grad()
-    pipe.step(x, y, F.mse_loss)  # the next step is right
-    F.mse_loss(plain(x), y).backward()
-    assert_grads_equal(pipe, plain, "the step after a failure")
-    pipe.close()
+    next_step_is_right(pipe, x, y)
 
 
 @scenario
@@ -1261,12 +1266,7 @@ def a_failure_after_the_other_processes_are_done_fails_them_too() -> None:
             lambda: pipe.step(x, y, F.mse_loss),
             "rank 0 of the pipeline failed this step",
         )
-    plain = blocks(2 * world(), seed=7)
-    pipe.zero_grad()
-    pipe.step(x, y, F.mse_loss)  # the next step is right
-    F.mse_loss(plain(x), y).backward()
-    assert_grads_equal(pipe, plain, "the step after a failure")
-    pipe.close()
+    next_step_is_right(pipe, x, y)
 
 
 def die_now(name: str) -> None:
