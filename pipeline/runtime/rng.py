@@ -56,6 +56,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 __all__ = [
@@ -507,7 +508,7 @@ def own_checkpoint() -> Iterator[None]:
 
 
 def _refuse_a_checkpoint_of_its_own(partition: int) -> None:
-    """Refuse a draw inside a layer's own (non-reentrant) ``torch.utils.checkpoint``.
+    """Refuse a draw inside a layer's own ``torch.utils.checkpoint``.
 
     This partition seeds each draw by its place in the task; the layer's
     recomputation, run by autograd inside the backward, would draw from the
@@ -515,10 +516,7 @@ def _refuse_a_checkpoint_of_its_own(partition: int) -> None:
     that are not the forward's, without an error (transformers' gradient
     checkpointing with dropout).
     """
-    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    if top is None or top[0] is getattr(_own, "hook", None):
-        return
-    if "_checkpoint_hook" not in getattr(top[0], "__qualname__", ""):
+    if not _inside_non_reentrant_checkpoint() and not _inside_reentrant_checkpoint():
         return
     raise RuntimeError(
         f"partition {partition} drew random numbers inside a torch.utils.checkpoint of a "
@@ -528,3 +526,25 @@ def _refuse_a_checkpoint_of_its_own(partition: int) -> None:
         "(checkpoint=..., model.gradient_checkpointing_disable()), or run the partitions on "
         "one thread (threads='device'), or turn the dropout off"
     )
+
+
+def _inside_non_reentrant_checkpoint() -> bool:
+    """Whether the innermost saved-tensors hook is a torch checkpoint's, not the pipe's own."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if top is None or top[0] is getattr(_own, "hook", None):
+        return False
+    return "_checkpoint_hook" in getattr(top[0], "__qualname__", "")
+
+
+# A reentrant checkpoint runs its forward inside this function's frame, with no
+# hook to see it by: the frames above the draw are what tell.
+_REENTRANT_FORWARD = torch.utils.checkpoint.CheckpointFunction.forward.__code__
+
+
+def _inside_reentrant_checkpoint() -> bool:
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _REENTRANT_FORWARD:
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False

@@ -595,13 +595,14 @@ def test_compiled_layers_are_found_whether_the_module_or_its_call_is_compiled() 
 
 
 class CheckpointsItself(nn.Module):
-    """A layer that recomputes itself (torch's non-reentrant checkpoint, as transformers'
-    gradient checkpointing does), dropout inside."""
+    """A layer that recomputes itself (torch's checkpoint, as transformers' gradient
+    checkpointing does), dropout inside."""
 
-    def __init__(self, own: bool) -> None:
+    def __init__(self, own: bool, reentrant: bool) -> None:
         super().__init__()
         self.linear = nn.Linear(8, 8)
         self.own = own
+        self.reentrant = reentrant
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         def inner(x: torch.Tensor) -> torch.Tensor:
@@ -609,25 +610,28 @@ class CheckpointsItself(nn.Module):
 
         if not self.own:
             return inner(x)
-        return torch.utils.checkpoint.checkpoint(inner, x, use_reentrant=False)  # type: ignore[no-any-return]
+        return torch.utils.checkpoint.checkpoint(inner, x, use_reentrant=self.reentrant)  # type: ignore[no-any-return]
 
 
-def test_a_layer_recomputing_itself_is_refused_where_draws_are_seeded() -> None:
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_a_layer_recomputing_itself_is_refused_where_draws_are_seeded(reentrant: bool) -> None:
     # Its recomputation, inside autograd's backward, drew from the generator's
     # state, not the seeds its forward's draws had: gradients 4.9 off, silently.
     def model(own: bool) -> nn.Sequential:
         torch.manual_seed(3)
-        return nn.Sequential(CheckpointsItself(own), CheckpointsItself(own)).double()
+        # The first layer gives the reentrant kind an input that requires grad.
+        layers = [CheckpointsItself(own, reentrant) for _ in range(2)]
+        return nn.Sequential(nn.Linear(8, 8), *layers).double()
 
     x, y = torch.randn(6, 8, dtype=torch.double), torch.randn(6, 8, dtype=torch.double)
-    seeded = Pipe(model(True), [1, 1], devices=["cpu"] * 2, chunks=3, threads="partition")
+    seeded = Pipe(model(True), [2, 1], devices=["cpu"] * 2, chunks=3, threads="partition")
     with pytest.raises(RuntimeError, match=r"inside a torch\.utils\.checkpoint of a layer's own"):
         seeded.step(x, y, F.mse_loss)
     assert all(p.grad is None for p in seeded.parameters())
     # One thread owns the generator: torch's own replay of its state holds.
     grads = []
     for own in (True, False):
-        pipe = Pipe(model(own), [1, 1], devices=["cpu"] * 2, chunks=3, threads="device")
+        pipe = Pipe(model(own), [2, 1], devices=["cpu"] * 2, chunks=3, threads="device")
         torch.manual_seed(5)
         pipe.step(x, y, F.mse_loss)
         grads.append([p.grad for p in pipe.parameters()])
