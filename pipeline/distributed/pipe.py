@@ -562,6 +562,7 @@ class DistributedPipe(PipeBase):
                 f"differently (this process, rank {self.rank}: {choice}); every process must "
                 "pass the same ones, and with FSDP2, shard every stage"
             )
+        self._ties.check_trained_alike([theirs[4 + 2 * m :] for theirs in rows])
         input_rows = _micro_batch_sizes(rows[self.owner[0]][2:])
         target_rows = _micro_batch_sizes(rows[self.owner[-1]][3 + m :])
         if with_target and input_rows != target_rows:
@@ -578,16 +579,17 @@ class DistributedPipe(PipeBase):
         choice: str | None,
         refusal: Exception | None,
     ) -> list[int]:
-        """This process's row of ``_agree``: refused, its choice's hash, both splits' sizes."""
+        """This process's row of ``_agree``: refused, its choice's hash, both splits' sizes,
+        then whether it trains each tied parameter."""
         m = self.chunks
-        # Every process's row has 2 + 2 (m + 1) entries, m being the chunks
-        # that every process agreed on when the pipe was built
-        # (stage_arguments.py): the rows cannot differ in length, which would
-        # make gloo abort a process.
+        # Every process's row has 2 + 2 (m + 1) entries and one per tied
+        # parameter, m being the chunks that every process agreed on when the
+        # pipe was built (stage_arguments.py) and the ties the whole model's:
+        # the rows cannot differ in length, which would make gloo abort a process.
         row = [int(refusal is not None), 0 if choice is None else fingerprint(choice)]
         for scattered in (batches, targets):
             row += [len(scattered), *(b.rows() for b in scattered), *[0] * (m - len(scattered))]
-        return row
+        return row + self._ties.training_states()
 
     def _stage_done(self, j: int) -> None:
         # A stage with tied weights is final only once their gradients are

@@ -81,6 +81,35 @@ class TiedWeights:
         """This process's tied parameters that a norm counts at their first holder, not here."""
         return [p for holders, (_, tied) in self.groups.items() if holders[0] != rank for p in tied]
 
+    def training_states(self) -> list[int]:
+        """Per tied parameter of the whole model: 0 not held here, 1 trained here, 2 frozen."""
+        states = []
+        for holders, found in self.found.items():
+            held = self.groups.get(holders)
+            if held is None:
+                states += [0] * len(found)
+            else:
+                states += [1 if param.requires_grad else 2 for param in held[1]]
+        return states
+
+    def check_trained_alike(self, states: list[list[int]]) -> None:
+        """Refuse a tied parameter that some holders freeze and others train.
+
+        ``states``: every process's ``training_states()``, by rank. In the
+        plain model it is one parameter, frozen in every use or in none.
+        """
+        for k, names in enumerate(self.names()):
+            frozen = [rank for rank, row in enumerate(states) if row[k] == 2]
+            trained = [rank for rank, row in enumerate(states) if row[k] == 1]
+            if frozen and trained:
+                raise ValueError(
+                    f"the tied parameter {' = '.join(repr(n) for n in names)} is frozen "
+                    f"(requires_grad=False) on rank(s) {frozen} but trained on {trained}; in the "
+                    "plain model it is one parameter, frozen in every use or in none: set "
+                    "requires_grad alike on every holder's copy (each of its names in "
+                    "pipe.named_parameters(remove_duplicate=False))"
+                )
+
     def sum_over_holders(self, sums: GradientSums) -> None:
         """Make each tied parameter's sum in ``sums`` the sum over the processes holding it.
 
@@ -91,6 +120,8 @@ class TiedWeights:
         """
         for group, tied in self.groups.values():
             for param in tied:
+                if not param.requires_grad:
+                    continue  # frozen by every holder: the step's agreement checked
                 grad = sums.take(param)
                 total = grad if grad is not None else torch.zeros_like(param)
                 dist.all_reduce(total, group=group)

@@ -297,6 +297,7 @@ def tied_weights_across_processes_stay_equal_and_train_like_the_plain_model() ->
         reference = dict(plain.named_parameters(remove_duplicate=False))
         for name, param in pipe.named_parameters():
             torch.testing.assert_close(param, reference[name], msg=f"step {step}: {name}")
+    check_frozen_tie(plain, pipe, tokens, targets)
     # A state dict whose names of the tied weight hold other values: the plain model
     # loads both into its one tensor, the last stays; so does every holder here.
     state = {key: value.clone() for key, value in plain.state_dict().items()}
@@ -307,6 +308,32 @@ def tied_weights_across_processes_stay_equal_and_train_like_the_plain_model() ->
     for name, param in pipe.named_parameters():
         torch.testing.assert_close(param, reference[name], msg=f"loaded: {name}")
     pipe.close()
+
+
+def check_frozen_tie(plain: nn.Module, pipe: DistributedPipe, tokens: Tensor, y: Tensor) -> None:
+    """A tied weight frozen by one holder is refused everywhere; frozen by all, it is frozen."""
+    tied = [p for name, p in pipe.named_parameters(remove_duplicate=False) if is_tied(name)]
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    opt.zero_grad()
+    for param in tied if rank() == 0 else []:
+        param.requires_grad_(False)
+    step = lambda: pipe.step(tokens, y, F.cross_entropy)  # noqa: E731
+    expect_error(ValueError, step, f"on rank(s) [0] but trained on [{world() - 1}]")
+    assert all(p.grad is None for p in pipe.parameters()), "the refused step wrote .grad"
+    for param in tied:
+        param.requires_grad_(False)
+    next(p for name, p in plain.named_parameters() if is_tied(name)).requires_grad_(False)
+    plain.zero_grad()
+    F.cross_entropy(plain(tokens), y).backward()
+    step()
+    reference = dict(plain.named_parameters(remove_duplicate=False))
+    for name, param in pipe.named_parameters():
+        expected = reference[name].grad
+        assert (param.grad is None) == (expected is None) == is_tied(name), name
+        if expected is not None:
+            torch.testing.assert_close(param.grad, expected, msg=f"tie frozen: {name}")
+    for param in [*tied, *plain.parameters()]:
+        param.requires_grad_(True)
 
 
 def is_tied(name: str) -> bool:
