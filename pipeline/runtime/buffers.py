@@ -17,8 +17,10 @@ The recomputation sees what the forward saw and leaves no trace. Which
 buffers change is learned on a partition's first checkpointed forward, by
 comparing values (kernels such as batch norm's update running statistics
 without bumping their version counters), so that constant buffers (masks,
-tables) are never copied afterwards. Later forwards only check version
-counters for a buffer that starts changing.
+tables) are never copied afterwards; and learned again after a layer of the
+partition changed between training and eval (a BatchNorm frozen for a
+while, then trained). Later forwards only check version counters for a
+buffer that starts changing.
 """
 
 from __future__ import annotations
@@ -49,12 +51,17 @@ class PartitionBuffers:
         self.partition = partition
         self.index = index
         self.changing: set[str] | None = None
+        # Each layer's training flag when ``changing`` was learned.
+        self.learned_in: list[bool] = []
 
     def _buffers(self) -> dict[str, Tensor]:
         # Looked up every time: .to(dtype) and friends replace buffer tensors.
         return dict(self.partition.named_buffers())
 
     def before_forward(self) -> BufferSnapshot:
+        modes = [layer.training for layer in self.partition.modules()]
+        if modes != self.learned_in:
+            self.changing, self.learned_in = None, modes
         buffers = self._buffers()
         keep = buffers.keys() if self.changing is None else self.changing
         with torch.no_grad():

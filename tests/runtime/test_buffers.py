@@ -79,3 +79,28 @@ def test_a_buffer_that_starts_changing_later_is_refused_not_replayed_wrongly() -
     )
     with pytest.raises(RuntimeError, match=r"partition 1 changed buffers \['1.count'\]"):
         pipe(torch.randn(4, 4))
+
+
+def test_a_batch_norm_frozen_for_a_while_then_trained_is_replayed_like_never_checkpointed() -> None:
+    # What changes was learned once, in the first checkpointed forward: a
+    # BatchNorm in eval mode then changed nothing, and once trained again
+    # every checkpointed step was refused, after its statistics had moved.
+    def model() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.BatchNorm1d(4)).double()
+
+    x, y = torch.randn(8, 4, dtype=torch.double), torch.randn(8, 4, dtype=torch.double)
+    pipes = {
+        mode: Pipe(model(), [2, 1], devices=["cpu"] * 2, chunks=2, checkpoint=mode)
+        for mode in ("always", "never")
+    }
+    for step, training in enumerate([False, True, True]):
+        states = []
+        for pipe in pipes.values():
+            pipe.zero_grad()
+            pipe[2].train(training)
+            pipe.step(x, y, torch.nn.functional.mse_loss)
+            grads = {f"{n}.grad": p.grad for n, p in pipe.named_parameters()}
+            states.append({**dict(pipe.named_buffers()), **grads})
+        for name, value in states[1].items():
+            torch.testing.assert_close(states[0][name], value, msg=f"step {step}: {name}")
