@@ -78,12 +78,12 @@ class DataParallel(nn.Module):
         self.module = module
         self.process_group = group
         self.broadcast_buffers = broadcast_buffers
-        # Walking the module tree on every forward costs more than the
-        # broadcast of a small model's buffers; like DDP, take them once.
         self._synced_buffers = list(module.buffers())
-        # The parameters frozen when wrapped: none of their gradients would be averaged.
+        # The parameters when wrapped: the buckets hold these, and average
+        # none of those frozen then.
+        self._wrapped = list(module.named_parameters())
         averaged = {id(p) for _, p in named_params}
-        self._frozen = [(n, p) for n, p in module.named_parameters() if id(p) not in averaged]
+        self._frozen = [(n, p) for n, p in self._wrapped if id(p) not in averaged]
         self._sync = True
         partitions = partition_of_each(module, [p for _, p in named_params])
         self.reducer = Reducer(
@@ -102,7 +102,7 @@ class DataParallel(nn.Module):
         """Run the replica; when it records a graph, its backward will average gradients."""
         records_graph = torch.is_grad_enabled()
         if records_graph and self._sync:
-            self._refuse_unfrozen()
+            self._check_parameters_and_buffers()
         if records_graph and self._sync and self.broadcast_buffers:
             self._broadcast_buffers()
         output = self.module(*args, **kwargs)
@@ -131,7 +131,7 @@ class DataParallel(nn.Module):
                 "model(x) and loss.backward() instead"
             )
         if self._sync:
-            self._refuse_unfrozen()
+            self._check_parameters_and_buffers()
         if self._sync and self.broadcast_buffers:
             self._broadcast_buffers()
         if self._sync:
@@ -156,9 +156,25 @@ class DataParallel(nn.Module):
         finally:
             self._sync = previous
 
-    def _refuse_unfrozen(self) -> None:
-        """Refuse a parameter frozen when wrapped that requires grad now: each replica would
-        keep its own gradient of it (DDP's too), and the replicas would drift apart."""
+    def _check_parameters_and_buffers(self) -> None:
+        """Refuse parameters that are not those wrapped; take replaced buffers anew.
+
+        A parameter replaced, added or removed since wrapping, or frozen then
+        and requiring grad now, would keep each replica's own gradient (DDP's
+        too), and the replicas would drift apart. Buffers replaced (``.to()``
+        replaces them, unlike parameters) are broadcast as they are now.
+        """
+        now = list(self.module.named_parameters())
+        name = _first_changed(now, self._wrapped)
+        if name is not None:
+            raise RuntimeError(
+                f"DataParallel: parameter '{name}' is not the one DataParallel was built with "
+                f"(replaced, added or removed since: {len(self._wrapped)} parameters then, "
+                f"{len(now)} now), so its gradients would not be averaged and the replicas "
+                "would drift apart; change parameters in place (param.data.copy_, "
+                "load_state_dict), or wrap the model again"
+            )
+        self._synced_buffers = list(self.module.buffers())
         unfrozen = [name for name, p in self._frozen if p.requires_grad]
         if unfrozen:
             raise RuntimeError(
@@ -171,6 +187,18 @@ class DataParallel(nn.Module):
         if self._synced_buffers:
             with record_function("dp.broadcast_buffers"):
                 broadcast_from_rank0(self._synced_buffers, self.process_group, "buffers")
+
+
+def _first_changed(
+    now: list[tuple[str, nn.Parameter]], then: list[tuple[str, nn.Parameter]]
+) -> str | None:
+    """The name of the first parameter not the same object in ``now`` as in ``then``."""
+    for (name, ours), (_, theirs) in zip(now, then, strict=False):
+        if ours is not theirs:
+            return name
+    if len(now) == len(then):
+        return None
+    return (now if len(now) > len(then) else then)[min(len(now), len(then))][0]
 
 
 def _validate(

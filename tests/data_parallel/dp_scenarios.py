@@ -151,7 +151,7 @@ def a_dataclass_output_is_averaged_like_ddp() -> None:
 
 
 @scenario
-def a_parameter_unfrozen_after_wrapping_is_refused() -> None:
+def a_parameter_unfrozen_or_replaced_after_wrapping_is_refused() -> None:
     model = mlp(seed=0)
     model[0].weight.requires_grad_(False)
     dp = DataParallel(model)
@@ -159,6 +159,11 @@ def a_parameter_unfrozen_after_wrapping_is_refused() -> None:
     F.mse_loss(dp(shard(x)), shard(y)).backward()  # frozen as when wrapped: fine
     model[0].weight.requires_grad_(True)
     expect_error(RuntimeError, lambda: dp(shard(x)), "'0.weight' requires grad now")
+    model[0].weight.requires_grad_(False)
+    # Replaced: its buckets average the old parameter's stale .grad, each
+    # replica kept its own gradient of the new one (0.18 apart), silently.
+    model[2].weight = nn.Parameter(model[2].weight.detach().clone())
+    expect_error(RuntimeError, lambda: dp(shard(x)), "parameter '2.weight' is not the one")
 
 
 @scenario
@@ -363,6 +368,10 @@ def buffers_broadcast() -> None:
     with torch.no_grad():
         dp(shard(x))
     assert model.offset.item() == float(rank()), "an evaluation forward must not communicate"
+
+    model.offset = torch.full((1,), float(rank()))  # replaced, as .to() replaces buffers
+    dp(shard(x))
+    assert model.offset.item() == 0.0, "a replaced buffer must be broadcast too"
 
     kept = Shifted(offset=0.0)
     dp_kept = DataParallel(kept, broadcast_buffers=False)

@@ -18,7 +18,7 @@ SCENARIOS = Path(__file__).with_name("dp_scenarios.py")
 SHARED = [
     "matches_ddp_and_full_batch",
     "a_dataclass_output_is_averaged_like_ddp",
-    "a_parameter_unfrozen_after_wrapping_is_refused",
+    "a_parameter_unfrozen_or_replaced_after_wrapping_is_refused",
     "a_second_backward_through_one_forward_is_refused",
     "a_replica_that_fails_a_step_and_goes_on_is_caught_at_the_next_average",
     "sgd_keeps_replicas_identical",
