@@ -344,7 +344,7 @@ class TaskRandomness:
     def draw(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], replay: bool) -> Any:
         """Run random op ``func`` as this task's next draw."""
         self._draws += 1
-        generator = kwargs.get("generator")
+        generator = _generator_of(args, kwargs)
         default = default_generator(_draw_device(args, kwargs))
         if generator is None or generator is default:
             if default is None:
@@ -417,6 +417,15 @@ class TaskRandomness:
                 return func(*args, **kwargs)
             finally:
                 generator.set_state(saved)
+
+
+def _generator_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Generator | None:
+    """The generator a random op is given: a keyword of most, positional in some
+    schemas (``poisson``, ``_standard_gamma``, ``rrelu_with_noise``)."""
+    given = kwargs.get("generator")
+    if given is None:
+        given = next((a for a in args if isinstance(a, torch.Generator)), None)
+    return given
 
 
 def running_microbatch() -> int | None:

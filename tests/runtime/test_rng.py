@@ -87,14 +87,22 @@ class TransformerBlock(nn.Module):
 
 
 class OwnGenerator(nn.Module):
-    """Draws from a generator of its own, passed to the op."""
+    """Draws from a generator of its own, passed to the op: a keyword in rand's schema,
+    positional in poisson's."""
 
-    def __init__(self) -> None:
+    def __init__(self, op: str = "rand") -> None:
         super().__init__()
         self.generator = torch.Generator().manual_seed(5)
+        self.op = op
 
     def forward(self, x: Tensor) -> Tensor:
-        return x * torch.rand(x.shape, generator=self.generator, dtype=x.dtype)
+        return x * own_draw(self.op, x.shape, self.generator, x.dtype)
+
+
+def own_draw(op: str, shape: torch.Size, generator: torch.Generator, dtype: torch.dtype) -> Tensor:
+    if op == "poisson":
+        return torch.poisson(torch.full(shape, 2.0, dtype=dtype), generator=generator)
+    return torch.rand(shape, generator=generator, dtype=dtype)
 
 
 WIDTH = 32
@@ -402,9 +410,14 @@ def test_recomputed_outputs_equal_the_forward_outputs_of_a_transformer_layer() -
             assert torch.equal(a, b)
 
 
-def test_a_generator_passed_to_an_op_keeps_its_own_stream_and_is_replayed() -> None:
-    assert_modes_agree(random_model(OwnGenerator, 2), partitions=2, chunks=4, seeds=3)
-    layer = OwnGenerator()
+@pytest.mark.parametrize("op", ["rand", "poisson"])
+def test_a_generator_passed_to_an_op_keeps_its_own_stream_and_is_replayed(op: str) -> None:
+    # poisson's generator, positional in its schema, was taken for the default
+    # one: recomputation drew anew from the layer's (gradients 11.4 off).
+    for threads in ("partition", "device"):
+        model = random_model(lambda: OwnGenerator(op), 2)
+        assert_modes_agree(model, partitions=2, chunks=4, seeds=3, threads=threads)
+    layer = OwnGenerator(op)
     plain_generator = torch.Generator().manual_seed(5)
     pipe = Pipe(nn.Sequential(nn.Linear(4, 4), layer), [1, 1], devices=["cpu"] * 2, chunks=2)
     x = torch.randn(4, 4)
@@ -412,7 +425,7 @@ def test_a_generator_passed_to_an_op_keeps_its_own_stream_and_is_replayed() -> N
     assert isinstance(out, Tensor)
     out.sum().backward()
     # Forward drew twice (one per micro-batch); recomputation left the stream as it was.
-    expected = [torch.rand(2, 4, generator=plain_generator) for _ in range(2)]
+    expected = [own_draw(op, torch.Size([2, 4]), plain_generator, x.dtype) for _ in range(2)]
     assert torch.equal(layer.generator.get_state(), plain_generator.get_state())
     torch.testing.assert_close(out, pipe[0](x) * torch.cat(expected))
 
