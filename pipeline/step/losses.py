@@ -1,6 +1,7 @@
 """Losses: how a step weighs each micro-batch's loss, so that the sum is the plain model's.
 
-``loss_fn`` runs once per micro-batch on the last stage. What the plain model
+``loss_fn`` runs once per micro-batch on the last stage (again in the
+recomputation of a checkpointed last stage). What the plain model
 computes once over the mini-batch, the step rebuilds from those losses with
 a weight per micro-batch (``loss_scales``):
 
