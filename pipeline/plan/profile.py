@@ -113,10 +113,11 @@ class Saved:
         ``I`` keeps the graph below the stage's topmost anchor for ``W`` and
         lets the nodes above it go: what the layers after the last one with
         weights saved, the loss's, and the top of that layer itself. A whole
-        backward at ``I`` lets everything go. Stage 0, whose input needs no
-        gradient, runs its whole backward at ``W``: nothing.
+        backward at ``I`` lets everything go. A stage whose input needs no
+        gradient (stage 0's, or one after frozen layers) runs its whole
+        backward at ``W``: nothing.
         """
-        if first == 0:
+        if not self.input_path(first):
             return 0
         if any(self.whole[first:stop]):
             return self.saved_bytes(first, stop, loss)
@@ -139,12 +140,18 @@ class Saved:
         """Bytes zero-bubble's ``I`` keeps for ``W`` on the stage of layers ``first..stop``.
 
         Its layers' recorded gradients where the stage's input requires grad
-        (a received one); on stage 0, whose input (the caller's) does not,
-        ``I`` has no input path and ``W`` keeps the outputs' gradient instead.
+        (a received one); where it does not (stage 0's, the caller's, or one
+        after frozen layers), ``I`` has no input path and ``W`` keeps the
+        outputs' gradient instead.
         """
-        if first == 0:
+        if not self.input_path(first):
             return self.grad_bytes(stop)
         return sum(self.recorded[first:stop])
+
+    def input_path(self, first: int) -> bool:
+        """Whether the stage starting at layer ``first`` receives an input that requires grad
+        (stage 0's, the caller's, is taken not to)."""
+        return first > 0 and self.output_grads[first - 1] > 0
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,23 @@ def test_predicted_activations_equal_the_measured_peak_of_each_stage(
     assert all(bytes_ > 0 for bytes_ in check.predicted_activations)
 
 
+def test_a_stage_after_frozen_layers_has_no_input_gradient_to_let_go_of() -> None:
+    # Its I has no input path, as stage 0's: the model took it for a received
+    # input requiring grad and predicted 1160 bytes where the step held 1296.
+    x, y = batch()
+    model = gelu_mlp()
+    for layer in list(model)[:-1]:
+        layer.requires_grad_(False)
+    plan = pipeline.plan(
+        model, x, y, F.mse_loss, devices=["cpu"] * 2, batch_size=len(x), memory_limit=2**30,
+        chunks=[4], schedules=["zb-h1-peak"], checkpoints=["never"], repeats=1,
+    )  # fmt: skip
+    pipe = plan.pipe()
+    pipe.step(x, y, F.mse_loss, schedule=plan.schedule, measure_memory=True)
+    check = plan.check(pipe)
+    assert check.measured_activations == check.predicted_activations
+
+
 def test_checkpointed_tasks_keep_their_received_inputs_beside_the_recomputation() -> None:
     # GPipe, always, 2 micro-batches: while micro-batch 1 recomputes on stage 1,
     # micro-batch 0 holds only its received input (the inputs term); micro-batch 1's
