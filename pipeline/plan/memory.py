@@ -31,10 +31,11 @@ docs/plan.md writes the terms down):
   sampled after each action and at each saved tensor, and ``inputs``,
   ``mail``, ``recorded`` (and ``saved``, the activations then) are what
   makes that peak up;
-- **parameters**, **gradients** (``.grad`` of the trainable ones, kept
-  between steps) and **optimizer** state (``optimizer_bytes_per_param`` per
-  trainable element: 8 for AdamW in float32), each parameter on the stage
-  of the first layer that holds it.
+- **parameters** (and buffers), **gradients** (``.grad`` of the trainable
+  ones, kept between steps) and **optimizer** state
+  (``optimizer_bytes_per_param`` per trainable element: 8 for AdamW in
+  float32), each parameter or buffer on the stage of the first layer that
+  holds it.
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ __all__ = [
 
 @dataclass(frozen=True)
 class LayerParameters:
-    """Per layer: bytes of the parameters it holds first, and elements of those trained."""
+    """Per layer: bytes of the parameters and buffers it holds first, of the parameters
+    trained, and of their optimizer state."""
 
     nbytes: tuple[int, ...]
     trained_bytes: tuple[int, ...]
@@ -128,15 +130,16 @@ class HeldPeaks:
 
 
 def layer_parameters(model: nn.Sequential, optimizer_bytes_per_param: int) -> LayerParameters:
-    """Each layer's parameter bytes, a parameter counted once, at the first layer holding it."""
+    """Each layer's parameter and buffer bytes, each counted once, at its first holder."""
     seen: set[int] = set()
     nbytes: list[int] = []
     trained: list[int] = []
     optimizer: list[int] = []
     for layer in model:
         fresh = [p for p in layer.parameters() if id(p) not in seen]
-        seen.update(id(p) for p in fresh)
-        nbytes.append(sum(p.numel() * p.element_size() for p in fresh))
+        buffers = [b for b in layer.buffers() if id(b) not in seen]
+        seen.update(id(t) for t in [*fresh, *buffers])
+        nbytes.append(sum(t.numel() * t.element_size() for t in [*fresh, *buffers]))
         trained.append(sum(p.numel() * p.element_size() for p in fresh if p.requires_grad))
         optimizer.append(
             sum(p.numel() for p in fresh if p.requires_grad) * optimizer_bytes_per_param

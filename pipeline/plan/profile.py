@@ -179,7 +179,7 @@ def saved_storages(
     from balance.profile import own_random_state
 
     layers = copy.deepcopy(model).to(device).train()
-    excluded = {t.untyped_storage().data_ptr() for t in layers.parameters()}
+    excluded = {t.untyped_storage().data_ptr() for t in [*layers.parameters(), *layers.buffers()]}
     sample, target = to_device(sample, device), to_device(target, device)
     excluded |= {t.untyped_storage().data_ptr() for t in [*tensors_in(sample), *tensors_in(target)]}
     keys: dict[int, int] = {}
@@ -264,7 +264,7 @@ def _split_alone(
     from balance.layerwise import fresh_inputs, tensors_in  # as in saved_storages
 
     inputs = fresh_inputs(value, device)
-    meter = ActivationMeter(layer.parameters())  # counts as a stage's meter does
+    meter = ActivationMeter([*layer.parameters(), *layer.buffers()])  # as a stage's meter counts
     with meter.hooks():
         outputs = call_layer(model, index, layer, inputs)
     roots = [t for t in tensors_in(outputs) if t.requires_grad]

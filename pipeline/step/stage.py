@@ -177,16 +177,19 @@ class StageRun:
         self._plain = context.state.only_grad_mode(self.device)
 
     def _not_kept(self) -> list[Tensor]:
-        """What the meter leaves out: the parameters, and the caller's input and target.
+        """What the meter leaves out: the parameters and buffers, the caller's input and target.
 
-        Stage 0's micro-batches (the last stage's targets) are views of what
-        the caller holds anyway: the step keeps no copy of it, and a layer
-        saving one would otherwise count the whole batch's storage.
+        Buffers are the model's state, as parameters are: one storage for
+        every micro-batch (BatchNorm saves its running statistics). Stage 0's
+        micro-batches (the last stage's targets) are views of what the caller
+        holds anyway: the step keeps no copy of it, and a layer saving one
+        would otherwise count the whole batch's storage.
         """
         context = self.context
         caller = [x for batch in (*context.batches, *context.targets) for x in batch.leaves]
-        parameters = context.runtime.partitions[self.j].parameters()
-        return [*parameters, *(x for x in caller if isinstance(x, Tensor))]
+        partition = context.runtime.partitions[self.j]
+        state = [*partition.parameters(), *partition.buffers()]
+        return [*state, *(x for x in caller if isinstance(x, Tensor))]
 
     def act(self, action: Action) -> None:
         """Run ``action`` (one of this stage's) on its micro-batch, timed."""
