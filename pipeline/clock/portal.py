@@ -23,6 +23,12 @@ micro-batch's path downstream of the ``Join`` that holds the matching
 ``Enter``, so the engine cannot reach that ``Enter`` before the ``Exit`` has
 put the gradient in the portal, even with a thread per device.
 
+Each ``Exit`` also hangs on the phony of the ``Enter`` it reads from, and
+its backward hands that phony a gradient: the micro-batch's path from the
+``Join`` to the ``Fork`` may carry no gradient (frozen layers, or no grad,
+between the stash and the pop), and then this edge is the one way back to
+the tensor; where the path carries one, ``Enter`` waits for both.
+
 Lifetime: the portal lets go of the tensor at the ``Exit`` that reads it, so
 nothing outlives its use. Recomputation never reads a portal: the popping
 task keeps what its forward popped (``skips.py``).
@@ -43,21 +49,25 @@ __all__ = ["Portal"]
 class Portal:
     """Holds one skip tensor of one micro-batch, and its gradient on the way back."""
 
-    __slots__ = ("grad", "tensor")
+    __slots__ = ("entered", "grad", "tensor")
 
     def __init__(self) -> None:
         self.tensor: Tensor | None = None
         self.grad: Tensor | None = None
+        self.entered: Tensor | None = None
 
     def enter(self, tensor: Tensor) -> Tensor:
         """Keep ``tensor`` for one exit; the phony returned carries its gradient edge."""
         self.tensor = tensor
         phony: Tensor = Enter.apply(self, tensor)
+        self.entered = phony
         return phony
 
     def exit(self, phony: Tensor) -> Tensor:
         """The kept tensor, as a new node whose gradient goes back into the portal."""
-        tensor: Tensor = Exit.apply(self, phony)
+        entered, self.entered = self.entered, None
+        # No enter since: Exit's read says the skip was popped twice.
+        tensor: Tensor = Exit.apply(self, phony, phony if entered is None else entered)
         return tensor
 
     def read(self) -> Tensor:
@@ -85,14 +95,16 @@ class Enter(torch.autograd.Function):
 
 
 class Exit(torch.autograd.Function):
-    """phony -> the portal's tensor; its gradient goes into the portal."""
+    """phony (and the entering phony) -> the portal's tensor; its gradient goes into the portal."""
 
     @staticmethod
-    def forward(ctx: Any, portal: Portal, phony: Tensor) -> Tensor:
+    def forward(ctx: Any, portal: Portal, phony: Tensor, entered: Tensor) -> Tensor:
         ctx.portal = portal
+        ctx.devices = phony.device, entered.device
         return portal.read().detach()
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[None, None]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[None, None, Tensor]:
         ctx.portal.grad = grad
-        return None, None
+        # A gradient for the entering phony: its Enter runs after this.
+        return None, None, get_phony(ctx.devices[1], requires_grad=False)

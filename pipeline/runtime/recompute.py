@@ -4,9 +4,12 @@ Both engines checkpoint a task the same way around the partition's call:
 ``pipe(x)`` under torch's checkpointing (``pipeline/clock/checkpoint.py``), a
 stage of ``Pipe.step`` without grad (``pipeline/step/stage.py``)::
 
-    forward:    note the inputs' versions, snapshot the buffers -> run ->
-                refuse inputs written in place, keep the changed buffers
-    recompute:  the caller's autocast and device, the task's stream, the same
+    forward:    note the inputs' and parameters' versions, snapshot the
+                buffers -> run -> refuse inputs written in place, keep the
+                changed buffers
+    recompute:  refuse parameters written in place since (an optimizer step
+                before the backward: the plain model's backward refuses it);
+                the caller's autocast and device, the task's stream, the same
                 random draws, the buffers as the forward saw them -> run again
 """
 
@@ -57,11 +60,13 @@ class Recomputation:
         self.stream = stream
         self.lock = lock
         self.snapshot: BufferSnapshot | None = None
+        self.parameters: list[tuple[str, Tensor, int]] = []
 
     @contextmanager
     def checkpointed(self, inputs: Batch) -> Iterator[None]:
         """Around the task's forward: keep what recomputation needs; refuse input writes."""
         versions = _input_versions(inputs)
+        self.parameters = [(n, p, p._version) for n, p in self.buffers.partition.named_parameters()]
         self.snapshot = self.buffers.before_forward()
         with phase("checkpointing"):
             yield
@@ -72,6 +77,7 @@ class Recomputation:
     def replaying(self) -> Iterator[None]:
         """What the recomputation runs under: what the forward ran under, and its buffers."""
         assert self.snapshot is not None, "replaying() follows checkpointed()"
+        _check_parameters_unchanged(self.parameters, self.buffers.index)
         with (
             self.lock if self.lock is not None else contextlib.nullcontext(),
             self.state.autocast_applied(self.device),
@@ -114,4 +120,21 @@ def _check_inputs_unchanged(versions: list[tuple[Tensor, int]], partition: int) 
             "recomputation would start from the modified values; give its first layer an "
             "attribute inplace=True (the Pipe then hands it a copy), make that layer "
             "out-of-place, or use checkpoint='never'"
+        )
+
+
+def _check_parameters_unchanged(versions: list[tuple[str, Tensor, int]], partition: int) -> None:
+    """Refuse to recompute with parameters written in place since the forward.
+
+    The plain model's backward refuses it (a saved weight "modified by an
+    inplace operation"); recomputed, the gradient would be the new weights'.
+    """
+    changed = next((name for name, p, version in versions if p._version != version), None)
+    if changed is not None:
+        raise RuntimeError(
+            f"parameter '{changed}' of checkpointed partition {partition} was modified by an "
+            "inplace operation between its forward and this backward (an optimizer step or "
+            "a weight update before backward()), so its recomputation would not be the "
+            "forward that ran; as in the plain model, run backward before changing the "
+            "parameters"
         )

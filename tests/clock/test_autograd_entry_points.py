@@ -319,3 +319,16 @@ def test_inference_tensor_input_without_checkpointing_behaves_as_the_plain_model
         torch.testing.assert_close(actual[1], expected[1])
     else:
         assert actual[1] == expected[1]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_parameters_changed_before_backward_are_refused_as_by_the_plain_model(mode: str) -> None:
+    # An optimizer step between the forward and backward(): the plain model's
+    # backward refuses the saved weight; a recomputed micro-batch used the new one.
+    pipe = cpu_pipe(mlp(WIDTH), [3, 3], chunks=2, checkpoint=mode)
+    out = pipe(torch.randn(ROWS, WIDTH, dtype=torch.double))
+    with torch.no_grad():
+        for param in pipe.parameters():
+            param.mul_(1.5)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.square().sum().backward()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Generator
+from typing import Any
 
 import pytest
 import torch
@@ -10,6 +12,7 @@ from skip_models import BALANCE, unet
 from torch import nn
 
 from pipeline import Pipe
+from pipeline.skip import pop, skippable, stash
 
 CPU = ["cpu"] * 4
 # 'cpu' and 'cpu:0' compare unequal, so the driver copies at every boundary
@@ -55,6 +58,66 @@ def test_input_without_grad_still_trains_every_layer() -> None:
     pipe(x).sum().backward()
     for p, q in zip(model.parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad)
+
+
+@skippable(stash=["side"])
+class StashesBeside(nn.Module):
+    """Stashes a layer of its input and passes the input on unchanged."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> Generator[Any, Any, torch.Tensor]:
+        yield stash("side", self.linear(x))
+        return x
+
+
+@skippable(pop=["side"])
+class PopsBeside(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> Generator[Any, Any, torch.Tensor]:
+        side = yield pop("side")
+        return self.linear(x) + side * side
+
+
+class WithoutGrad(nn.Module):
+    """A frozen feature extractor run without grad."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.tanh(self.linear(x))
+
+
+@pytest.mark.parametrize("devices", [CPU[:2], ALTERNATING[:2]], ids=["same-device", "copied"])
+@pytest.mark.parametrize("balance", [[1, 2], [2, 1]])
+def test_a_skip_whose_main_path_carries_no_gradient_still_trains_its_stash(
+    devices: list[str], balance: list[int]
+) -> None:
+    # The main path from the stash to the pop runs frozen: the pop's input
+    # needs no gradient, and its portal had no edge back to the stash (the
+    # stashing layer's .grad stayed None), or, with several micro-batches, an
+    # edge through the clock's ordering that never reached it (wrong values).
+    torch.manual_seed(0)
+    model = nn.Sequential(StashesBeside(), WithoutGrad(), PopsBeside()).double()
+    plain = copy.deepcopy(model)
+    x = torch.randn(8, 8, dtype=torch.double)
+    plain(x).square().sum().backward()
+    for chunks in (1, 2, 4):
+        model.zero_grad()
+        pipe = Pipe(model, balance, devices=devices, chunks=chunks, checkpoint="never")
+        pipe(x).square().sum().backward()
+        for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+            assert (p.grad is None) == (q.grad is None) == name.startswith("1."), name
+            if q.grad is not None:
+                torch.testing.assert_close(p.grad, q.grad, msg=f"{chunks} chunks: {name}")
 
 
 def test_eval_without_grad_equals_the_plain_model() -> None:
