@@ -31,6 +31,7 @@ from pipeline.runtime.microbatch import Batch, Value, check_input, gather, scatt
 from pipeline.runtime.partitions import PositionalSequential
 from pipeline.runtime.recompute import checkpoint_stop
 from pipeline.runtime.router_loss import ASKED, asked
+from pipeline.runtime.unseen import refuse_reparametrized, refuse_unseen_state
 from pipeline.runtime.worker import (
     Threads,
     check_threads,
@@ -159,6 +160,7 @@ class Pipe(PipeBase):
         """
         if torch.compiler.is_compiling():
             raise RuntimeError(_COMPILE_MESSAGE)
+        refuse_unseen_state("Pipe.forward")
         input = self._input(inputs, kwargs)
         self._check_open()
         _refuse_sharded(self, "forward")
@@ -192,6 +194,8 @@ class Pipe(PipeBase):
         hooks = list(self._completion_hooks.values())
         rows = [b.rows() for b in batches]
         stop = checkpoint_stop(self.checkpoint, len(batches), self.training)
+        if stop:
+            refuse_reparametrized(self, "this Pipe")
         with self._one_pass(batches):
             self._driver.run(batches, stop, hooks, sum(rows))
         return gather(batches, rows)
@@ -229,6 +233,7 @@ class Pipe(PipeBase):
     def _check_call(self, method: str) -> None:
         if torch.compiler.is_compiling():
             raise RuntimeError(_COMPILE_MESSAGE)
+        refuse_unseen_state(f"Pipe.{method}")
         self._check_open()
         if not self.partitions:
             raise ValueError(f"Pipe.{method} needs at least one partition; this Pipe is empty")
