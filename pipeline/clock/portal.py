@@ -42,6 +42,7 @@ import torch
 from torch import Tensor
 
 from pipeline.clock.phony import get_phony
+from pipeline.skip.tracker import version_of
 
 __all__ = ["Portal"]
 
@@ -49,16 +50,17 @@ __all__ = ["Portal"]
 class Portal:
     """Holds one skip tensor of one micro-batch, and its gradient on the way back."""
 
-    __slots__ = ("entered", "grad", "tensor")
+    __slots__ = ("entered", "grad", "tensor", "version")
 
     def __init__(self) -> None:
         self.tensor: Tensor | None = None
         self.grad: Tensor | None = None
         self.entered: Tensor | None = None
+        self.version = 0
 
     def enter(self, tensor: Tensor) -> Tensor:
         """Keep ``tensor`` for one exit; the phony returned carries its gradient edge."""
-        self.tensor = tensor
+        self.tensor, self.version = tensor, version_of(tensor)
         phony: Tensor = Enter.apply(self, tensor)
         self.entered = phony
         return phony

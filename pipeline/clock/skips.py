@@ -36,7 +36,7 @@ from pipeline.runtime.partitions import PartitionCall
 from pipeline.runtime.phase import is_checkpointing, is_recomputing
 from pipeline.skip.carrier import Carrier
 from pipeline.skip.layout import Route, SkipLayout
-from pipeline.skip.tracker import SkipKey, SkipTracker, use_tracker
+from pipeline.skip.tracker import SkipKey, SkipTracker, refuse_written_after_stash, use_tracker
 
 __all__ = ["Move", "PortalTracker", "SkipPortals", "skip_portals"]
 
@@ -126,6 +126,7 @@ def _join(carrier: Carrier, phony: Tensor) -> None:
 
 
 def _portal(portals: Portals, route: Route) -> Portal:
+    """The route's portal, holding its tensor as it was stashed."""
     portal = portals.get(route.key)
     if portal is None:
         raise RuntimeError(
@@ -133,6 +134,8 @@ def _portal(portals: Portals, route: Route) -> Portal:
             f"the layer of partition {route.source} that stashes it did not run for this "
             "micro-batch"
         )
+    if portal.tensor is not None:
+        refuse_written_after_stash(route.key, portal.tensor, portal.version)
     return portal
 
 

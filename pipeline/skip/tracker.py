@@ -22,7 +22,15 @@ from torch import Tensor
 from pipeline.skip.carrier import Carrier
 from pipeline.skip.namespace import Namespace
 
-__all__ = ["SkipKey", "SkipTracker", "current_tracker", "discard_stashed", "use_tracker"]
+__all__ = [
+    "SkipKey",
+    "SkipTracker",
+    "current_tracker",
+    "discard_stashed",
+    "refuse_written_after_stash",
+    "use_tracker",
+    "version_of",
+]
 
 SkipKey: TypeAlias = tuple[Namespace, str]
 
@@ -50,6 +58,30 @@ class SkipTracker:
                 "forward pass has stashed it; check the layer order and namespaces "
                 "(verify_skippables(model) lists every mismatch)"
             ) from None
+
+
+def refuse_written_after_stash(key: SkipKey, tensor: Tensor, version: int) -> None:
+    """Refuse a skip that leaves its partition and was written in place after its stash.
+
+    The plain model's pop gets the same tensor, with the write and its place
+    in the graph; a pipeline's pop gets it as it was stashed (a message sent
+    then, or a portal's entry in that tensor's history).
+    """
+    if version_of(tensor) != version:
+        namespace, name = key
+        raise RuntimeError(
+            f"the skip {name!r} ({namespace.label}) was written in place after it was stashed "
+            "(an in-place layer after the stashing one, such as nn.ReLU(inplace=True), "
+            "writing into the tensor the layer also returned): its pop in a later partition "
+            "would not see the write the plain model's pop sees; stash a tensor nothing "
+            "writes into afterwards (stash(name, h.clone())), or make that layer out-of-place"
+        )
+
+
+def version_of(tensor: Tensor) -> int:
+    """``tensor``'s version counter; -1 for an inference tensor, which has none (and which
+    nothing outside inference mode writes into)."""
+    return -1 if tensor.is_inference() else tensor._version
 
 
 def current_tracker() -> SkipTracker:

@@ -63,7 +63,13 @@ from pipeline.runtime.stream import Stream, use_stream
 from pipeline.runtime.threadstate import ThreadState
 from pipeline.skip.carrier import Carrier
 from pipeline.skip.layout import SkipLayout
-from pipeline.skip.tracker import SkipKey, SkipTracker, use_tracker
+from pipeline.skip.tracker import (
+    SkipKey,
+    SkipTracker,
+    refuse_written_after_stash,
+    use_tracker,
+    version_of,
+)
 from pipeline.step.actions import Action
 from pipeline.step.activations import ActivationMeter
 from pipeline.step.backward_in_two import WeightWork, backward_input
@@ -290,8 +296,10 @@ class StageRun:
         if not self.context.skip_layout:
             output = inputs.call(function)
         else:
-            with use_tracker(_StageTracker(self, stashed, recomputing)):
+            tracker = _StageTracker(self, stashed, recomputing)
+            with use_tracker(tracker):
                 output = inputs.call(function)
+            tracker.check_sent()
         if not any(True for _ in output.tensor_indices()):
             raise TypeError(
                 f"partition {self.j} returned {type(output.value).__name__}, which holds no "
@@ -514,6 +522,7 @@ class _StageTracker(SkipTracker):
         self.stage = stage
         self.stashed = stashed
         self.recomputing = recomputing
+        self.sent: list[tuple[SkipKey, Tensor, int]] = []
 
     def save(self, output: Carrier, key: SkipKey, tensor: Tensor) -> None:
         route = self.stage.context.skip_layout.route(key)
@@ -526,6 +535,12 @@ class _StageTracker(SkipTracker):
             i = self.stashed.i
             message = Message([_detached(tensor)], None, [_needs_grad(tensor)])
             self.stage._send(self.stage._skip_mail("skip", key, i), message, route.target, i)
+            self.sent.append((key, tensor, version_of(tensor)))
+
+    def check_sent(self) -> None:
+        """Refuse a skip sent at its stash and written in place later in the partition."""
+        for key, tensor, version in self.sent:
+            refuse_written_after_stash(key, tensor, version)
 
     def load(self, input: Carrier, key: SkipKey) -> Tensor:
         route = self.stage.context.skip_layout.route(key)
