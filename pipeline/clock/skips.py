@@ -30,6 +30,7 @@ from functools import partial
 from torch import Tensor
 
 from pipeline.clock.dependency import fork, join
+from pipeline.clock.phony import get_phony
 from pipeline.clock.portal import Portal
 from pipeline.runtime.microbatch import Batch, Value
 from pipeline.runtime.partitions import PartitionCall
@@ -62,7 +63,12 @@ class PortalTracker(SkipTracker):
             super().save(output, key, tensor)
             return
         if is_recomputing():
-            return  # the forward's portal already links this skip to its pop
+            # The forward's portal already links this skip to its pop; the output
+            # still needs the gradient its join gave it there, so that the layers
+            # after it save what they saved in the forward.
+            if tensor.requires_grad:
+                _join(output, get_phony(tensor.device, requires_grad=True))
+            return
         portal = self.portals.setdefault(key, Portal())
         _join(output, portal.enter(tensor))
 

@@ -120,6 +120,24 @@ def test_a_skip_whose_main_path_carries_no_gradient_still_trains_its_stash(
                 torch.testing.assert_close(p.grad, q.grad, msg=f"{chunks} chunks: {name}")
 
 
+@pytest.mark.parametrize("checkpoint", ["always", "except_last"])
+def test_a_stash_that_gives_its_output_a_gradient_is_recomputed_alike(checkpoint: str) -> None:
+    # The input needs no gradient; the stash's join gives the stashing layer's
+    # output one in the forward, and the recomputation, which sends no skip,
+    # gave it none: the next Linear saved other tensors (torch's CheckpointError
+    # in the backward, after some .grad were written).
+    torch.manual_seed(0)
+    model = nn.Sequential(StashesBeside(), nn.Linear(8, 8), PopsBeside()).double()
+    plain = copy.deepcopy(model)
+    x = torch.randn(4, 8, dtype=torch.double)
+    plain(x).square().sum().backward()
+    Pipe(model, [2, 1], devices=CPU[:2], chunks=2, checkpoint=checkpoint)(
+        x
+    ).square().sum().backward()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
 @skippable(stash=["h"])
 class StashesItsOutput(nn.Module):
     def __init__(self) -> None:
