@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-__all__ = ["fitting_balance"]
+__all__ = ["fitting_balance", "least_memory_balance"]
 
 # cost(j, first, stop) and fits(j, first, stop) of stage j holding layers first..stop.
 Cost = Callable[[int, int, int], float]
@@ -78,6 +78,36 @@ def _even_cut(
                     best[j][a], choice[j][a] = total, b
     if best[0][0] == math.inf:
         return None
+    return _sizes(choice, stages)
+
+
+def least_memory_balance(
+    layers: int, stages: int, total: Callable[[int, int, int], int]
+) -> list[int]:
+    """The balance of ``layers`` into ``stages`` whose stages' ``total`` bytes sum least.
+
+    Stages sharing a device share its limit: a cut may fit their sum where
+    ``fitting_balance``'s even share of it per stage does not.
+
+    >>> least_memory_balance(4, 2, lambda j, a, b: (b - a) * (3 if j == 0 else 1))
+    [1, 3]
+    """
+    # best[j][a]: least sum of stages j.. covering layers a..; choice: its first stop.
+    best = [[math.inf] * (layers + 1) for _ in range(stages + 1)]
+    choice = [[0] * (layers + 1) for _ in range(stages + 1)]
+    best[stages][layers] = 0.0
+    for j in range(stages - 1, -1, -1):
+        left = stages - j
+        for a in range(j, layers - left + 1):
+            for b in range(a + 1, layers - left + 2):
+                summed = total(j, a, b) + best[j + 1][b]
+                if summed < best[j][a]:
+                    best[j][a], choice[j][a] = summed, b
+    return _sizes(choice, stages)
+
+
+def _sizes(choice: list[list[int]], stages: int) -> list[int]:
+    """The stages' sizes along ``choice``: each stage's stop from its first layer."""
     sizes = []
     a = 0
     for j in range(stages):

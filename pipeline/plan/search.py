@@ -23,7 +23,7 @@ from pipeline.plan.contention import NO_CONTENTION, Contention
 from pipeline.plan.links import Link, cut_seconds
 from pipeline.plan.memory import LayerParameters, StageMemory, stage_memory
 from pipeline.plan.pace import SAME_PACE, Pace, paced_as, virtual_stages
-from pipeline.plan.partition import fitting_balance
+from pipeline.plan.partition import fitting_balance, least_memory_balance
 from pipeline.plan.profile import LayerTimes, Saved
 from pipeline.plan.timing import predicted_seconds, stage_costs
 from pipeline.step.actions import Action, Program
@@ -213,14 +213,13 @@ def _balanced(
     def fits(j: int, a: int, b: int) -> bool:
         return memory(j, a, b).total <= config.share[j]
 
-    cuts = {
-        tuple(cut)
-        for cut in (
-            fitting_balance(layers, stages, cost, fits),
-            fitting_balance(layers, stages, cost, lambda j, a, b: True),
-        )
-        if cut is not None
-    }
+    tried = [
+        fitting_balance(layers, stages, cost, fits),
+        fitting_balance(layers, stages, cost, lambda j, a, b: True),
+    ]
+    if len(set(config.places)) < stages:  # stages sharing a limit: what fits their sum
+        tried.append(least_memory_balance(layers, stages, lambda j, a, b: memory(j, a, b).total))
+    cuts = {tuple(cut) for cut in tried if cut is not None}
     found = []
     for cut in sorted(cuts):
         spans = list(pairwise([0, *accumulate(cut)]))

@@ -98,7 +98,10 @@ def test_processes_hold_their_own_memory_and_a_slow_link_costs_time() -> None:
     assert all(sorted(c.device_bytes) == ["rank 0", "rank 1"] for c in free)
     # A link that costs nothing predicts what one process with a thread per stage does.
     threads = made_up(None)
-    assert [c.seconds for c in free] == [c.seconds for c in threads]
+    # (Each configuration and balance alike; threads sharing the CPU also try the cut
+    # that needs the least memory in all.)
+    timed = {c.describe(): c.seconds for c in threads}
+    assert all(timed[c.describe()] == c.seconds for c in free)
     assert all(c.places == () and list(c.device_bytes) == ["cpu"] for c in threads)
     # Free messages: the most micro-batches, interleaved, the least bubble. Every message
     # 100 s: each crossing costs more than a micro-batch's bubble saves, so one chunk wins.

@@ -14,10 +14,12 @@ from torch import nn
 
 import pipeline
 from pipeline.plan import Candidate, PlanError
-from pipeline.plan.memory import layer_parameters
+from pipeline.plan.memory import layer_parameters, stage_memory
 from pipeline.plan.profile import LayerTimes, Saved, saved_storages
 from pipeline.plan.result import Plan, choose
 from pipeline.plan.search import candidates
+from pipeline.step.schedules import resolve_schedule
+from pipeline.step.simulate import validate
 from tests.plan.plan_models import ROWS, batch, gelu_mlp, one_thread
 
 pytestmark = pytest.mark.usefixtures(one_thread.__name__)
@@ -32,6 +34,8 @@ def searched(
     optimizer_bytes: int = 8,
     depth: int = 6,
     rows: int = ROWS,
+    chunks: tuple[int, ...] = (1, 2, 4, 8),
+    modes: tuple[str, ...] = ("never", "except_last", "always"),
 ) -> tuple[nn.Sequential, list[Candidate]]:
     """Every candidate for the MLP of ``depth`` layers, with measured memory and made-up times.
 
@@ -50,8 +54,8 @@ def searched(
         return saved[rows], times
 
     found = candidates(
-        layers, devices, rows, limit, (1, 2, 4, 8), schedules, ("never", "except_last", "always"),
-        profiled, layer_parameters(model, optimizer_bytes), overhead=0.0,
+        layers, devices, rows, limit, chunks, schedules, modes, profiled,
+        layer_parameters(model, optimizer_bytes), overhead=0.0,
     )  # fmt: skip
     return model, found
 
@@ -94,6 +98,27 @@ def test_when_nothing_fits_the_error_names_the_device_and_the_overflow() -> None
     over = cheapest - 1000
     with pytest.raises(PlanError, match=rf"device cpu needs .*, over by .* \({over} bytes\)"):
         choose(model, found, 1000)
+
+
+def test_stages_sharing_a_device_share_its_limit_unevenly_where_that_fits() -> None:
+    # 1F1B's first stage holds more micro-batches than its last: the least total
+    # on the device is a lopsided cut, which an even share of the limit per stage
+    # never tried, so a limit that it fitted raised PlanError.
+    model = gelu_mlp()
+    x, y = batch()
+    saved = saved_storages(model, x[: ROWS // 2], y[: ROWS // 2], F.mse_loss, CPU)
+    programs = resolve_schedule("1f1b").programs(2, 2)
+    order = validate(programs, 2, 2).one_thread_order
+    parameters = layer_parameters(model, 8)
+    layers = len(model)
+    least = min(
+        stage_memory(order, 0, set(), saved, parameters, 0, k).total
+        + stage_memory(order, 1, set(), saved, parameters, k, layers).total
+        for k in range(1, layers)
+    )
+    model, found = searched([CPU, CPU], least, ("1f1b",), chunks=(2,), modes=("never",))
+    chosen = choose(model, found, least).chosen
+    assert chosen.fits and max(chosen.device_bytes.values()) <= least
 
 
 def test_the_table_shows_the_choice_and_why_each_runner_up_lost() -> None:

@@ -39,11 +39,12 @@ def predicted(schedule: str, mode: str) -> Candidate:
     def profiled(rows: int) -> tuple[Saved, LayerTimes]:
         return saved_storages(model, x[:rows], y[:rows], F.mse_loss, CPU), times
 
-    (found,) = candidates(
+    found = candidates(
         layers, [CPU, CPU], ROWS, 2**30, (CHUNKS,), (schedule,), (mode,), profiled,
         layer_parameters(model, ADAMW_FLOAT64), overhead=0.0,
     )  # fmt: skip
-    return found
+    # The balance for time (the other, where the stages share a device: the least memory).
+    return min(found, key=lambda c: c.seconds)
 
 
 @pytest.mark.parametrize("mode", ["never", "except_last", "always"])
