@@ -20,7 +20,13 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from pipeline.plan.agreement import agree_inputs, from_rank_zero
-from pipeline.plan.checks import CHECKPOINTS, SCHEDULES, check_placement, check_plan_arguments
+from pipeline.plan.checks import (
+    CHECKPOINTS,
+    SCHEDULES,
+    check_measures,
+    check_placement,
+    check_plan_arguments,
+)
 from pipeline.plan.contention import NO_CONTENTION, Contention, cpu_contention
 from pipeline.plan.links import Link, measure_link
 from pipeline.plan.memory import layer_parameters
@@ -128,6 +134,7 @@ def plan(
         count = check_placement(
             devices, processes, link_latency, link_seconds_per_byte, in_group, action_overhead
         )
+        check_measures(repeats, action_overhead, contention)
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable (output, target) -> loss, got {loss_fn!r}")
         here = None if count is None else _process_device(pg, device)

@@ -5,10 +5,12 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Sequence
+from typing import TypeGuard, cast
 
 import torch
 from torch import nn
 
+from pipeline.arguments import Device, resolve_devices
 from pipeline.runtime.microbatch import scatter
 from pipeline.runtime.router_loss import ASKED, asked
 
@@ -60,7 +62,13 @@ def check_plan_arguments(
             f"devices must be a non-empty list of devices, one per pipeline stage (such as "
             f"['cpu', 'cpu']), got {devices!r}"
         )
-    resolved = [torch.device(d) for d in devices]  # type: ignore[call-overload]
+    # A CUDA device the machine lacks is refused there.
+    resolved = resolve_devices(cast(Sequence[Device], devices), len(devices))
+    if any(d.type == "meta" for d in resolved):
+        raise ValueError(
+            f"devices {[str(d) for d in resolved]} include the meta device, which holds no "
+            "data: the planner profiles the layers where they will run; give real devices"
+        )
     if len(resolved) > len(model):
         raise ValueError(
             f"{len(resolved)} {what} but the model has {len(model)} layers; every stage needs "
@@ -139,9 +147,7 @@ def check_placement(
             "link_seconds_per_byte together, or neither to measure them in the process group"
         )
     for name, value in link.items():
-        if value is not None and (
-            isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0
-        ):
+        if value is not None and not (_finite(value) and value >= 0):
             raise ValueError(f"{name} must be a number of seconds, 0 or more, got {value!r}")
     if not in_group and (not given or action_overhead is None):
         raise ValueError(
@@ -152,6 +158,26 @@ def check_placement(
             "action_overhead= to plan without one"
         )
     return count
+
+
+def check_measures(repeats: object, action_overhead: object, contention: object) -> None:
+    """Refuse measures given by hand that no machine has: each would give figures of none."""
+    _positive_int("repeats", repeats)
+    if action_overhead is not None and not (_finite(action_overhead) and action_overhead >= 0):
+        raise ValueError(
+            f"action_overhead must be None (measured now) or 0 or more seconds, got "
+            f"{action_overhead!r}"
+        )
+    if contention is not None and not (_finite(contention) and contention > 0):
+        raise ValueError(
+            "contention must be None (measured now) or a factor above 0 (1.0: the CPU stages "
+            f"run as fast together as alone), got {contention!r}"
+        )
+
+
+def _finite(value: object) -> TypeGuard[int | float]:
+    """Whether ``value`` is a finite int or float (not a bool)."""
+    return not isinstance(value, bool) and isinstance(value, int | float) and math.isfinite(value)
 
 
 def _positive_int(name: str, value: object) -> int:

@@ -146,6 +146,15 @@ def test_the_table_shows_the_choice_and_why_each_runner_up_lost() -> None:
         ({"devices": ["cpu"] * 7}, ValueError, "7 devices but the model has 6 layers"),
         ({"devices": "cpu"}, TypeError, "devices must be a non-empty list"),
         ({"optimizer_bytes_per_param": -1}, ValueError, "optimizer_bytes_per_param must be"),
+        # Measures no machine has gave figures of none: -1000 ms, nan ms.
+        ({"action_overhead": -1.0}, ValueError, "action_overhead must be None"),
+        ({"action_overhead": float("nan")}, ValueError, "action_overhead must be None"),
+        ({"contention": 0.0}, ValueError, "contention must be None"),
+        ({"contention": float("nan")}, ValueError, "contention must be None"),
+        ({"repeats": 0}, ValueError, "repeats must be positive"),
+        # Planned, and printed, for a device the machine lacks; refused by plan.pipe() only.
+        ({"devices": ["cpu", "meta"]}, ValueError, "include the meta device"),
+        ({"devices": ["cpu", f"cuda:{torch.cuda.device_count()}"]}, ValueError, "not available"),
     ],
 )
 def test_bad_arguments_are_refused_before_any_work(
