@@ -210,19 +210,22 @@ class StageRun:
             with span("forward", i, self.j), self._forward_context():
                 self.forward(i)
             return
+        # The micro-batch's graph is let go inside the span: the trace's action
+        # ends where the report's does.
         if action.kind == "W":
             with span("weight_grad", i, self.j), self._backward_context():
                 work = self.stash[i].weight_work
                 assert work is not None, "validate() puts every W after its I"
                 self.context.gradients.add(self.j, *work.run(self.context.gradients.hold))
+                self._release(i)
         else:
             kind: EventKind = "backward" if action.kind == "B" else "input_grad"
             with span(kind, i, self.j), self._backward_context():
                 if self.context.router is not None and self.context.router.to_meet:
                     self._meet_router_totals(i)
                 self.backward(i, inputs_only=action.kind == "I")
-        if action.kind != "I":
-            self._release(i)
+                if action.kind == "B":
+                    self._release(i)
 
     # Forward
 
