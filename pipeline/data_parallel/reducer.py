@@ -248,6 +248,8 @@ class Reducer:
             with self._lock:
                 self._armed = False
                 self._reduced = True
+                if not self._buckets:  # a pipeline's stage without parameters: no averages
+                    return
                 self._load_unsignalled()
                 if self._missing:
                     raise RuntimeError(self._missing_message())

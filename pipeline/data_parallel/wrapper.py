@@ -218,7 +218,7 @@ def _validate(
             )
     _refuse_fsdp(module)
     named_params = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
-    if not named_params:
+    if not named_params and not isinstance(module, SignalsPartitionBackward):
         raise ValueError(
             f"DataParallel: the {type(module).__name__} has no parameters that require grad, "
             "so there are no gradients to average; train it without DataParallel or "

@@ -1396,6 +1396,19 @@ def a_pp_by_dp_grid_equals_single_process_training_on_the_full_batch() -> None:
             for name, param in model.module.named_parameters():
                 torch.testing.assert_close(param, reference[name], msg=name)
         model.module.close()
+    # A stage without parameters has nothing to average: DataParallel refused it on
+    # its replicas alone, and the other stages' processes failed their next build.
+    plain = nn.Sequential(nn.Tanh(), blocks(1, seed=3)).double()
+    paramless = DistributedPipe(copy.deepcopy(plain), [1, 1], group=pp_group, chunks=2)
+    model = DataParallel(paramless, process_group=dp_group)
+    x, y = batch(8)
+    model.step(x[replica * 4 : replica * 4 + 4], y[replica * 4 : replica * 4 + 4], F.mse_loss)
+    F.mse_loss(plain(x), y).backward()
+    if rank() % pp == 0:
+        assert not list(paramless.parameters())
+    else:
+        assert_grads_equal(paramless, plain, "after a stage without parameters")
+    paramless.close()
 
 
 @scenario
