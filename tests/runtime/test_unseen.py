@@ -15,8 +15,6 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from pipeline import Pipe
 
-torch.set_default_dtype(torch.float64)
-
 
 def model(norm: bool = True) -> nn.Sequential:
     torch.manual_seed(0)
