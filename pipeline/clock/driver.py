@@ -134,7 +134,7 @@ class _ForwardPass:
         self.seeds = rng.BaseSeed()
         self.randomness = self.runtime.randomness(driver.stages_by_worker)
         self.completions = self._completions(completion_hooks)
-        self.skips = skip_portals(driver.skip_layout, len(batches))
+        self.skips = skip_portals(driver.skip_layout, len(batches), self.runtime.protect_inputs)
 
     def _completions(self, hooks: list[Hook]) -> list[PartitionCompletion | None]:
         """A completion counter per partition whose inputs all carry gradients."""
@@ -222,7 +222,7 @@ class _ForwardPass:
         runtime = self.runtime
         function: PartitionCall = partial(runtime.call, j)
         if self.skips is not None:
-            function = self.skips.bind(i, function)
+            function = self.skips.bind(i, j, function)
         function = traced(function, i, j)
         checkpointed = i < self.checkpoint_stop
         randomness = rng.TaskRandomness(self.seeds, i, j, self.randomness[j], checkpointed)

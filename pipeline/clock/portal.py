@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from pipeline.clock.phony import get_phony
-from pipeline.skip.tracker import version_of
+from pipeline.skip.tracker import StashMark
 
 __all__ = ["Portal"]
 
@@ -50,17 +50,17 @@ __all__ = ["Portal"]
 class Portal:
     """Holds one skip tensor of one micro-batch, and its gradient on the way back."""
 
-    __slots__ = ("entered", "grad", "tensor", "version")
+    __slots__ = ("entered", "grad", "mark", "tensor")
 
     def __init__(self) -> None:
         self.tensor: Tensor | None = None
         self.grad: Tensor | None = None
         self.entered: Tensor | None = None
-        self.version = 0
+        self.mark: StashMark | None = None
 
     def enter(self, tensor: Tensor) -> Tensor:
         """Keep ``tensor`` for one exit; the phony returned carries its gradient edge."""
-        self.tensor, self.version = tensor, version_of(tensor)
+        self.tensor, self.mark = tensor, StashMark(tensor)
         phony: Tensor = Enter.apply(self, tensor)
         self.entered = phony
         return phony

@@ -37,7 +37,13 @@ from pipeline.runtime.partitions import PartitionCall
 from pipeline.runtime.phase import is_checkpointing, is_recomputing
 from pipeline.skip.carrier import Carrier
 from pipeline.skip.layout import Route, SkipLayout
-from pipeline.skip.tracker import SkipKey, SkipTracker, refuse_written_after_stash, use_tracker
+from pipeline.skip.tracker import (
+    SkipKey,
+    SkipTracker,
+    refuse_returned_into_a_copy,
+    refuse_written_after_stash,
+    use_tracker,
+)
 
 __all__ = ["Move", "PortalTracker", "SkipPortals", "skip_portals"]
 
@@ -56,6 +62,8 @@ class PortalTracker(SkipTracker):
         self.layout = layout
         self.portals = portals
         self.popped: dict[SkipKey, Tensor] = {}
+        # The skips this task sent on, as stashed.
+        self.entered: list[tuple[SkipKey, Tensor]] = []
 
     def save(self, output: Carrier, key: SkipKey, tensor: Tensor) -> None:
         route = self.layout.route(key)
@@ -71,6 +79,7 @@ class PortalTracker(SkipTracker):
             return
         portal = self.portals.setdefault(key, Portal())
         _join(output, portal.enter(tensor))
+        self.entered.append((key, tensor))
 
     def load(self, input: Carrier, key: SkipKey) -> Tensor:
         route = self.layout.route(key)
@@ -88,13 +97,16 @@ class PortalTracker(SkipTracker):
 class SkipPortals:
     """The skip state of one forward pass: the portals of each micro-batch."""
 
-    def __init__(self, layout: SkipLayout, m: int) -> None:
+    def __init__(self, layout: SkipLayout, m: int, copies_input: list[bool]) -> None:
         self.layout = layout
         self.portals: list[Portals] = [{} for _ in range(m)]
+        self.copies_input = copies_input
 
-    def bind(self, i: int, function: PartitionCall) -> PartitionCall:
-        """``function`` run with a fresh tracker for micro-batch ``i`` installed."""
-        return partial(_tracked, PortalTracker(self.layout, self.portals[i]), function)
+    def bind(self, i: int, j: int, function: PartitionCall) -> PartitionCall:
+        """``function`` (partition ``j``) run with a fresh tracker for micro-batch ``i``."""
+        copied = j + 1 < len(self.copies_input) and self.copies_input[j + 1]
+        tracker = PortalTracker(self.layout, self.portals[i])
+        return partial(_tracked, tracker, function, j if copied else None)
 
     def fence(self, i: int, j: int, batch: Batch, move: Move) -> None:
         """Move the skips partition ``j`` pops from other devices, for micro-batch ``i``."""
@@ -111,11 +123,15 @@ class SkipPortals:
                 _join(input, portal.enter(tensor))
 
 
-def skip_portals(layout: SkipLayout | None, m: int) -> SkipPortals | None:
-    """The skip state for a forward pass, or None for a model without skips (no cost then)."""
+def skip_portals(layout: SkipLayout | None, m: int, copies_input: list[bool]) -> SkipPortals | None:
+    """The skip state for a forward pass, or None for a model without skips (no cost then).
+
+    ``copies_input[j]``: whether partition ``j`` hands its first layer a copy
+    of its input (that layer writes in place).
+    """
     if not layout:
         return None
-    return SkipPortals(layout, m)
+    return SkipPortals(layout, m, copies_input)
 
 
 def _fork(carrier: Carrier) -> Tensor:
@@ -140,11 +156,20 @@ def _portal(portals: Portals, route: Route) -> Portal:
             f"the layer of partition {route.source} that stashes it did not run for this "
             "micro-batch"
         )
-    if portal.tensor is not None:
-        refuse_written_after_stash(route.key, portal.tensor, portal.version)
+    if portal.tensor is not None and portal.mark is not None:
+        refuse_written_after_stash(route.key, portal.tensor, portal.mark)
     return portal
 
 
-def _tracked(tracker: SkipTracker, function: PartitionCall, value: Value) -> Value:
+def _tracked(
+    tracker: PortalTracker, function: PartitionCall, copied_after: int | None, value: Value
+) -> Value:
+    """Run ``function`` with ``tracker``; ``copied_after``: the partition, if the next copies
+    its input."""
     with use_tracker(tracker):
-        return function(value)
+        output = function(value)
+    if copied_after is not None and tracker.entered:
+        returned = Batch(output).leaves
+        for key, tensor in tracker.entered:
+            refuse_returned_into_a_copy(key, tensor, returned, copied_after)
+    return output

@@ -56,6 +56,7 @@ from pipeline.runtime.agreement import (
 )
 from pipeline.runtime.lazy import instance_of
 from pipeline.runtime.microbatch import Batch, Value, gather
+from pipeline.runtime.partitions import starts_in_place
 from pipeline.runtime.process_group import collective_device, resolve_group
 from pipeline.runtime.router_loss import ASKED, RouterTally, asked
 from pipeline.skip.layout import SkipLayout, inspect_skip_layout
@@ -243,6 +244,9 @@ class DistributedPipe(PipeBase):
         ]
         self._register_names(module, [self.partitions[s] for s in self.local_stages])
         self._start_runtime([self.device] * n)
+        # Every stage's, other processes' too: a skip sent into a stage that copies
+        # its input is refused by its sender (skip/tracker.py).
+        self._runtime.protect_inputs = [starts_in_place(p) for p in every]
         self._ties.resolve(self.partitions, self.local_stages, pipelines, self.rank)
         self._ties.synchronize()
 

@@ -133,8 +133,9 @@ def _check_parameters_unchanged(versions: list[tuple[str, Tensor, int]], partiti
     if changed is not None:
         raise RuntimeError(
             f"parameter '{changed}' of checkpointed partition {partition} was modified by an "
-            "inplace operation between its forward and this backward (an optimizer step or "
-            "a weight update before backward()), so its recomputation would not be the "
-            "forward that ran; as in the plain model, run backward before changing the "
-            "parameters"
+            "inplace operation since its forward began (an optimizer step or a weight update "
+            "before backward(), or a layer updating its own parameter in its forward, as an "
+            "EMA does), so its recomputation would not be the forward that ran; run backward "
+            "before changing the parameters, keep such state in a buffer, or use "
+            "checkpoint='never'"
         )

@@ -15,8 +15,9 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
+import torch
 from torch import Tensor
 
 from pipeline.skip.carrier import Carrier
@@ -25,8 +26,10 @@ from pipeline.skip.namespace import Namespace
 __all__ = [
     "SkipKey",
     "SkipTracker",
+    "StashMark",
     "current_tracker",
     "discard_stashed",
+    "refuse_returned_into_a_copy",
     "refuse_written_after_stash",
     "use_tracker",
     "version_of",
@@ -60,14 +63,32 @@ class SkipTracker:
             ) from None
 
 
-def refuse_written_after_stash(key: SkipKey, tensor: Tensor, version: int) -> None:
+class StashMark:
+    """What a skip that leaves its partition was when stashed: its version, and a view's
+    values (a view's version counter is its base's, which a write into another view of the
+    base moves too: ``q.mul_(s)`` beside a stashed ``k`` of one ``qkv.chunk(3)``)."""
+
+    __slots__ = ("values", "version")
+
+    def __init__(self, tensor: Tensor) -> None:
+        self.version = version_of(tensor)
+        viewed = not tensor.is_inference() and tensor._base is not None
+        self.values = tensor.detach().clone() if viewed else None
+
+    def written(self, tensor: Tensor) -> bool:
+        if version_of(tensor) == self.version:
+            return False
+        return self.values is None or not torch.equal(self.values, tensor)
+
+
+def refuse_written_after_stash(key: SkipKey, tensor: Tensor, mark: StashMark) -> None:
     """Refuse a skip that leaves its partition and was written in place after its stash.
 
     The plain model's pop gets the same tensor, with the write and its place
     in the graph; a pipeline's pop gets it as it was stashed (a message sent
     then, or a portal's entry in that tensor's history).
     """
-    if version_of(tensor) != version:
+    if mark.written(tensor):
         namespace, name = key
         raise RuntimeError(
             f"the skip {name!r} ({namespace.label}) was written in place after it was stashed "
@@ -75,6 +96,31 @@ def refuse_written_after_stash(key: SkipKey, tensor: Tensor, version: int) -> No
             "writing into the tensor the layer also returned): its pop in a later partition "
             "would not see the write the plain model's pop sees; stash a tensor nothing "
             "writes into afterwards (stash(name, h.clone())), or make that layer out-of-place"
+        )
+
+
+def refuse_returned_into_a_copy(
+    key: SkipKey, tensor: Tensor, returned: list[Any], partition: int
+) -> None:
+    """Refuse a skip that is also what ``partition`` returns, into a partition that copies
+    its input (its first layer writes in place).
+
+    The plain model's in-place layer writes into the very tensor the pop
+    gets; a pipeline's next partition gets its input as a leaf of its own
+    graph and hands such a layer a copy, so the pop would not see the write.
+    """
+    storage = tensor.untyped_storage().data_ptr()
+    shared = storage != 0 and any(
+        isinstance(t, Tensor) and t.untyped_storage().data_ptr() == storage for t in returned
+    )
+    if shared:
+        namespace, name = key
+        raise RuntimeError(
+            f"the skip {name!r} ({namespace.label}) is also what partition {partition} returns, "
+            f"and partition {partition + 1} starts with a layer that writes into its input in "
+            "place (nn.ReLU(inplace=True)), which a pipeline hands a copy: its pop would not "
+            "see the write the plain model's pop sees; stash a tensor of its own "
+            "(stash(name, h.clone())), or make that layer out-of-place"
         )
 
 

@@ -66,9 +66,10 @@ from pipeline.skip.layout import SkipLayout
 from pipeline.skip.tracker import (
     SkipKey,
     SkipTracker,
+    StashMark,
+    refuse_returned_into_a_copy,
     refuse_written_after_stash,
     use_tracker,
-    version_of,
 )
 from pipeline.step.actions import Action
 from pipeline.step.activations import ActivationMeter
@@ -302,7 +303,7 @@ class StageRun:
             tracker = _StageTracker(self, stashed, recomputing)
             with use_tracker(tracker):
                 output = inputs.call(function)
-            tracker.check_sent()
+            tracker.check_sent(output)
         if not any(True for _ in output.tensor_indices()):
             raise TypeError(
                 f"partition {self.j} returned {type(output.value).__name__}, which holds no "
@@ -525,7 +526,7 @@ class _StageTracker(SkipTracker):
         self.stage = stage
         self.stashed = stashed
         self.recomputing = recomputing
-        self.sent: list[tuple[SkipKey, Tensor, int]] = []
+        self.sent: list[tuple[SkipKey, Tensor, StashMark]] = []
 
     def save(self, output: Carrier, key: SkipKey, tensor: Tensor) -> None:
         route = self.stage.context.skip_layout.route(key)
@@ -538,12 +539,17 @@ class _StageTracker(SkipTracker):
             i = self.stashed.i
             message = Message([_detached(tensor)], None, [_needs_grad(tensor)])
             self.stage._send(self.stage._skip_mail("skip", key, i), message, route.target, i)
-            self.sent.append((key, tensor, version_of(tensor)))
+            self.sent.append((key, tensor, StashMark(tensor)))
 
-    def check_sent(self) -> None:
-        """Refuse a skip sent at its stash and written in place later in the partition."""
-        for key, tensor, version in self.sent:
-            refuse_written_after_stash(key, tensor, version)
+    def check_sent(self, output: Batch) -> None:
+        """Refuse a skip sent at its stash and written in place since, in the partition or,
+        being what it returns, by the next partition's first layer (on a copy)."""
+        protect = self.stage.context.runtime.protect_inputs
+        j = self.stage.j
+        for key, tensor, mark in self.sent:
+            refuse_written_after_stash(key, tensor, mark)
+            if j + 1 < len(protect) and protect[j + 1]:
+                refuse_returned_into_a_copy(key, tensor, output.leaves, j)
 
     def load(self, input: Carrier, key: SkipKey) -> Tensor:
         route = self.stage.context.skip_layout.route(key)
