@@ -71,7 +71,8 @@ def clip_grad_norm(
     """Scale the gradients of ``params`` so that the pipeline's norm is at most ``max_norm``.
 
     Returns the norm before scaling, in float32 or the widest dtype of this
-    process's gradients. ``counted`` are those of ``params`` whose gradients
+    process's gradients (in float64, as reduced, where it holds none).
+    ``counted`` are those of ``params`` whose gradients
     the norm counts: a weight tied across processes is counted at one of its
     holders and scaled at every one.
     """
@@ -84,11 +85,16 @@ def clip_grad_norm(
             "error_if_nonfinite=False to scale them anyway (as torch's clip_grad_norm_)"
         )
     factor = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    scaled = [p.grad for p in params if p.grad is not None]
     with torch.no_grad():
-        for g in (p.grad for p in params if p.grad is not None):
+        for g in scaled:
             _local(g).mul_(factor.to(g.device, g.dtype))
+    # Of every gradient here, counted or not: a process holding only weights
+    # counted at another holder gave float32.
+    if not scaled:
+        return norm
     widest = torch.float32
-    for g in grads:
+    for g in scaled:
         widest = torch.promote_types(widest, g.dtype)
     return norm.to(widest)
 

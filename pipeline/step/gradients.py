@@ -374,6 +374,10 @@ def backward_to_leaves(
     return found[: len(inputs)], leaves, found[len(inputs) :]
 
 
+# Held around one stage's backward into the .grad of leaves it sums (below).
+_APART = threading.Lock()
+
+
 def _accumulated_apart(
     roots: Sequence[Root],
     grads: Sequence[Tensor | None],
@@ -382,13 +386,20 @@ def _accumulated_apart(
 ) -> tuple[list[Tensor | None], list[Tensor | None]]:
     """A plain backward whose accumulations into ``leaves`` are taken out of their ``.grad``
     (their hooks held back meanwhile), which is then as it was: the gradients of
-    ``inputs`` and of ``leaves``."""
-    kept = [leaf.grad for leaf in leaves]
-    for leaf in leaves:
-        leaf.grad = None
-    try:
-        torch.autograd.backward(roots, grads)  # type: ignore[arg-type]
-        return [x.grad for x in inputs], [leaf.grad for leaf in leaves]
-    finally:
-        for leaf, grad in zip(leaves, kept, strict=True):
-            leaf.grad = grad
+    ``inputs`` and of ``leaves``.
+
+    One stage at a time: a weight tied across stages on threads of their own
+    is one ``.grad``, which another stage's backward would otherwise set aside
+    or put back in the middle of this one's. The backward waits on no other
+    stage (its inputs are leaves of this stage's graph).
+    """
+    with _APART:
+        kept = [leaf.grad for leaf in leaves]
+        for leaf in leaves:
+            leaf.grad = None
+        try:
+            torch.autograd.backward(roots, grads)  # type: ignore[arg-type]
+            return [x.grad for x in inputs], [leaf.grad for leaf in leaves]
+        finally:
+            for leaf, grad in zip(leaves, kept, strict=True):
+                leaf.grad = grad

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -291,6 +293,52 @@ def test_a_hooked_weight_tied_into_a_reentrant_checkpoint_gets_its_whole_gradien
     assert_same(grads(model), grads(plain), schedule)
     assert len(seen[schedule]) == 1  # once, with the whole gradient (the plain model: per part)
     torch.testing.assert_close(seen[schedule][0], sum(seen["plain"]), rtol=1e-12, atol=1e-14)
+
+
+class SlowBackward(torch.autograd.Function):
+    """The identity, whose backward takes a moment: stages' backwards then overlap."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        time.sleep(0.002)
+        return grad
+
+
+def test_a_weight_tied_into_reentrant_checkpoints_of_two_threads_accumulates_right() -> None:
+    # Both stages set the tied weight's .grad aside around their reentrant
+    # backward: on threads of their own, one put back or read the other's in
+    # the middle (15 of 20 runs wrong, by up to 0.92, with gradients accumulated).
+    class Reentrant(nn.Module):
+        def __init__(self, linear: nn.Linear) -> None:
+            super().__init__()
+            self.linear = linear
+
+        def forward(self, x: Tensor) -> Tensor:
+            inner = lambda t: torch.tanh(self.linear(t))  # noqa: E731
+            return checkpoint(inner, SlowBackward.apply(x), use_reentrant=True)  # type: ignore[no-any-return]
+
+    def model() -> nn.Sequential:
+        torch.manual_seed(8)
+        shared = nn.Linear(WIDTH, WIDTH)
+        shared.weight.register_hook(lambda g: g * 0.5)  # held until every part is in
+        return nn.Sequential(shared, Reentrant(shared), block(), Reentrant(shared)).double()
+
+    x, y = data(12)
+    plain = model()
+    expected = []
+    for _ in range(3):  # accumulated, no zero_grad
+        F.mse_loss(plain(x), y).backward()
+        expected.append(grads(plain))
+    for run in range(4):  # the race is the threads': each run may meet it
+        pipe = Pipe(model(), [2, 2], devices=["cpu"] * 2, chunks=6, threads="partition")
+        for step, reference in enumerate(expected):
+            pipe.step(x, y, F.mse_loss, schedule="1f1b")
+            assert_same(grads(pipe), reference, f"run {run}, step {step}")
+        pipe.close()
 
 
 class Borrowing(nn.Module):
