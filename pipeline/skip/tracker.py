@@ -66,7 +66,7 @@ class SkipTracker:
 class StashMark:
     """What a skip that leaves its partition was when stashed: its version, and a view's
     values (a view's version counter is its base's, which a write into another view of the
-    base moves too: ``q.mul_(s)`` beside a stashed ``k`` of one ``qkv.chunk(3)``)."""
+    base moves too: ``q.mul_(s)`` beside a stashed ``k``, both slices of one projection)."""
 
     __slots__ = ("values", "version")
 
