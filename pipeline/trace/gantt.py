@@ -72,11 +72,16 @@ def render(events: Sequence[Event], width: int = 72) -> str:
 def _cell(events: Sequence[Event], start: float, length: float) -> str:
     best: Event | None = None
     best_overlap = waited = 0.0
+    tasks = [e for e in events if e.kind != "wait"]
     for e in events:
-        overlap = max(min(e.end, start + length) - max(e.start, start), 0.0)
+        overlap = _overlap(e, start, length)
         if e.kind == "wait":
             waited += overlap
-        elif overlap > best_overlap:
+            continue
+        # A task nested in this one (a recomputation inside its backward) fills
+        # its own part: this one only the rest.
+        overlap -= sum(_overlap(f, start, length) for f in tasks if f is not e and _inside(f, e))
+        if overlap > best_overlap:
             best, best_overlap = e, overlap
     # A wait lies inside its action's task: the task fills only the rest.
     if waited >= length / 2:
@@ -85,3 +90,11 @@ def _cell(events: Sequence[Event], start: float, length: float) -> str:
         return "."
     letter = _LETTERS[best.kind]
     return letter if best.microbatch % 2 == 0 else letter.lower()
+
+
+def _overlap(e: Event, start: float, length: float) -> float:
+    return max(min(e.end, start + length) - max(e.start, start), 0.0)
+
+
+def _inside(inner: Event, outer: Event) -> bool:
+    return outer.start <= inner.start and inner.end <= outer.end

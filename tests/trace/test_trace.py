@@ -17,6 +17,7 @@ from pipeline.runtime.partitions import PartitionCall
 from pipeline.trace import recording as trace_module
 from pipeline.trace.backward import BackwardSpan, run_hooked
 from pipeline.trace.event import Event, Kind
+from pipeline.trace.gantt import render
 
 M, N = 4, 3
 # Neighbouring partitions on differently named CPU devices, so the fence copies.
@@ -148,6 +149,16 @@ def test_render_draws_the_last_step_one_line_per_partition() -> None:
     assert lines[1] == "partition 0 |Ff...bbRB| idle 33.3% of this step"
     assert lines[2] == "partition 1 |.CfbbBB..| idle 38.9% of this step"
     assert len(lines) == 5  # the time axis, two partitions, the two-line legend
+
+
+def test_render_draws_a_recomputation_inside_its_backward() -> None:
+    # The backward's event covers its recomputation's: the chart drew B over the
+    # whole action, and never an R, where the summary counted recompute time.
+    events = [
+        Event("backward", 0, 0, 0, "t", 0.0, 0.004),
+        Event("recompute", 0, 0, 0, "t", 0.0001, 0.002),
+    ]
+    assert render(events, width=4).splitlines()[1] == "partition 0 |RRBB| idle 0.0% of this step"
 
 
 def test_tracing_off_records_and_hooks_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
