@@ -42,7 +42,7 @@ from pipeline.calls import EvaluateCall, MicroBatches, StepCall, redocumented
 from pipeline.distributed.groups import give_back, message_groups, retire
 from pipeline.distributed.meta import Init, materialized, meta_resets
 from pipeline.distributed.p2p import P2PTransport, PeerError
-from pipeline.distributed.sharded import check_sharding, sharding_kind
+from pipeline.distributed.sharded import check_sharding, local_ties, sharding_kind
 from pipeline.distributed.stage_arguments import check_alone, disagreement
 from pipeline.distributed.ties import TiedWeights
 from pipeline.distributed.wire_format import DEFAULT_MAX_MESSAGE_BYTES
@@ -243,6 +243,7 @@ class DistributedPipe(PipeBase):
             for s, p in enumerate(every)
         ]
         self._register_names(module, [self.partitions[s] for s in self.local_stages])
+        self._ties_here = local_ties(self.partitions, self.local_stages)
         self._start_runtime([self.device] * n)
         # Every stage's, other processes' too: a skip sent into a stage that copies
         # its input is refused by its sender (skip/tracker.py).
@@ -484,7 +485,7 @@ class DistributedPipe(PipeBase):
     def _check_sharding(self) -> None:
         """Refuse stages sharded (FSDP2, tensor parallel) in a way a step would get wrong."""
         stages = self.local_stages
-        check_sharding(self, self.partitions, stages, self._ties.parameters())
+        check_sharding(self, self.partitions, stages, self._ties.parameters(), self._ties_here)
 
     def _check_scaler_agrees(self, grad_scaler: torch.amp.GradScaler | None) -> None:
         """Refuse a GradScaler that would let some stages step and others skip."""

@@ -18,6 +18,8 @@ not make equal to the plain model:
 - a weight tied across processes whose parameter ``fully_shard`` or
   ``parallelize_module`` replaced after the pipe was built: the pipe sums the
   gradients of the tensor it found at construction;
+- a weight tied between stages of one process (interleaved) that they
+  replaced stage by stage: each stage then trains a copy of its own;
 - a module that a split model's captured code reads without calling it, in
   a sharded stage: FSDP2's gathering and reduction follow module calls;
 - a torch whose FSDP2 lacks what the step reads of it.
@@ -37,7 +39,7 @@ from pipeline.step.sharded import fsdp_units, missing_internals
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
 
-__all__ = ["check_sharding", "sharding_kind"]
+__all__ = ["check_sharding", "local_ties", "sharding_kind"]
 
 _RECIPE = (
     "shard each stage on its own: fully_shard(layer, mesh=mesh['dp']) for the layers of "
@@ -46,11 +48,23 @@ _RECIPE = (
 )
 
 
+def local_ties(
+    partitions: Sequence[nn.Module], stages: Iterable[int]
+) -> list[list[tuple[int, str]]]:
+    """The parameters that several of ``stages`` use, each as its (stage, name) uses."""
+    uses: dict[int, list[tuple[int, str]]] = {}
+    for s in stages:
+        for name, param in partitions[s].named_parameters(remove_duplicate=False):
+            uses.setdefault(id(param), []).append((s, name))
+    return [found for found in uses.values() if len({s for s, _ in found}) > 1]
+
+
 def check_sharding(
     pipe: nn.Module,
     partitions: Sequence[nn.Module],
     stages: Iterable[int],
     tied: Iterable[nn.Parameter],
+    ties_here: Sequence[Sequence[tuple[int, str]]] = (),
 ) -> None:
     """Refuse a step or evaluation over stages sharded in a way it would get wrong."""
     stages = list(stages)
@@ -64,6 +78,27 @@ def check_sharding(
     if any(units.values()):
         _check_units(partitions, units)
     _check_ties_kept(partitions, stages, tied)
+    _check_ties_here_kept(partitions, ties_here)
+
+
+def _check_ties_here_kept(
+    partitions: Sequence[nn.Module], ties_here: Sequence[Sequence[tuple[int, str]]]
+) -> None:
+    """Every weight tied between this process's stages (``local_ties`` at construction) is
+    still one parameter."""
+    for uses in ties_here:
+        held = [
+            dict(partitions[s].named_parameters(remove_duplicate=False)).get(n) for s, n in uses
+        ]
+        if any(p is not held[0] for p in held[1:]):
+            names = ", ".join(f"'{n}' of stage {s}" for s, n in uses)
+            raise ValueError(
+                f"a weight tied between stages of this process ({names}) is no longer one "
+                "parameter: fully_shard or parallelize_module made a copy of it per stage, "
+                "and each stage would train its own. Weights tied between stages cannot be "
+                "sharded yet: untie it, or leave these stages unsharded (with tensor "
+                "parallelism, the layers holding it out of parallelize_module)"
+            )
 
 
 def _check_units(partitions: Sequence[nn.Module], units: dict[int, list[FSDPModule]]) -> None:

@@ -438,6 +438,18 @@ def sharding_a_step_would_get_wrong_is_refused_by_every_process() -> None:
         "replaced after the DistributedPipe was built",
     )
     pipe.close()
+    # A weight tied between stages 0 and 2, both this process's: a copy per stage
+    # trained apart (gradients 0.03 off), silently.
+    local = blocks(4)
+    local[2][0].weight = local[0][0].weight
+    pipe = DistributedPipe(local, [1, 1, 1, 1], chunks=4, group=group)
+    shard_layers(pipe, mesh["dp"])
+    interleaved = lambda: pipe.step(x, y, F.mse_loss, schedule="interleaved")  # noqa: E731
+    if 0 in pipe.local_stages:
+        expect_error(ValueError, interleaved, "tied between stages of this", "no longer one")
+    else:
+        expect_error(ValueError, interleaved, "rank 0 of the pipeline refused")
+    pipe.close()
     # A torch whose FSDP2 lacks what the step reads.
     pipe = DistributedPipe(blocks(2), [1, 1], chunks=4, group=group)
     shard_layers(pipe, mesh["dp"])
