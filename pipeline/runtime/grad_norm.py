@@ -101,9 +101,29 @@ def clip_grad_norm(
 
 def _whole_norm(grad: Tensor, p: float) -> Tensor:
     """``grad``'s norm; for a DTensor, of the whole tensor its shards make up."""
+    if p in (float("inf"), -float("inf")) and hasattr(grad, "to_local"):
+        return _extreme_of_shards(grad, p)
     norm = torch.linalg.vector_norm(grad, p)
     full = getattr(norm, "full_tensor", None)  # a DTensor: its norm is reduced over its mesh
     return cast(Tensor, full()) if full is not None else norm
+
+
+def _extreme_of_shards(grad: Tensor, p: float) -> Tensor:
+    """A DTensor's largest (``inf``) or smallest (``-inf``) entry in magnitude, from its
+    shards: one may be empty (a ``Linear(16, 1)``'s weight over two ranks), whose norm torch
+    refuses, as it has no identity; the empty one gives the identity of max or min here."""
+    local = _local(grad)
+    here: Tensor
+    if local.numel():
+        here = torch.linalg.vector_norm(local, p).to(torch.float64)
+    else:
+        identity = 0.0 if p > 0 else float("inf")
+        here = torch.tensor(identity, dtype=torch.float64, device=local.device)
+    mesh = grad.device_mesh  # type: ignore[attr-defined]
+    op = dist.ReduceOp.MAX if p > 0 else dist.ReduceOp.MIN
+    for dim in range(mesh.ndim):
+        dist.all_reduce(here, op=op, group=mesh.get_group(dim))
+    return here
 
 
 def _local(grad: Tensor) -> Tensor:
