@@ -113,7 +113,7 @@ def verdict(losses: list[float], plain_losses: list[float], tolerance: float) ->
     print(f"largest relative difference between the losses: {worst:.2e} (tolerance {tolerance})")
     window = max(len(losses) // 10, 1)
     before, after = sum(losses[:window]) / window, sum(losses[-window:]) / window
-    print(f"loss fell from {before:.3f} to {after:.3f}")
+    print(f"loss {'fell' if after < before else 'did NOT fall'} from {before:.3f} to {after:.3f}")
     return 0 if worst <= tolerance and after < before else 1
 
 

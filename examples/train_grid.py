@@ -98,7 +98,7 @@ def main(argv: list[str]) -> int:
     if env.rank == 0:
         print(f"max weight difference between replicas: {replicas_apart:.3g}")
         print(f"max difference between the tied embedding's copies: {tied_apart:.3g}")
-        print(f"loss fell from {first:.3f} to {last:.3f}")
+        print(f"loss {'fell' if last < first else 'did NOT fall'} from {first:.3f} to {last:.3f}")
     pipe.close()
     # Drop what holds the process groups first (see train_dp.py).
     del trainer, optimizer, pipe, mesh

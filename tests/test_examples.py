@@ -132,5 +132,16 @@ def test_train_lets_the_planner_choose_under_a_memory_limit(
         5 * 10**8,
         64,
     ]
-    with pytest.raises(SystemExit):
-        train.parse_args(["--memory-limit", "12 parsecs"])
+    # Each was accepted: the plan's choice silently replaced the first; the second and
+    # third did nothing without --plan; the last three failed after the split, or crashed.
+    for refused in (
+        ["--plan", "--chunks", "2"],
+        ["--memory-limit", "5MB"],
+        ["--memory-limit=-5MB"],
+        ["--plan", "--memory-limit", "inf"],
+        ["--chunks", "0"],
+        ["--log-every", "0"],
+        ["--memory-limit", "12 parsecs"],
+    ):
+        with pytest.raises(SystemExit):
+            train.parse_args(refused)
