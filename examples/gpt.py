@@ -173,7 +173,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     add_model_arguments(parser, context=64)
     parser.add_argument("--seed", type=int, default=0, help="initialisation and batches")
     parser.add_argument("--log-every", type=int, default=10, help="steps between two lines")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    counts = (args.steps, args.batch, args.chunks, args.partitions, args.log_every, args.heads)
+    if min(counts) < 1:
+        parser.error(
+            "--steps, --batch, --chunks, --partitions, --log-every and --heads must be 1 or more"
+        )
+    if args.width % args.heads:
+        parser.error(f"--heads ({args.heads}) must divide --width ({args.width})")
+    return args
 
 
 def main(argv: list[str]) -> int:

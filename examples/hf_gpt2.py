@@ -46,6 +46,14 @@ TOLERANCE = 1e-8
 TOLERANCE_HELP = "largest relative difference of a step's losses (float64 rounding: 1e-10)"
 
 
+def tolerance(text: str) -> float:
+    """A ``--tolerance``: a relative difference of 0 or more."""
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"a tolerance is 0 or more, got {text}")
+    return value
+
+
 def lm_loss(output: Any, target: Tensor) -> Tensor:
     """Cross-entropy of a transformers output's logits against the next characters."""
     return F.cross_entropy(output.logits.flatten(0, 1), target.flatten())
@@ -147,7 +155,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--heads", type=int, default=4, help="GPT-2's n_head")
     parser.add_argument("--layers", type=int, default=2, help="GPT-2's n_layer")
     parser.add_argument("--lr", type=float, default=3e-3, help="AdamW's learning rate")
-    parser.add_argument("--tolerance", type=float, default=TOLERANCE, help=TOLERANCE_HELP)
+    parser.add_argument("--tolerance", type=tolerance, default=TOLERANCE, help=TOLERANCE_HELP)
     parser.add_argument("--seed", type=int, default=0, help="initialisation and batches")
     parser.add_argument("--log-every", type=int, default=5, help="steps between two lines")
     return parser.parse_args(argv)

@@ -28,7 +28,15 @@ import torch
 import torch.distributed as dist
 import transformers
 from gpt import Corpus, load_text
-from hf_gpt2 import TOLERANCE, TOLERANCE_HELP, lm_loss, log_step, plain_step, verdict
+from hf_gpt2 import (
+    TOLERANCE,
+    TOLERANCE_HELP,
+    lm_loss,
+    log_step,
+    plain_step,
+    tolerance,
+    verdict,
+)
 from torch import Tensor, nn
 
 import pipeline
@@ -48,7 +56,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--tolerance", type=float, default=TOLERANCE, help=TOLERANCE_HELP)
+    parser.add_argument("--tolerance", type=tolerance, default=TOLERANCE, help=TOLERANCE_HELP)
     parser.add_argument("--log-every", type=int, default=10)
     return parser.parse_args(argv)
 

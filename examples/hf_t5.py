@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 from gpt import Corpus, load_text
-from hf_gpt2 import TOLERANCE, TOLERANCE_HELP, train_both, verdict
+from hf_gpt2 import TOLERANCE, TOLERANCE_HELP, tolerance, train_both, verdict
 from torch import Tensor
 
 import pipeline
@@ -68,7 +68,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--heads", type=int, default=4, help="T5's num_heads")
     parser.add_argument("--layers", type=int, default=2, help="blocks in each stack")
     parser.add_argument("--lr", type=float, default=3e-3, help="AdamW's learning rate")
-    parser.add_argument("--tolerance", type=float, default=TOLERANCE, help=TOLERANCE_HELP)
+    parser.add_argument("--tolerance", type=tolerance, default=TOLERANCE, help=TOLERANCE_HELP)
     parser.add_argument("--seed", type=int, default=0, help="initialisation and batches")
     parser.add_argument("--log-every", type=int, default=4, help="steps between two lines")
     return parser.parse_args(argv)

@@ -122,6 +122,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--size", type=int, default=16, help="image height and width")
     parser.add_argument("--chunks", type=int, default=4, help="micro-batches per step")
     args = parser.parse_args(argv)
+    if min(args.steps, args.batch_size, args.chunks) < 1 or args.size < 8 or args.size % 8:
+        parser.error(
+            "--steps, --batch-size and --chunks must be 1 or more, and --size a multiple of 8 "
+            f"(three 2x downsamplings), got {args.steps}, {args.batch_size}, {args.chunks}, "
+            f"{args.size}"
+        )
 
     torch.manual_seed(0)
     model = unet().double()
