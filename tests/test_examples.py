@@ -106,6 +106,18 @@ def parser_of(
     return built[0]
 
 
+@pytest.mark.parametrize(
+    ("name", "argv"),
+    [("unet", ["--size", "12"]), ("unet", ["--steps", "0"]), ("gpt", ["--heads", "3"])],
+)
+def test_values_an_example_cannot_run_with_are_refused_before_any_work(
+    name: str, argv: list[str]
+) -> None:
+    # A tensor-size error inside partition 2; torch's bare AssertionError.
+    with pytest.raises(SystemExit):
+        load(name).main(argv)
+
+
 @pytest.mark.parametrize("name", ["train", "gpt", "unet"])
 def test_every_option_has_a_help_text(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     parser = parser_of(load(name).main, monkeypatch)
