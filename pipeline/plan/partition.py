@@ -60,25 +60,14 @@ def _even_cut(
     layers: int, stages: int, cost: Cost, fits: Fits, bottleneck: float
 ) -> list[int] | None:
     """The cut within ``bottleneck`` with the least sum of squared stage costs, or None."""
-    # best[j][a]: least sum of squares of stages j.. covering layers a..; choice: its first stop.
-    best = [[math.inf] * (layers + 1) for _ in range(stages + 1)]
-    choice = [[0] * (layers + 1) for _ in range(stages + 1)]
-    best[stages][layers] = 0.0
-    for j in range(stages - 1, -1, -1):
-        left = stages - j
-        for a in range(j, layers - left + 1):
-            for b in range(a + 1, layers - left + 2):
-                if best[j + 1][b] == math.inf or not fits(j, a, b):
-                    continue
-                seconds = cost(j, a, b)
-                if seconds > bottleneck:
-                    continue
-                total = seconds * seconds + best[j + 1][b]
-                if total < best[j][a]:
-                    best[j][a], choice[j][a] = total, b
-    if best[0][0] == math.inf:
-        return None
-    return _sizes(choice, stages)
+
+    def square(j: int, a: int, b: int) -> float:
+        if not fits(j, a, b):
+            return math.inf
+        seconds = cost(j, a, b)
+        return seconds * seconds if seconds <= bottleneck else math.inf
+
+    return _least_sum(layers, stages, square)
 
 
 def least_memory_balance(
@@ -92,6 +81,16 @@ def least_memory_balance(
     >>> least_memory_balance(4, 2, lambda j, a, b: (b - a) * (3 if j == 0 else 1))
     [1, 3]
     """
+    cut = _least_sum(layers, stages, total)
+    assert cut is not None, "every stage's total is finite"
+    return cut
+
+
+def _least_sum(layers: int, stages: int, value: Cost) -> list[int] | None:
+    """The cut whose stages' ``value`` sum least (``inf``: a stage that may not be), or None.
+
+    A dynamic program over (stage, first layer), O(stages x layers^2).
+    """
     # best[j][a]: least sum of stages j.. covering layers a..; choice: its first stop.
     best = [[math.inf] * (layers + 1) for _ in range(stages + 1)]
     choice = [[0] * (layers + 1) for _ in range(stages + 1)]
@@ -100,14 +99,13 @@ def least_memory_balance(
         left = stages - j
         for a in range(j, layers - left + 1):
             for b in range(a + 1, layers - left + 2):
-                summed = total(j, a, b) + best[j + 1][b]
+                if best[j + 1][b] == math.inf:
+                    continue
+                summed = value(j, a, b) + best[j + 1][b]
                 if summed < best[j][a]:
                     best[j][a], choice[j][a] = summed, b
-    return _sizes(choice, stages)
-
-
-def _sizes(choice: list[list[int]], stages: int) -> list[int]:
-    """The stages' sizes along ``choice``: each stage's stop from its first layer."""
+    if best[0][0] == math.inf:
+        return None
     sizes = []
     a = 0
     for j in range(stages):
