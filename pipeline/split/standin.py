@@ -77,7 +77,14 @@ def real_run(
         # A write into an input, or into a view of it, counts on the input's version.
         written = [i for i, t in enumerate(stand_ins) if t._version != versions[i]]
     outputs = [leaf for leaf in torch.utils._pytree.tree_leaves(output) if isinstance(leaf, Tensor)]
-    known = _sizes_by_hint(tensors, sizes)
+    known, shared = _sizes_by_hint(tensors, sizes)
+    alike = sorted({size for real in outputs for size in real.shape if size in shared})
+    if alike:
+        raise ValueError(
+            f"its output has a size of {alike[0]}, which several of its inputs' sizes had in the "
+            "example (a batch of 8 sequences of 8), so split cannot tell which one it follows: "
+            "split on an example whose sizes differ (a batch of 4 sequences of 8)"
+        )
     # Made from a fake input, so in the capture's fake mode, on the inputs' device.
     fakes = [
         tensors[0].new_empty([known.get(size, size) for size in real.shape], dtype=real.dtype)
@@ -135,10 +142,16 @@ def _holding(module: nn.Module, state: dict[str, Tensor]) -> Iterator[None]:
             slots[attribute] = value
 
 
-def _sizes_by_hint(tensors: Sequence[Tensor], sizes: Sequence[Any]) -> dict[int, Any]:
-    """Each value an input size had in the example, to the first input size that had it."""
+def _sizes_by_hint(
+    tensors: Sequence[Tensor], sizes: Sequence[Any]
+) -> tuple[dict[int, Any], set[int]]:
+    """Each value an input size had in the example, to the first input size that had it; and
+    the values that several of the sizes had (which an output's size cannot be told by)."""
     found: dict[int, Any] = {}
+    shared: set[int] = set()
     for size in [*(size for tensor in tensors for size in tensor.shape), *sizes]:
         if isinstance(size, torch.SymInt):
-            found.setdefault(_hint(size), size)
-    return found
+            first = found.setdefault(_hint(size), size)
+            if str(first.node.expr) != str(size.node.expr):
+                shared.add(_hint(size))
+    return found, shared

@@ -160,6 +160,26 @@ def test_a_block_that_fails_on_stand_in_values_too_is_refused_saying_both() -> N
     assert "experts_implementation='batched_mm'" in message
 
 
+class Scaled(nn.Module):
+    """Scales by its count of positive inputs: shaped like its input, by values' code."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * int((x > 0).sum())
+
+
+def test_a_stand_in_run_on_an_example_of_equal_sizes_is_refused_at_the_split() -> None:
+    # A batch of 4 rows of 4: the run on stand-ins could not tell which size its
+    # output followed, took the batch for both, and refused every other batch size
+    # at the call, saying the block's shapes depend on values.
+    model = Stack(Scaled)
+    model.embed = nn.Identity()
+    with pytest.raises(SplitError, match="split on an example whose sizes differ"):
+        pipeline.split(model, (torch.randn(4, 4),))
+    seq = pipeline.split(model, (torch.randn(4, 5),))
+    x = torch.randn(2, 5)
+    torch.testing.assert_close(seq(x), model(x))
+
+
 class Counts(nn.Module):
     """Returns as many ones as it has positive inputs, after a branch on that count: an
     output whose shape follows the values."""
