@@ -71,6 +71,7 @@ def split(
     if kwargs is not None and not isinstance(kwargs, dict):
         raise TypeError(f"kwargs must be a dict of keyword arguments, got {type(kwargs).__name__}")
     args, kwargs = unaliased(args, dict(kwargs or {}))
+    _refuse_meta_apart(model, args, kwargs)
     names = {module: name for name, module in model.named_modules()}
     starts, default = resolve_points(model, points)
     blocks = kept_whole(model, starts)
@@ -243,3 +244,24 @@ def _mode_checks(nodes: list[fx.Node], model: nn.Module) -> list[ModeCheck]:
             module = model.get_submodule(name)
             checks[name] = ModeCheck(describe_module(name, module), training, training.value())
     return list(checks.values())
+
+
+def _refuse_meta_apart(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Refuse a model on ``meta`` split on an example that is not, or the other way round.
+
+    The captured code keeps the example's device where it makes tensors (a
+    position table, a mask): a model materialised later would meet ``meta``
+    tensors in its first step, or real ones in a capture on ``meta``.
+    """
+    state = [*model.parameters(), *model.buffers()]
+    example = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
+    if not state or not example:
+        return
+    model_meta = any(t.is_meta for t in state)
+    example_meta = all(t.is_meta for t in example)
+    if model_meta and not example_meta:
+        raise SplitError(
+            "the model is on the meta device but the example's tensors are not: split a model "
+            "on meta on an example on meta too (torch.empty(shape, dtype=..., device='meta')), "
+            "or materialise the model first"
+        )

@@ -103,6 +103,16 @@ def test_example_arguments_the_forward_cannot_take_are_named_before_tracing() ->
     assert "points" not in message
 
 
+def test_a_model_on_meta_split_on_a_real_example_is_refused() -> None:
+    # The captured code made its tensors where the example was: the materialised
+    # pipe failed its first step ("Tensor on device meta is not on the expected device").
+    with torch.device("meta"):
+        model = Model()
+    with pytest.raises(SplitError, match="the model is on the meta device but the example"):
+        pipeline.split(model, (torch.randn(2, 4),))
+    assert len(pipeline.split(model, (torch.randn(2, 4, device="meta"),))) > 1
+
+
 def test_a_refusal_shows_split_s_frames_only() -> None:
     # torch.export's frames and its exception chain (hundreds of lines) are not the user's.
     with pytest.raises(SplitError) as caught:
