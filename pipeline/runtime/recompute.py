@@ -60,13 +60,14 @@ class Recomputation:
         self.stream = stream
         self.lock = lock
         self.snapshot: BufferSnapshot | None = None
-        self.parameters: list[tuple[str, Tensor, int]] = []
+        self.parameters: list[tuple[Tensor, int]] = []
 
     @contextmanager
     def checkpointed(self, inputs: Batch) -> Iterator[None]:
         """Around the task's forward: keep what recomputation needs; refuse input writes."""
         versions = _input_versions(inputs)
-        self.parameters = [(n, p, p._version) for n, p in self.buffers.partition.named_parameters()]
+        # Names only on a refusal: this runs for every checkpointed micro-batch.
+        self.parameters = [(p, p._version) for p in self.buffers.partition.parameters()]
         self.snapshot = self.buffers.before_forward()
         with phase("checkpointing"):
             yield
@@ -77,7 +78,7 @@ class Recomputation:
     def replaying(self) -> Iterator[None]:
         """What the recomputation runs under: what the forward ran under, and its buffers."""
         assert self.snapshot is not None, "replaying() follows checkpointed()"
-        _check_parameters_unchanged(self.parameters, self.buffers.index)
+        _check_parameters_unchanged(self.parameters, self.buffers)
         with (
             self.lock if self.lock is not None else contextlib.nullcontext(),
             self.state.autocast_applied(self.device),
@@ -123,16 +124,20 @@ def _check_inputs_unchanged(versions: list[tuple[Tensor, int]], partition: int) 
         )
 
 
-def _check_parameters_unchanged(versions: list[tuple[str, Tensor, int]], partition: int) -> None:
+def _check_parameters_unchanged(
+    versions: list[tuple[Tensor, int]], buffers: PartitionBuffers
+) -> None:
     """Refuse to recompute with parameters written in place since the forward.
 
     The plain model's backward refuses it (a saved weight "modified by an
     inplace operation"); recomputed, the gradient would be the new weights'.
     """
-    changed = next((name for name, p, version in versions if p._version != version), None)
-    if changed is not None:
+    written = next((p for p, version in versions if p._version != version), None)
+    if written is not None:
+        found = (n for n, p in buffers.partition.named_parameters() if p is written)
+        changed = next(found, f"of shape {tuple(written.shape)}")
         raise RuntimeError(
-            f"parameter '{changed}' of checkpointed partition {partition} was modified by an "
+            f"parameter '{changed}' of checkpointed partition {buffers.index} was modified by an "
             "inplace operation since its forward began (an optimizer step or a weight update "
             "before backward(), or a layer updating its own parameter in its forward, as an "
             "EMA does), so its recomputation would not be the forward that ran; run backward "
