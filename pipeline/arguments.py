@@ -15,8 +15,8 @@ from typing import Any, Literal, TypeAlias, cast
 
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
 
+from pipeline.runtime.buffers import updated_in_forward
 from pipeline.runtime.layers import modules_only_read
 from pipeline.runtime.module_hooks import call_hook_kinds, state_dict_hook_kinds
 from pipeline.skip.verify import verify_skippables
@@ -234,17 +234,18 @@ def _refuse_shared_statistics(
     name: str,
     others: list[tuple[int, str, nn.Module | torch.Tensor]],
 ) -> None:
-    """Refuse a BatchNorm run by two partitions: its running statistics would be updated in
-    the order the partitions' tasks run (the clock's, or the threads'), not the plain
-    model's micro-batch by micro-batch."""
+    """Refuse a layer that updates state in its forward (BatchNorm's running statistics,
+    spectral norm's vectors) run by two partitions: it would be updated in the order the
+    partitions' tasks run (the clock's, or the threads'), not the plain model's."""
     other = next(((j, n) for j, n, _ in others if j != first), None)
-    if other is None or not isinstance(thing, _BatchNorm) or not thing.track_running_stats:
+    updated = None if isinstance(thing, torch.Tensor) else updated_in_forward(thing)
+    if other is None or updated is None:
         return
     raise ValueError(
         f"{type(thing).__name__} {name!r} of partition {first} is also {other[1]!r} of "
-        f"partition {other[0]}: its running statistics would be updated in the order the "
-        "partitions run their micro-batches, not the plain model's; give each use a layer of "
-        "its own, or keep its uses in one partition"
+        f"partition {other[0]}: its {updated} would be updated in the order the partitions "
+        "run their micro-batches, not the plain model's; give each use a layer of its own, "
+        "or keep its uses in one partition"
     )
 
 

@@ -35,7 +35,9 @@ from pipeline.runtime.batchnorm import DeferredBatchNorm, statistics_of_one_pass
 from pipeline.runtime.evaluation import evaluating, evaluation_seed
 from pipeline.runtime.grad_norm import clip_grad_norm
 from pipeline.runtime.layers import named_layers, register_names
+from pipeline.runtime.lazy import instance_of
 from pipeline.runtime.microbatch import Arguments, Batch, Value, check_input, scatter, to_device
+from pipeline.runtime.module_hooks import call_hook_kinds
 from pipeline.runtime.partitions import (
     Hook,
     KeywordSequential,
@@ -43,6 +45,7 @@ from pipeline.runtime.partitions import (
     PositionalSequential,
 )
 from pipeline.runtime.router_loss import RouterLossSource, RouterTally, step_tally
+from pipeline.runtime.unseen import refuse_cached_parametrizations
 from pipeline.skip.layout import SkipLayout
 from pipeline.step.actions import Program, backward_before_forward
 from pipeline.step.cache import ProgramCache
@@ -157,6 +160,7 @@ class PipeBase(nn.Module, ABC):
         self._completion_hooks = OrderedDict()
         self._validated = ProgramCache()
         self._evaluations = 0
+        self._registered = _registered(self)
 
     # Inputs
 
@@ -355,6 +359,42 @@ class PipeBase(nn.Module, ABC):
             raise RuntimeError(
                 f"this {self._NAME} is closed; create a new {self._NAME} to run it again"
             )
+        self._check_registered_kept()
+
+    def _check_registered_kept(self) -> None:
+        """Refuse a layer, parameter or buffer set on the pipe since it was built: its
+        partitions still run what they were built with, and would ignore it."""
+        now = _registered(self)
+        changed = sorted(
+            name
+            for name in now.keys() | self._registered.keys()
+            if now.get(name) != self._registered.get(name)
+        )
+        if changed:
+            raise RuntimeError(
+                f"this {self._NAME}'s {', '.join(map(repr, changed))} changed after it was built "
+                "(replaced, added or removed: setattr, add_module, register_parameter, delattr): "
+                "its partitions still run the layers they were built with, and would ignore the "
+                f"change; build a new {self._NAME} from the changed model, or change a layer's "
+                "tensors in place (with torch.no_grad(): layer.weight.copy_(new))"
+            )
+
+    def _refuse_own_hooks(self, what: str) -> None:
+        """Refuse ``step`` or ``evaluate`` of a pipe with hooks of its own: they run around
+        its forward, which neither calls."""
+        # fully_shard on the pipe itself hooks it too: the sharding check says why not.
+        kinds = (
+            []
+            if instance_of(self, "torch.distributed.fsdp", "FSDPModule")
+            else call_hook_kinds(self)
+        )
+        if kinds:
+            raise ValueError(
+                f"this {self._NAME} has {' and '.join(kinds)} registered on itself, which run "
+                f"around its own forward, but {self._NAME}.{what} runs its layers without "
+                "calling it, so they would not run: register them on the layers (or the "
+                "model's modules), or remove them first"
+            )
 
     def _check_step_arguments(
         self, loss_fn: Any, loss_reduction: Any, loss_divisor: Any = None, grad_scaler: Any = None
@@ -368,6 +408,8 @@ class PipeBase(nn.Module, ABC):
                 f"{self._NAME}.step computes gradients, but grad mode is off here "
                 f"(torch.no_grad() or inference mode); {self._EVALUATE}"
             )
+        self._refuse_own_hooks("step")
+        refuse_cached_parametrizations(self, f"{self._NAME}.step")
         reduction = self._check_loss(loss_fn, loss_reduction, loss_divisor)
         check_grad_scaler(grad_scaler, self._runtime.devices[-1])
         check_supported()
@@ -388,6 +430,7 @@ class PipeBase(nn.Module, ABC):
         Returns the reduction of its loss, or None without a ``loss_fn``.
         """
         self._check_open()
+        self._refuse_own_hooks("evaluate")
         if loss_fn is not None:
             return self._check_loss(loss_fn, loss_reduction, loss_divisor)
         given = [
@@ -593,6 +636,12 @@ class PipeBase(nn.Module, ABC):
 
     # Hooks and threads
 
+    @property
+    def partition_names(self) -> list[list[str]]:
+        """Each partition's layer names (the plain model's), every stage's for a
+        ``DistributedPipe`` too, whose other stages are empty here."""
+        return [list(p._modules) for p in self.partitions]
+
     def register_partition_backward_hook(self, hook: Hook) -> RemovableHandle:
         """Call ``hook(j)`` in backward once partition ``j``'s gradients are final.
 
@@ -622,6 +671,12 @@ class PipeBase(nn.Module, ABC):
         Garbage collection does it otherwise.
         """
         self._finalizer()
+
+
+def _registered(module: nn.Module) -> dict[str, int]:
+    """The children, parameters and buffers registered on ``module`` itself, by identity."""
+    own = (module._modules, module._parameters, module._buffers)
+    return {name: id(value) for found in own for name, value in found.items()}
 
 
 def _refuse_nested_pipes(module: nn.Module) -> None:

@@ -16,7 +16,7 @@ from typing import Literal
 
 from torch import Tensor
 
-from pipeline.pipe import Pipe
+from pipeline.base import PipeBase
 
 __all__ = ["from_partitioned_state_dict"]
 
@@ -25,7 +25,7 @@ _PARTITIONED_KEY = re.compile(r"partitions\.(\d+)\.([^.]+)(\..+)?$")
 
 def from_partitioned_state_dict(
     state_dict: Mapping[str, Tensor],
-    pipe: Pipe,
+    pipe: PipeBase,
     *,
     layer_names: Literal["kept", "renumbered"] = "kept",
 ) -> OrderedDict[str, Tensor]:
@@ -33,12 +33,14 @@ def from_partitioned_state_dict(
 
     ``layer_names='kept'`` for torchgpipe's ``GPipe`` and fairscale's ``Pipe``,
     ``'renumbered'`` for ``torch.distributed.pipeline.sync.Pipe``. ``pipe``
-    must have the same balance as the pipe that saved the checkpoint::
+    (a ``Pipe``, or a ``DistributedPipe``: the whole model's keys, of which
+    each process loads its own) must have the same balance as the pipe that
+    saved the checkpoint::
 
         state = torch.load("gpipe.pt")
         pipe.load_state_dict(from_partitioned_state_dict(state, pipe))
     """
-    names = [list(partition._modules) for partition in pipe.partitions]
+    names = pipe.partition_names
     converted: OrderedDict[str, Tensor] = OrderedDict()
     for key, value in state_dict.items():
         match = _PARTITIONED_KEY.match(key)

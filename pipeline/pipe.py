@@ -31,7 +31,11 @@ from pipeline.runtime.microbatch import Batch, Value, check_input, gather, scatt
 from pipeline.runtime.partitions import PositionalSequential
 from pipeline.runtime.recompute import checkpoint_stop
 from pipeline.runtime.router_loss import ASKED, asked
-from pipeline.runtime.unseen import refuse_reparametrized, refuse_unseen_state
+from pipeline.runtime.unseen import (
+    refuse_cached_parametrizations,
+    refuse_reparametrized,
+    refuse_unseen_state,
+)
 from pipeline.runtime.worker import (
     Threads,
     check_threads,
@@ -139,6 +143,12 @@ class Pipe(PipeBase):
         self._driver = ClockDriver(self._runtime, self._workers, self._thread_of, self.skip_layout)
         self.last_step: StepReport | None = None
 
+    def close(self) -> None:
+        """Stop this pipe's worker threads, once a call under way on another thread has ended
+        (a call waiting for it is refused). Garbage collection does it otherwise."""
+        with self._runtime.lock:
+            super().close()
+
     def _placement(self) -> str:
         return f"devices={[str(d) for d in self.devices]}, threads={self.threads!r}"
 
@@ -172,6 +182,7 @@ class Pipe(PipeBase):
         warn_if_workers_unseen(stacklevel=4)  # forward, Module._call_impl, __call__, the caller
         # One call at a time: two threads calling one Pipe run one after the other.
         with self._runtime.lock:
+            self._check_open()  # a close() may have come while this call waited
             return self._run(input)
 
     def _input(self, inputs: tuple[Value, ...], kwargs: dict[str, Value]) -> Value:
@@ -196,6 +207,7 @@ class Pipe(PipeBase):
         stop = checkpoint_stop(self.checkpoint, len(batches), self.training)
         if stop:
             refuse_reparametrized(self, "this Pipe")
+            refuse_cached_parametrizations(self, "this Pipe, which recomputes,")
         with self._one_pass(batches):
             self._driver.run(batches, stop, hooks, sum(rows))
         return gather(batches, rows)
@@ -209,6 +221,7 @@ class Pipe(PipeBase):
         warn_if_workers_unseen(stacklevel=3)  # _train, PipeBase.step, the caller
         value = self._input_of(call.input, call.kwargs)
         with self._runtime.lock:
+            self._check_open()
             return self._step(
                 self._scatter_input(value),
                 self._scatter_target(call.target),
@@ -318,6 +331,7 @@ class Pipe(PipeBase):
             raise TypeError("Pipe.evaluate got a loss_fn but no target: pass both, or neither")
         warn_if_workers_unseen(stacklevel=3)  # _evaluate, PipeBase.evaluate, the caller
         with self._runtime.lock:
+            self._check_open()
             batches = self._scatter_input(self._input_of(call.input, call.kwargs))
             targets = self._scatter_target(call.target) if call.loss_fn is not None else []
             rows = _rows_of(batches, targets) if targets else [b.rows() for b in batches]

@@ -275,11 +275,9 @@ class _ForwardPass:
 
 
 def _gradient_index(batch: Batch) -> int | None:
-    """The index of a tensor of ``batch`` that will receive a gradient, if any."""
-    index = batch.first_differentiable()
-    if index is None or not batch[index].requires_grad:
-        return None
-    return index
+    """The index of a tensor of ``batch`` that will receive a gradient, if any: the first
+    that requires grad (a mask before it needs none)."""
+    return next((i for i in batch.tensor_indices() if batch[i].requires_grad), None)
 
 
 def _check_output(output: Batch, j: int) -> None:

@@ -173,7 +173,23 @@ class GradBucket:
         return self._pending == 0
 
     def reset(self) -> None:
-        """Forget the last iteration: no gradient loaded, no all-reduce in flight."""
+        """Forget the last iteration: no gradient loaded, no all-reduce in flight.
+
+        An all-reduce the last iteration left in flight (its backward failed
+        after launching it, on every replica alike) is waited for first: left
+        to run, it would write its average into the bucket while the next
+        iteration fills it (the next averages were wrong by up to 0.18).
+        """
+        if self._work is not None and not self._work.is_completed():
+            try:
+                self._work.wait()
+            except RuntimeError as error:
+                raise RuntimeError(
+                    f"DataParallel: the all-reduce of {self.describe()} that the last "
+                    f"backward, which failed, left in flight did not complete ({error}): "
+                    "the replicas' backwards failed at different points; a replica whose "
+                    "step fails must stop every replica"
+                ) from error
         self._pending = len(self.params)
         self._work = None
 

@@ -14,6 +14,7 @@ from torch.profiler import record_function
 from pipeline.data_parallel.buckets import SignalsPartitionBackward, partition_of_each
 from pipeline.data_parallel.reducer import Reducer
 from pipeline.data_parallel.replicas import broadcast_from_rank0, check_replicas_match
+from pipeline.runtime.module_hooks import call_hook_kinds
 from pipeline.runtime.process_group import resolve_group
 from pipeline.step.sharded import fsdp_units
 
@@ -130,6 +131,14 @@ class DataParallel(nn.Module):
                 f"{type(self.module).__name__} has none (pipeline.Pipe does): call "
                 "model(x) and loss.backward() instead"
             )
+        kinds = call_hook_kinds(self)
+        if kinds:
+            raise ValueError(
+                f"DataParallel has {' and '.join(kinds)} registered on itself, which run around "
+                "its forward, but DataParallel.step runs the wrapped module's step without "
+                "calling it, so they would not run: register them on the layers, or remove them "
+                "first"
+            )
         if self._sync:
             self._check_parameters_and_buffers()
         if self._sync and self.broadcast_buffers:
@@ -142,6 +151,13 @@ class DataParallel(nn.Module):
         if self._sync:
             self.reducer.finish_step()
         return result
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError(
+            "DataParallel cannot be copied or pickled: it holds its process group and the "
+            "buckets it all-reduces; copy or save the module it wraps (dp.module), and wrap "
+            "the copy again"
+        )
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -93,9 +93,16 @@ from pipeline.distributed.wire_format import (
 from pipeline.runtime.process_group import collective_device
 from pipeline.step.mail import AbortedError, Mailboxes, MailTimeoutError, Message, describe
 
-__all__ = ["P2PTransport", "PeerError"]
+__all__ = ["END_KEYS", "ROUTER_KEYS", "P2PTransport", "PeerError"]
 
 _TAG = 0
+# Small messages of a step besides its stages' (a sum passed up the ranks and back down:
+# the router loss's, the step's end): the room stays what the stages' messages made it,
+# or the next step's first activation would not fit and take a send more.
+ROUTER_KEYS = ("router-up", "router-down")
+END_KEYS = ("end-up", "end-down")
+_ASIDE = frozenset(ROUTER_KEYS + END_KEYS)
+
 # How long closing waits for its own stop messages to leave, at most: a
 # live peer's listener takes them at once; a dead one fails them at once.
 _CLOSE_WAIT_S = 5.0
@@ -281,7 +288,8 @@ class P2PTransport:
 
     def abort(self, error: BaseException | None = None) -> None:
         reason = error if error is not None else AbortedError("interrupted")
-        self._mailboxes.abort(self.step, reason)
+        if not self._mailboxes.abort(self.step, reason):
+            return  # aborted already: the peers were told
         if isinstance(error, AbortedError) and isinstance(error.__cause__, _RelayedError):
             return  # a peer's abort reached this process: its listener passed it on
         # Else this process's own failure, or a wait that failed on a peer that closed or
@@ -379,16 +387,22 @@ class P2PTransport:
             # Framed whole, on the wire, before its first part goes: a part that failed
             # after the envelope had left would leave the peer reading what comes next
             # (an abort) as its bytes.
-            for part in self._parts(peer, kind, description, tensors):
+            for part in self._parts(peer, kind, description, tensors, _aside(key)):
                 work = self._wire(self.me, peer).send([part], self._wire_rank[peer], _TAG)
                 with self._pending_lock:
                     self._pending.setdefault(peer, []).append((work, part))
 
     def _parts(
-        self, peer: int, kind: int, description: bytes, tensors: list[torch.Tensor]
+        self,
+        peer: int,
+        kind: int,
+        description: bytes,
+        tensors: list[torch.Tensor],
+        aside: bool = False,
     ) -> list[torch.Tensor]:
         """A message's sends to ``peer``, on the wire: its envelope, then what did not fit in
-        the room. The room moves on once nothing can stop the message from going."""
+        the room. The room moves on once nothing can stop the message from going, but for a
+        message ``aside`` (``_aside``)."""
         laid = layout(self._room[peer], len(description), [t.nbytes for t in tensors])
         first = head(kind, description, len(tensors), laid.description_inline)
         if laid.offsets is None:
@@ -406,7 +420,8 @@ class P2PTransport:
                 envelope[at:end].copy_(_raw_bytes(tensor))
             parts = [envelope]
         parts = [part.to(self.wire) for part in parts]
-        self._room[peer] = laid.next_room  # the peer's listener moves on once it has this one
+        if not aside:  # the peer's listener moves on once it has this one
+            self._room[peer] = laid.next_room
         return parts
 
     def _listen(self, peer: int) -> None:
@@ -500,11 +515,19 @@ class P2PTransport:
         )
         if kind != STOP:
             # What this envelope held is copied out by now: the next one may come in it.
-            reused = received if room == laid.next_room else _buffer(laid.next_room)
+            next_room = room if _aside(described.key) else laid.next_room
+            reused = received if room == next_room else _buffer(next_room)
             envelope = self._expect(reused, peer)
         values = [tensors.get(k, leaf) for k, leaf in enumerate(described.leaves)]
         message = Message(values, described.spec, described.differentiable)
         return kind, described.key, message, envelope
+
+
+def _aside(key: Any) -> bool:
+    """Whether a message's key, ``(step, (name, ...))``, is one of ``_ASIDE``'s."""
+    if not (isinstance(key, tuple) and len(key) == 2 and isinstance(key[1], tuple)):
+        return False
+    return bool(key[1]) and key[1][0] in _ASIDE
 
 
 class _ListenersAtExit:

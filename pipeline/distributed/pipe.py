@@ -41,7 +41,7 @@ from pipeline.base import PipeBase
 from pipeline.calls import EvaluateCall, MicroBatches, StepCall, redocumented
 from pipeline.distributed.groups import give_back, message_groups, retire
 from pipeline.distributed.meta import Init, materialized, meta_resets
-from pipeline.distributed.p2p import P2PTransport, PeerError
+from pipeline.distributed.p2p import END_KEYS, ROUTER_KEYS, P2PTransport, PeerError
 from pipeline.distributed.sharded import check_sharding, local_ties, sharding_kind
 from pipeline.distributed.stage_arguments import check_alone, disagreement
 from pipeline.distributed.ties import TiedWeights
@@ -52,7 +52,6 @@ from pipeline.runtime.agreement import (
     gather_rows,
     ranks_text,
     refusal_elsewhere,
-    refused_text,
 )
 from pipeline.runtime.lazy import instance_of
 from pipeline.runtime.microbatch import Batch, Value, gather
@@ -234,6 +233,7 @@ class DistributedPipe(PipeBase):
         # The whole model's keys: what a strict load_state_dict may be given.
         self._model_keys = frozenset(module.state_dict(keep_vars=True))
         every = self._partition(module, deferred_batch_norm)
+        self._partition_names = [list(p._modules) for p in every]
         self.skip_layout = inspect_skip_layout(every, [self.device] * n)
         self._ties = TiedWeights(every, self.owner)
         self.partitions = [
@@ -306,10 +306,10 @@ class DistributedPipe(PipeBase):
                 run.run_here(programs[self.rank])
                 self._transport.end_step()
                 run.finish(self._ties.sum_over_holders)
-            except BaseException:
-                self._step_ended(failed=True)
+            except BaseException as error:
+                self._transport.abort(error)  # the others, at the step's end, stop waiting
                 raise
-            self._step_ended(failed=False)
+            self._step_ended()
         for j in sorted(self._ties.stages):
             for hook in self._completion_hooks.values():
                 hook(j)
@@ -341,26 +341,25 @@ class DistributedPipe(PipeBase):
                     )
         return programs, simulation
 
-    def _step_ended(self, failed: bool) -> None:
+    def _step_ended(self) -> None:
         """Every process's step ends together: if one failed, every one raises.
 
         A process whose stages were done before a peer's later action failed
         (stage 0's last backward, a hook there) would otherwise return as if
-        the step were whole, and its optimizer step would go on alone.
+        the step were whole, and its optimizer step would go on alone. The
+        step's own messages carry it, as the router loss's sum, bounded by the
+        pipe's timeout: a collective would wait the group's, which stage 0's
+        last backwards may outlast; a failed process's abort ends the wait.
         """
         try:
-            rows = gather_rows([int(failed)], self.group)
-        except RuntimeError as error:
-            if failed:
-                return  # this process's own error says more
-            raise self._transport.explain("the step's end", error) from error
-        elsewhere = [rank for rank, row in enumerate(rows) if row[0] and rank != self.rank]
-        if elsewhere and not failed:
+            self._summed_over_ranks(torch.zeros(1), END_KEYS)
+            self._transport.end_step()  # its own sends too: none is left in flight
+        except Exception as error:
             raise PeerError(
-                f"{refused_text(elsewhere)} of the pipeline failed this step (its error says "
-                "why) after this process's stages were done: the step is not whole, so skip "
-                "the optimizer step here too, as there"
-            )
+                f"this step failed in another process of the pipeline after this process's "
+                f"stages were done ({error}): the step is not whole, so skip the optimizer "
+                "step here too, as there"
+            ) from error
 
     def _agreed_step(
         self, call: StepCall
@@ -415,18 +414,19 @@ class DistributedPipe(PipeBase):
         programs = None if schedule is None else self._programs(schedule, len(batches))[0]
         return self._router_tally(call, batches, programs, reduce=self._summed_over_ranks)
 
-    def _summed_over_ranks(self, partial: Tensor) -> Tensor:
+    def _summed_over_ranks(self, partial: Tensor, keys: tuple[str, str] = ROUTER_KEYS) -> Tensor:
         """``partial`` summed over the group's processes: up the ranks, then the sum down.
 
         The step's messages, not a collective: a process that fails mid-step
         aborts the transport, and the others stop waiting instead of hanging
         in a collective until the group's timeout. Stage ``r`` runs on rank
         ``r`` below the group's size (``_output_passed_down``), so ranks
-        ``r - 1`` and ``r + 1`` are this one's neighbours. Each process
-        calls it once per step: its partial goes up once the ranks below
-        have sent theirs, and it waits for the sum from above.
+        ``r - 1`` and ``r + 1`` are this one's neighbours. Every process
+        calls it at the same points of a step, with the same ``keys``: its
+        partial goes up once the ranks below have sent theirs, and it waits
+        for the sum from above.
         """
-        r, top, up, down = self.rank, self.size - 1, ("router-up",), ("router-down",)
+        r, top, up, down = self.rank, self.size - 1, (keys[0],), (keys[1],)
         total = partial
         if r > 0:
             total = total + self._transport.receive(up, r - 1, r).leaves[0].to(total)
@@ -747,13 +747,14 @@ class DistributedPipe(PipeBase):
                 f"in state_dict: {', '.join(repr(k) for k in unexpected)} (the whole model "
                 "has no such key: a state dict of another model; pass strict=False to skip them)"
             )
-        own = set(self.state_dict())
+        own = self.state_dict(keep_vars=True)
         mine = OrderedDict((k, v) for k, v in state_dict.items() if k in own)
         for names in self._tied_names():
             # The plain model loads each name into its one tensor: the last one stays.
             given = [name for name in names if name in state_dict]
             for name in (n for n in names if n in own and given):
                 mine[name] = state_dict[given[-1]]
+        _refuse_partial_load(type(self).__name__, own, mine, strict)
         return super().load_state_dict(mine, strict=strict, assign=assign)
 
     def close(self) -> None:
@@ -768,6 +769,17 @@ class DistributedPipe(PipeBase):
         super().close()
         self._transport.wait_for_listeners()
         give_back()
+
+    @property
+    def partition_names(self) -> list[list[str]]:
+        return [list(names) for names in self._partition_names]
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError(
+            "a DistributedPipe cannot be copied or pickled: it holds this process's stages "
+            "and the pipeline's process groups; save its state_dict (or save_checkpoint) and "
+            "build another from the model"
+        )
 
     def _tied_names(self) -> list[tuple[str, ...]]:
         """Every name of each weight tied across processes: the plain model's, in its order."""
@@ -813,6 +825,28 @@ def _micro_batch_sizes(row: list[int]) -> list[int]:
     return row[1 : 1 + row[0]]
 
 
+def _refuse_partial_load(
+    name: str, own: Mapping[str, Any], given: Mapping[str, Any], strict: bool
+) -> None:
+    """Refuse a load giving a key of this process's another shape, or (``strict``) missing
+    one, before anything is loaded (torch's loads the rest first, then raises)."""
+    missing = [k for k in own if k not in given] if strict else []
+    shapes = [
+        f"{k!r}: {tuple(v.shape)} given, {tuple(own[k].shape)} here"
+        for k, v in given.items()
+        if isinstance(v, Tensor) and isinstance(own[k], Tensor) and v.shape != own[k].shape
+    ]
+    if missing or shapes:
+        found = (
+            [f"Missing key(s) in state_dict: {', '.join(map(repr, missing))}"] if missing else []
+        )
+        found += [f"size mismatch for {', '.join(shapes)}"] if shapes else []
+        raise RuntimeError(
+            f"Error(s) in loading state_dict for {name}: {'; '.join(found)} (nothing was "
+            "loaded in this process; pass strict=False to load what matches)"
+        )
+
+
 def _every_pipeline(
     group: dist.ProcessGroup, refused: bool
 ) -> tuple[list[list[int]], list[int] | None]:
@@ -824,12 +858,17 @@ def _every_pipeline(
     """
     device = collective_device(group)
     ranks = dist.get_process_group_ranks(group)
-    mine = torch.tensor([*ranks, int(refused)], dtype=torch.int64, device=device)
-    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    world = dist.get_world_size()
+    # One length for every process's row, whatever the size of its pipeline: gloo aborts
+    # a process given rows of several lengths.
+    row = [int(refused), len(ranks), *ranks, *[-1] * (world - len(ranks))]
+    mine = torch.tensor(row, dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(gathered, mine)
     rows = [[int(v) for v in t.tolist()] for t in gathered]
-    stopped = next((row[:-1] for row in rows if row[-1]), None)
-    return [list(p) for p in sorted({tuple(row[:-1]) for row in rows})], stopped
+    pipelines = {tuple(r[2 : 2 + r[1]]) for r in rows}
+    stopped = next((r[2 : 2 + r[1]] for r in rows if r[0]), None)
+    return [list(p) for p in sorted(pipelines)], stopped
 
 
 def _router_choice(router: RouterTally | None) -> str:

@@ -26,6 +26,7 @@ from pipeline.runtime.agreement import (
     ranks_text,
     refusal_elsewhere,
 )
+from pipeline.runtime.buffers import updated_in_forward
 from pipeline.runtime.layers import named_layers
 
 __all__ = ["check_alone", "disagreement"]
@@ -77,7 +78,31 @@ def check_alone(
             f"balance has {stages} stages for {processes} processes; give a multiple of "
             f"{processes} stages (one per process, or several with the interleaved schedule)"
         )
+    _check_state_in_one_process(module, checked.balance, processes)
     return checked
+
+
+def _check_state_in_one_process(module: nn.Sequential, balance: list[int], processes: int) -> None:
+    """Refuse a layer that updates state in its forward (``updated_in_forward``) run by
+    stages of two processes: each would keep and update a copy of its own, never made equal
+    (tied weights are, their buffers not)."""
+    runs: dict[int, tuple[str, nn.Module, set[int]]] = {}
+    layers = list(named_layers(module).items())
+    start = 0
+    for stage, count in enumerate(balance):
+        for name, layer in layers[start : start + count]:
+            for inner, sub in layer.named_modules(prefix=name):
+                if updated_in_forward(sub) is not None:
+                    runs.setdefault(id(sub), (inner, sub, set()))[2].add(stage % processes)
+        start += count
+    for name, sub, ranks in runs.values():
+        if len(ranks) > 1:
+            raise ValueError(
+                f"{type(sub).__name__} {name!r} is run by stages of processes "
+                f"{sorted(ranks)}: each process would keep and update its own "
+                f"{updated_in_forward(sub)}, never made equal, where the plain model updates "
+                "one; give each use a layer of its own, or keep its uses in one process's stages"
+            )
 
 
 def disagreement(

@@ -19,7 +19,8 @@ comparing values (kernels such as batch norm's update running statistics
 without bumping their version counters), so that constant buffers (masks,
 tables) are never copied afterwards; and learned again after a layer of the
 partition changed between training and eval (a BatchNorm frozen for a
-while, then trained). Later forwards only check version counters for a
+while, then trained), or the partition's buffers changed (a spectral norm
+added to a layer). Later forwards only check version counters for a
 buffer that starts changing.
 """
 
@@ -30,8 +31,33 @@ from contextlib import contextmanager
 
 import torch
 from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _NormBase
 
-__all__ = ["BufferSnapshot", "PartitionBuffers"]
+from pipeline.runtime.lazy import instance_of
+
+__all__ = ["BufferSnapshot", "PartitionBuffers", "updated_in_forward"]
+
+
+def updated_in_forward(module: nn.Module) -> str | None:
+    """What ``module`` itself updates in every training forward, or None: where two
+    partitions (or processes) run it, the updates would come in their order, not the
+    plain model's.
+
+    >>> updated_in_forward(nn.BatchNorm1d(4))
+    'running statistics'
+    >>> updated_in_forward(nn.utils.spectral_norm(nn.Linear(4, 4)))
+    'power-iteration vectors'
+    >>> updated_in_forward(nn.LayerNorm(4)) is None
+    True
+    """
+    if isinstance(module, _NormBase) and module.track_running_stats:
+        return "running statistics"
+    hooks = module._forward_pre_hooks.values()
+    if instance_of(module, "torch.nn.utils.parametrizations", "_SpectralNorm") or any(
+        instance_of(hook, "torch.nn.utils.spectral_norm", "SpectralNorm") for hook in hooks
+    ):
+        return "power-iteration vectors"
+    return None
 
 
 class BufferSnapshot:
@@ -51,18 +77,18 @@ class PartitionBuffers:
         self.partition = partition
         self.index = index
         self.changing: set[str] | None = None
-        # Each layer's training flag when ``changing`` was learned.
-        self.learned_in: list[bool] = []
+        # Each layer's training flag, and the buffers' names, when ``changing`` was learned.
+        self.learned_in: tuple[list[bool], list[str]] = ([], [])
 
     def _buffers(self) -> dict[str, Tensor]:
         # Looked up every time: .to(dtype) and friends replace buffer tensors.
         return dict(self.partition.named_buffers())
 
     def before_forward(self) -> BufferSnapshot:
-        modes = [layer.training for layer in self.partition.modules()]
-        if modes != self.learned_in:
-            self.changing, self.learned_in = None, modes
         buffers = self._buffers()
+        now = ([layer.training for layer in self.partition.modules()], list(buffers))
+        if now != self.learned_in:
+            self.changing, self.learned_in = None, now
         keep = buffers.keys() if self.changing is None else self.changing
         with torch.no_grad():
             values = {name: buffers[name].clone() for name in keep}

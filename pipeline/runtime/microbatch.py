@@ -31,6 +31,7 @@ from torch.utils._pytree import (
     register_pytree_node,
     tree_flatten,
     tree_flatten_with_path,
+    tree_leaves,
     tree_map,
     tree_unflatten,
 )
@@ -40,9 +41,12 @@ __all__ = [
     "Batch",
     "NoChunk",
     "Value",
+    "check_gatherable",
     "check_input",
     "check_rows",
     "gather",
+    "refuse_attributes",
+    "refuse_attributes_in",
     "scatter",
     "shared_leaves",
     "to_device",
@@ -218,6 +222,16 @@ def check_input(input: Value, name: str = "input") -> None:
         if isinstance(leaf, Tensor)
     ]
     for where, leaf in tensors:
+        refuse_attributes(leaf, where, "its micro-batches, new tensors,")
+        if leaf.layout not in (torch.strided, torch.jagged) or (
+            leaf.is_nested and leaf.layout != torch.jagged
+        ):
+            kind = "nested" if leaf.is_nested else str(leaf.layout).removeprefix("torch.")
+            raise TypeError(
+                f"{where} is a {kind} tensor, which torch cannot split into micro-batches "
+                "along dim 0; pass it dense (.to_dense()), or as a nested tensor of the "
+                "jagged layout (torch.nested.nested_tensor(..., layout=torch.jagged))"
+            )
         if leaf.dim() == 0:
             raise ValueError(
                 f"{where} is a 0-dim tensor and cannot be split into micro-batches; wrap it "
@@ -235,6 +249,37 @@ def check_input(input: Value, name: str = "input") -> None:
             f"{name} batch is empty (dim 0 has size 0): a Pipe needs at least one row to split "
             "into micro-batches; skip empty batches before calling it"
         )
+
+
+def refuse_attributes(tensor: Tensor, where: str, losing: str) -> None:
+    """Refuse a tensor carrying Python attributes (``h.mask = m``) that ``losing`` (what the
+    pipe makes of it) would not carry: the plain model's layers could read them.
+
+    >>> h = torch.zeros(2)
+    >>> h.scale = 2.0
+    >>> refuse_attributes(h, "input", "its micro-batches")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    TypeError: input carries the Python attribute(s) scale, which its micro-batches would not: ...
+    """
+    if torch.compiler.is_compiling():
+        return  # dynamo traces up to the pipe's own break; it cannot read a tensor's dict
+    if type(tensor) in (Tensor, torch.nn.Parameter) and vars(tensor):
+        raise TypeError(
+            f"{where} carries the Python attribute(s) {', '.join(sorted(vars(tensor)))}, "
+            f"which {losing} would not: a later layer reading them would get an "
+            "AttributeError or a default; pass them as tensors or values beside it, or keep "
+            "the layers that read them with the one that sets them"
+        )
+
+
+def refuse_attributes_in(value: Value, where: str, losing: str) -> None:
+    """``refuse_attributes`` for every tensor in ``value``, named by its place in it."""
+    if torch.compiler.is_compiling():
+        return
+    if any(isinstance(leaf, Tensor) and vars(leaf) for leaf in tree_leaves(value)):
+        for path, leaf in tree_flatten_with_path(value)[0]:
+            if isinstance(leaf, Tensor):
+                refuse_attributes(leaf, where + keystr(path), losing)
 
 
 def scatter(input: Value, chunks: int, name: str = "input") -> list[Batch]:
@@ -315,6 +360,23 @@ def gather(batches: list[Batch], rows: Sequence[int] | None = None) -> Value:
     stride 0 in dim 0), which is the micro-batch's own. A non-tensor output
     must be equal in every micro-batch and is returned once.
     """
+    _check_structures(batches)
+    columns = zip(*(batch.leaves for batch in batches), strict=True)
+    leaves = [_gather_column(list(column), k, rows) for k, column in enumerate(columns)]
+    return Batch.of(leaves, batches[0].spec).value
+
+
+def check_gatherable(batches: list[Batch]) -> None:
+    """Refuse, before the step's backwards end, outputs that ``gather`` could not
+    concatenate: structures that differ, or shapes beyond dim 0."""
+    _check_structures(batches)
+    for k, column in enumerate(zip(*(batch.leaves for batch in batches), strict=True)):
+        tensors = [x for x in column if isinstance(x, Tensor)]
+        if len(tensors) == len(column) and not all(_same_memory(x, tensors[0]) for x in tensors):
+            _check_concatenable(tensors, k)
+
+
+def _check_structures(batches: list[Batch]) -> None:
     spec = batches[0].spec
     for i, batch in enumerate(batches[1:], start=1):
         if batch.spec != spec:
@@ -322,9 +384,6 @@ def gather(batches: list[Batch], rows: Sequence[int] | None = None) -> Value:
                 "the last partition returned outputs of different structure per micro-batch: "
                 f"micro-batch 0 gave {spec}, micro-batch {i} gave {batch.spec}"
             )
-    columns = zip(*(batch.leaves for batch in batches), strict=True)
-    leaves = [_gather_column(list(column), k, rows) for k, column in enumerate(columns)]
-    return Batch.of(leaves, spec).value
 
 
 def _gather_column(column: list[Any], position: int, rows: Sequence[int] | None) -> Any:
@@ -335,6 +394,8 @@ def _gather_column(column: list[Any], position: int, rows: Sequence[int] | None)
             # the plain model returns it once.
             return first
         _check_concatenable(column, position)
+        for tensor in column:
+            refuse_attributes(tensor, f"output leaf {position}", "the micro-batches' concatenation")
         return torch.cat(column)
     if any(not _same_value(value, first) for value in column[1:]):
         raise ValueError(

@@ -22,10 +22,22 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from pipeline.runtime.aliases import (
+    raise_shared_written,
+    refuse_written,
+    sharing_positions,
+    versions_at,
+)
 from pipeline.runtime.batchnorm import deferring_batch_norm
 from pipeline.runtime.borrowed import find_loans
 from pipeline.runtime.buffers import PartitionBuffers
-from pipeline.runtime.microbatch import Arguments, Batch, Value, shared_leaves
+from pipeline.runtime.microbatch import (
+    Arguments,
+    Batch,
+    Value,
+    refuse_attributes_in,
+    shared_leaves,
+)
 from pipeline.runtime.ownership import holds_compiled, holds_generator, randomness_plans
 from pipeline.runtime.rng import PartitionRandomness
 
@@ -73,6 +85,8 @@ class PartitionRuntime:
         # one thread at a time runs the partitions and touches their buffers.
         self.lock = threading.RLock()
         self._shared: list[tuple[Tensor, int]] = []
+        # By partition: the positions of its output's leaves that share memory.
+        self._sharing: dict[int, frozenset[int]] = {}
 
     def __len__(self) -> int:
         return len(self.partitions)
@@ -94,6 +108,8 @@ class PartitionRuntime:
     def call(self, j: int, value: Value) -> Value:
         """Run partition ``j`` on ``value``, with the pipe's call style and BatchNorm deferral."""
         partition = self.partitions[j]
+        sharing = self._sharing.get(j - 1)
+        noted = versions_at(value, sharing) if sharing else []
         with deferring_batch_norm(self.deferred_batch_norm), self.loans.lent(j):
             if type(value) is Arguments:
                 output = value.call(partition)
@@ -103,7 +119,21 @@ class PartitionRuntime:
                 output = partition(value)
         if self._shared:
             self._check_shared(j)
+        if noted:
+            refuse_written(j, noted)
+        if j < len(self.partitions) - 1:
+            refuse_attributes_in(output, f"partition {j}'s output", "the next partition's input")
+            self._note_sharing(j, output)
         return output
+
+    def _note_sharing(self, j: int, output: Value) -> None:
+        """Note where partition ``j`` returned tensors sharing memory (``aliases.py``)."""
+        found = sharing_positions(output)
+        if not found:
+            return
+        if self.protect_inputs[j + 1]:
+            raise_shared_written(j + 1, "starts with a layer that writes into its input")
+        self._sharing[j] = self._sharing.get(j, frozenset()) | found
 
     @contextmanager
     def watching(self, batches: list[Batch]) -> Iterator[None]:

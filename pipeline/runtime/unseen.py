@@ -16,17 +16,22 @@ carries over grad mode, autocast and the like, not these):
 Each is refused before any work. So is ``torch.func.functional_call`` of a
 Pipe that recomputes: recomputation runs in the backward, after the call
 has put the module's own parameters back, and would compute the gradient of
-other weights than the forward's. Torch's and the library's own
+other weights than the forward's. So is a step, or a recomputing call, under
+``torch.nn.utils.parametrize.cached()`` over parametrized layers: the cache
+is not per thread, but it shares one computed weight between micro-batches
+whose backwards and recomputations run apart. Torch's and the library's own
 checkpointing and meters push saved-tensor hooks too; those pass.
 """
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-__all__ = ["refuse_reparametrized", "refuse_unseen_state"]
+__all__ = ["refuse_cached_parametrizations", "refuse_reparametrized", "refuse_unseen_state"]
 
 # Saved-tensor hooks of these modules are torch's checkpointing and the
 # library's own (its checkpointing, its activation meter): a Pipe nested in a
@@ -76,4 +81,21 @@ def refuse_reparametrized(partitions: nn.Module, what: str) -> None:
             f"'{swapped}' is a tensor given for this call (torch.func.functional_call), which "
             "the module no longer holds by then: the gradient would be another weight's; use "
             "checkpoint='never' for such calls"
+        )
+
+
+def refuse_cached_parametrizations(module: nn.Module, what: str) -> None:
+    """Refuse ``what`` (a step, or a call that recomputes) under ``parametrize.cached()``
+    over parametrized layers: one weight, computed once, shared by micro-batches whose
+    backwards run apart (torch refuses the second), and not recomputed with them."""
+    parametrize = sys.modules.get("torch.nn.utils.parametrize")
+    if parametrize is None or not getattr(parametrize, "_cache_enabled", 0):
+        return
+    if any(parametrize.is_parametrized(m) for m in module.modules()):
+        raise RuntimeError(
+            f"{what} runs under torch.nn.utils.parametrize.cached(), which computes each "
+            "parametrized weight once and shares it between the micro-batches, whose "
+            "backwards and recomputations run apart (torch refuses a second backward "
+            "through it); call it outside cached(): the pipe computes the weights once per "
+            "micro-batch"
         )

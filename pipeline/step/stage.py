@@ -54,7 +54,7 @@ from torch import Tensor
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from pipeline.runtime.microbatch import Batch, check_rows
+from pipeline.runtime.microbatch import Batch, check_gatherable, check_rows
 from pipeline.runtime.partitions import Hook, PartitionRuntime, protected
 from pipeline.runtime.recompute import Recomputation
 from pipeline.runtime.rng import BaseSeed, PartitionRandomness, TaskRandomness
@@ -234,6 +234,8 @@ class StageRun:
         inputs, sources = self._inputs(i)
         context = self.context
         checkpointed = (i, self.j) in context.checkpointed
+        if checkpointed:
+            _refuse_nested(self.j, inputs)
         randomness = TaskRandomness(
             context.seeds, i, self.j, context.randomness[self.j], checkpointed
         )
@@ -445,6 +447,8 @@ class StageRun:
             self.outputs[i] = Batch.of(
                 [x.detach() if isinstance(x, Tensor) else x for x in output.leaves], output.spec
             )
+            if len(self.outputs) == self.context.m:  # refused before the stages' ends
+                check_gatherable([self.outputs[k] for k in range(self.context.m)])
 
     def _finished(self) -> None:
         """This stage ended: accumulate what is final, call the hooks of the partitions final now.
@@ -610,3 +614,15 @@ def _never_unpacked(packed: None) -> Tensor:
 
 def _detached(x: Any) -> Any:
     return x.detach() if isinstance(x, Tensor) else x
+
+
+def _refuse_nested(j: int, inputs: Batch) -> None:
+    """Refuse a checkpointed task whose input holds a nested (ragged) tensor: recomputed, it
+    gets a new ragged size, which the gradient mailed back for it does not match (torch's
+    error in the backward, after other ``.grad`` were written)."""
+    if any(isinstance(x, Tensor) and x.is_nested for x in inputs.leaves):
+        raise ValueError(
+            f"stage {j} is given a nested (ragged) tensor in a checkpointed micro-batch: "
+            "recomputed, it would get a new ragged size that its gradient does not match; "
+            "use checkpoint='never' for such a stage's micro-batches, or pad the tensor"
+        )

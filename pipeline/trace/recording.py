@@ -52,8 +52,10 @@ __all__ = ["Trace", "begin_explicit_step", "span", "trace", "traced"]
 
 
 # The trace recording now. A process-wide global, not a thread-local: the
-# tasks it records run on worker and autograd threads.
+# tasks it records run on worker and autograd threads. The thread that entered it.
 _active: Trace | None = None
+_entered_by: threading.Thread | None = None
+_entering = threading.Lock()
 _UNTRACED = contextlib.nullcontext()
 
 
@@ -166,18 +168,32 @@ def trace(enabled: bool = True) -> Iterator[Trace]:
             pipe(x).sum().backward()
         print(t.summary())
 
-    Traces nest: the innermost one records.
+    Traces nest: the innermost one records. A trace records every pipe of
+    the process, whichever thread calls it; a second thread's trace, which
+    would take the first one's records, is refused while the first records.
     """
-    global _active
+    global _active, _entered_by
     recording = Trace()
     if not enabled:
         yield recording
         return
-    previous, _active = _active, recording
+    here = threading.current_thread()
+    with _entering:
+        if _active is not None and _entered_by is not here:
+            raise RuntimeError(
+                f"pipeline.trace() is recording already, entered by thread "
+                f"{getattr(_entered_by, 'name', None)!r}: a trace records the tasks of every "
+                "pipe in the process (they run on worker and autograd threads), so a trace "
+                "of this thread's would take the other's records and the other this one's; "
+                "trace one thread at a time, or put one trace around both"
+            )
+        previous, _active, _entered_by = _active, recording, here
     try:
         yield recording
     finally:
-        _active = previous
+        with _entering:
+            _active = previous
+            _entered_by = here if previous is not None else None
 
 
 def span(kind: Kind, microbatch: int, partition: int) -> AbstractContextManager[None]:

@@ -83,3 +83,28 @@ def test_a_second_backward_through_one_graph_signals_again(checkpoint: str) -> N
     out.sum().backward(retain_graph=True)
     out.sum().backward()
     assert signals == [1, 1]  # partition 0 signals only for an input that requires grad
+
+
+class Masked(nn.Module):
+    """Takes and returns ``(mask, h)``: a float mask needing no gradient comes first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(4, 4)
+
+    def forward(self, pair: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+        mask, h = pair
+        return mask, torch.tanh(self.l(h)) * mask
+
+
+def test_a_float_mask_before_the_activation_still_signals_every_partition() -> None:
+    # The arrival was put on the first floating tensor, the mask, which gets no gradient:
+    # no partition was ever signalled, and DataParallel lost its overlap.
+    model = nn.Sequential(Masked(), Masked(), Masked()).double()
+    pipe = Pipe(model, [1, 1, 1], devices=["cpu"] * 3, chunks=3)
+    signalled: list[int] = []
+    pipe.register_partition_backward_hook(signalled.append)
+    mask = (torch.rand(6, 4, generator=torch.Generator().manual_seed(0)) > 0.5).double()
+    _, out = pipe((mask, torch.randn(6, 4, dtype=torch.float64)))
+    out.sum().backward()
+    assert sorted(signalled) == [1, 2]  # partition 0's input needs no gradient

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 if os.environ.get("SCENARIO_WITHOUT_NUMPY") == "1":
     sys.modules["numpy"] = None  # type: ignore[assignment]
@@ -164,6 +164,63 @@ def a_parameter_unfrozen_or_replaced_after_wrapping_is_refused() -> None:
     # replica kept its own gradient of the new one (0.18 apart), silently.
     model[2].weight = nn.Parameter(model[2].weight.detach().clone())
     expect_error(RuntimeError, lambda: dp(shard(x)), "parameter '2.weight' is not the one")
+
+
+class BackwardFailedError(Exception):
+    pass
+
+
+class FailsInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        raise BackwardFailedError("a backward that fails on every replica")
+
+
+class ArmedToFail(nn.Module):
+    armed = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return cast(torch.Tensor, FailsInBackward.apply(x)) if self.armed else x
+
+
+@scenario
+def a_backward_failing_on_every_replica_leaves_the_next_averages_right() -> None:
+    # The failed backward had launched the later partition's all-reduces; the next
+    # iteration dropped them in flight, and they wrote into its buckets (8 of 20 runs
+    # wrong by up to 0.18, silently).
+    model = mlp(seed=3)
+    model.insert(1, ArmedToFail())
+    pipe = Pipe(model, [3, 7], devices=["cpu"] * 2, chunks=4)
+    dp = DataParallel(pipe, bucket_cap_mb=0.0001, first_bucket_mb=0.0001)  # one per parameter
+    x, y = global_batch(0)
+    plain = copy.deepcopy(model)
+    F.mse_loss(plain(x), y).backward()
+    for _ in range(6):
+        model[1].armed = True
+        expect_error(BackwardFailedError, lambda: F.mse_loss(dp(shard(x)), shard(y)).backward())
+        model[1].armed = False
+        dp.zero_grad(set_to_none=True)
+        F.mse_loss(dp(shard(x)), shard(y)).backward()
+        for (name, p), q in zip(pipe.named_parameters(), plain.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+@scenario
+def hooks_on_the_wrapper_are_refused_by_step() -> None:
+    # step runs the pipe's step, never DataParallel's forward: its hooks would not run.
+    dp = DataParallel(Pipe(mlp(seed=0), [5, 4], devices=["cpu"] * 2, chunks=2))
+    handle = dp.register_forward_hook(lambda module, args, output: output * 3)
+    x, y = global_batch(0)
+    step = lambda: dp.step(shard(x), shard(y), F.mse_loss)  # noqa: E731
+    expect_error(ValueError, step, "DataParallel.step runs the wrapped module's step")
+    assert all(p.grad is None for p in dp.parameters())
+    handle.remove()
+    step()
+    expect_error(TypeError, lambda: copy.deepcopy(dp), "DataParallel cannot be copied")
 
 
 @scenario

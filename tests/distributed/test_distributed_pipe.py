@@ -30,7 +30,9 @@ SHARED = [
     "a_load_is_refused_on_every_process_for_keys_no_process_asks_for_or_a_shape_one_finds",
     "a_failing_process_makes_the_others_fail_at_once_naming_it",
     "a_failure_after_the_other_processes_are_done_fails_them_too",
+    "a_step_whose_last_backwards_outlast_the_groups_timeout_ends_whole",
     "bad_arguments_are_refused_by_every_process_before_any_work",
+    "a_predecessors_checkpoint_loads_into_each_processs_stages",
     "arguments_that_differ_between_processes_are_refused_by_every_process_at_construction",
     "chunks_that_differ_on_one_process_are_refused_by_every_process_and_the_group_goes_on",
     "an_argument_refused_on_one_process_fails_every_process_within_seconds",
@@ -103,6 +105,7 @@ def test_three_stage_processes_with_skips_over_the_middle_one(group_runner: Grou
         "a_failure_on_the_last_process_reaches_every_process",
         "a_failure_reaches_a_process_whose_send_follows_the_failed_peers_abort",
         "a_pipe_closed_mid_step_fails_every_process_at_once",
+        "pipelines_of_several_sizes_in_one_job_each_equal_the_plain_model",
     ]
     check(group_runner(names, script=STAGES, world_size=3, wall_timeout_s=150), names)
 

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -137,3 +138,141 @@ def test_gather_refuses_a_non_tensor_that_counts_each_micro_batchs_rows() -> Non
         with pytest.raises(ValueError, match=r"micro-batch's rows \(2\).*the batch's \(6\)"):
             gather([Batch((b.value, counted)) for b in pieces], [2, 2, 2])
     assert gather([Batch((b.value, 5)) for b in pieces], [2, 2, 2])[1] == 5
+
+
+class SetsAttribute(torch.nn.Module):
+    """Returns its input times two, with a Python attribute a later layer reads."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = 2 * x
+        h.scale = 5.0  # type: ignore[attr-defined]
+        return h
+
+
+class ReadsAttribute(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * getattr(x, "scale", 1.0)
+
+
+@pytest.mark.parametrize(
+    ("call", "where"),
+    [(c, w) for c in ("pipe(x)", "step", "evaluate") for w in ("input", "activation", "target")
+     if (c, w) != ("pipe(x)", "target")],  # pipe(x) takes no target
+)  # fmt: skip
+def test_a_tensor_carrying_python_attributes_is_refused_where_the_pipe_would_drop_them(
+    call: str, where: str
+) -> None:
+    # Micro-batches and a partition's received input are new tensors: the attribute was
+    # gone, and the reading layer silently took its default (outputs 5.2 and 3.7 off).
+    from pipeline import Pipe
+
+    first = SetsAttribute() if where == "activation" else ReadsAttribute()
+    model = torch.nn.Sequential(first, ReadsAttribute(), torch.nn.Linear(4, 2)).double()
+    pipe = Pipe(model, [1, 2], devices=["cpu"] * 2, chunks=2)
+    x, y = torch.randn(4, 4, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)
+    if where != "activation":
+        tagged = x if where == "input" else y
+        tagged.scale = 5.0  # type: ignore[attr-defined]
+    named = {"input": "input carries", "target": "target carries", "activation": "partition 0's"}
+    runs = {
+        "pipe(x)": lambda: pipe(x),
+        "step": lambda: pipe.step(x, y, torch.nn.functional.mse_loss),
+        "evaluate": lambda: pipe.evaluate(x, y, torch.nn.functional.mse_loss),
+    }
+    with pytest.raises(TypeError, match=rf"{named[where]}.* Python attribute\(s\) scale"):
+        runs[call]()
+    assert all(p.grad is None for p in pipe.parameters())
+
+
+def test_a_last_partition_output_carrying_attributes_is_refused_where_concatenated() -> None:
+    from pipeline import Pipe
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), SetsAttribute()).double()
+    x = torch.randn(4, 4, dtype=torch.float64)
+    with pytest.raises(TypeError, match="output leaf 0 carries the Python attribute"):
+        Pipe(model, [1, 1], devices=["cpu"] * 2, chunks=2)(x)
+    assert Pipe(model, [1, 1], devices=["cpu"] * 2, chunks=1)(x).scale == 5.0  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda x: x.to_sparse(),
+        lambda x: x.to_sparse_csr(),
+        lambda x: torch.nested.nested_tensor(list(x.unbind())),
+    ],
+    ids=["coo", "csr", "strided-nested"],
+)
+def test_an_input_torch_cannot_split_is_refused_naming_its_layout(
+    make: Callable[[torch.Tensor], torch.Tensor],
+) -> None:
+    with pytest.raises(TypeError, match="which torch cannot split into micro-batches"):
+        check_input(make(torch.randn(4, 3)))
+
+
+class Ragged(torch.nn.Module):
+    """Rows cut to their lengths: a nested tensor of the jagged layout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = [r[: 1 + k % 3] for k, r in enumerate(self.l(x).unbind())]
+        return torch.nested.as_nested_tensor(rows, layout=torch.jagged)
+
+
+class Sums(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.stack([r.sum(0) for r in self.l(x).unbind()])
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+def test_a_ragged_activation_in_a_step_is_the_plain_models_or_refused_where_recomputed(
+    checkpoint: str,
+) -> None:
+    # Recomputed, it got a new ragged size: torch's shape mismatch in the backward,
+    # after the last stage's .grad was written.
+    import copy
+
+    from pipeline import Pipe
+
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(Ragged(), Sums()).double()
+    layers = copy.deepcopy(plain)
+    pipe = Pipe(layers, [1, 1], devices=["cpu"] * 2, chunks=2, checkpoint=checkpoint)  # type: ignore[arg-type]
+    x = torch.randn(6, 4, 4, dtype=torch.float64)
+    total = lambda out, target: out.square().sum()  # noqa: E731
+    if checkpoint == "always":
+        with pytest.raises(ValueError, match=r"stage 1 is given a nested .* checkpointed"):
+            pipe.step(x, x, total, loss_reduction="sum")
+        assert all(p.grad is None for p in layers.parameters())
+        return
+    pipe.step(x, x, total, loss_reduction="sum")
+    plain(x).square().sum().backward()
+    for name, p in plain.named_parameters():
+        torch.testing.assert_close(layers.get_parameter(name).grad, p.grad, msg=name)
+
+
+class RowsWide(torch.nn.Module):
+    """Keeps as many columns as its micro-batch has rows: shapes differ beyond dim 0."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[:, : x.shape[0]]
+
+
+def test_step_outputs_that_cannot_be_concatenated_are_refused_once_the_last_forward_ran() -> None:
+    # The refusal came after every backward; with GPipe's programs it now comes before any.
+    from pipeline import Pipe
+
+    layers = torch.nn.Sequential(torch.nn.Linear(4, 4), RowsWide()).double()
+    pipe = Pipe(layers, [1, 1], devices=["cpu"] * 2, chunks=3)
+    x = torch.randn(7, 4, dtype=torch.float64)
+    total = lambda out, target: out.sum()  # noqa: E731
+    with pytest.raises(ValueError, match="cannot be concatenated along dim 0"):
+        pipe.step(x, x, total, schedule="gpipe", return_outputs=True)
+    assert all(p.grad is None for p in layers.parameters())

@@ -109,3 +109,41 @@ def test_functional_call_recomputing_is_refused_and_without_recomputation_equals
     out.square().sum().backward()
     for name, value in given.items():
         torch.testing.assert_close(value.grad, weights[name].grad, msg=name)
+
+
+def parametrized() -> nn.Sequential:
+    layers = model(norm=False)
+    nn.utils.parametrizations.spectral_norm(layers[0])
+    return layers
+
+
+@pytest.mark.parametrize(
+    ("call", "checkpoint"),
+    [("step", "never"), ("step", "always"), ("pipe(x)", "always"), ("pipe(x)", "except_last")],
+)
+def test_a_step_or_recomputing_call_under_cached_parametrizations_is_refused_before_any_work(
+    call: str, checkpoint: str
+) -> None:
+    # One cached weight for every micro-batch: torch's "backward through the graph a
+    # second time", or a CheckpointError, after .grad and spectral norm's vectors moved.
+    pipe = pipe_of(parametrized(), checkpoint)
+    vectors = pipe.get_buffer("0.parametrizations.weight.0._u").clone()
+    run = {"step": lambda: pipe.step(X, Y, F.mse_loss), "pipe(x)": lambda: pipe(X)}[call]
+    with (
+        nn.utils.parametrize.cached(),
+        pytest.raises(RuntimeError, match=r"parametrize\.cached\(\)"),
+    ):
+        run()
+    assert all(p.grad is None for p in pipe.parameters())
+    torch.testing.assert_close(pipe.get_buffer("0.parametrizations.weight.0._u"), vectors)
+
+
+def test_cached_parametrizations_pass_where_nothing_is_shared_between_backwards() -> None:
+    plain, layers = parametrized(), parametrized()
+    pipe = pipe_of(layers, "never")
+    with nn.utils.parametrize.cached():
+        expected = plain(X)
+        got = pipe(X)
+        evaluated = pipe.evaluate(X)
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(evaluated, plain.eval()(X))
