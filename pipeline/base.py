@@ -674,9 +674,10 @@ class PipeBase(nn.Module, ABC):
 
 
 def _registered(module: nn.Module) -> dict[str, int]:
-    """The children, parameters and buffers registered on ``module`` itself, by identity."""
-    own = (module._modules, module._parameters, module._buffers)
-    return {name: id(value) for found in own for name, value in found.items()}
+    """The children and parameters registered on ``module`` itself, by identity, and its
+    buffers, by name (``.to()`` replaces them: a split model's checks say what follows)."""
+    held = [*module._modules.items(), *module._parameters.items()]
+    return {name: id(value) for name, value in held} | dict.fromkeys(module._buffers, 0)
 
 
 def _refuse_nested_pipes(module: nn.Module) -> None:

@@ -754,7 +754,11 @@ class DistributedPipe(PipeBase):
             given = [name for name in names if name in state_dict]
             for name in (n for n in names if n in own and given):
                 mine[name] = state_dict[given[-1]]
-        _refuse_partial_load(type(self).__name__, own, mine, strict)
+        metadata = getattr(state_dict, "_metadata", None)
+        if metadata is not None:
+            mine._metadata = metadata  # type: ignore[attr-defined]  # the layers' versions
+        if not any(m._load_state_dict_pre_hooks for m in self.modules()):  # they may rename
+            _refuse_partial_load(type(self).__name__, own, mine, strict)
         return super().load_state_dict(mine, strict=strict, assign=assign)
 
     def close(self) -> None:
@@ -830,7 +834,7 @@ def _refuse_partial_load(
 ) -> None:
     """Refuse a load giving a key of this process's another shape, or (``strict``) missing
     one, before anything is loaded (torch's loads the rest first, then raises)."""
-    missing = [k for k in own if k not in given] if strict else []
+    missing = [k for k in own if k not in given and not _filled_in(k, given)] if strict else []
     shapes = [
         f"{k!r}: {tuple(v.shape)} given, {tuple(own[k].shape)} here"
         for k, v in given.items()
@@ -845,6 +849,16 @@ def _refuse_partial_load(
             f"Error(s) in loading state_dict for {name}: {'; '.join(found)} (nothing was "
             "loaded in this process; pass strict=False to load what matches)"
         )
+
+
+def _filled_in(key: str, given: Mapping[str, Any]) -> bool:
+    """Whether torch's load fills ``key`` in itself: a BatchNorm's ``num_batches_tracked``,
+    missing from a state dict of a version before it (or of no version)."""
+    if not key.endswith("num_batches_tracked"):
+        return False
+    versions = getattr(given, "_metadata", None) or {}
+    version = versions.get(key.rpartition(".")[0], {}).get("version")
+    return version is None or version < 2
 
 
 def _every_pipeline(

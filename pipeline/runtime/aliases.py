@@ -2,24 +2,29 @@
 
 A layer may return one tensor twice, or a view beside its base
 (``return h, h[:, :2]``). In the plain model a later layer writing into one
-of them in place changes the other too. Between partitions each tensor
-travels on its own (a copy to another device or process, a leaf of the
-next stage's graph, a copy for a first layer that writes into its input),
-so the write would change only one, and the outputs and gradients after it
-would differ, silently::
+of them in place changes the other too. Between partitions a tensor may
+travel on its own (a copy to another device or process, a leaf of the next
+stage's graph, a copy for a first layer that writes into its input), so the
+write would change only one, and the outputs and gradients after it would
+differ, silently::
 
     partition j      returns (h, h)                 one memory
     partition j + 1  receives (a, b)                two, once sent
                      a.add_(1)                      b unchanged: the plain model's b is a
 
-So the positions of such tensors in a partition's output are noted
-(``sharing_positions``), and a write into them by the next partition is
-refused (``refuse_written``): at once where its first layer declares that
-it writes into its input (``inplace``), else after its forward, by their
-version counters.
+So the groups of tensors in a partition's output whose memory overlaps are
+noted (``sharing_groups``), and a write into one of them by the next
+partition is refused (``refuse_written``) where the tensors it received no
+longer overlap, or need a gradient: at once where its first layer declares
+that it writes into its input (``inplace``: it gets a copy of each), else
+after its forward, by their version counters. Tensors that need no gradient,
+received as they were sent (one process, one device), still overlap, and
+pass.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import Tensor
@@ -27,24 +32,32 @@ from torch.utils._pytree import tree_leaves
 
 from pipeline.runtime.microbatch import Value
 
-__all__ = ["raise_shared_written", "refuse_written", "sharing_positions", "versions_at"]
+__all__ = ["Noted", "raise_shared_written", "refuse_written", "sharing_groups", "versions_at"]
+
+# A group's received tensors, each with its position among the leaves and its version.
+Noted = list[list[tuple[int, Tensor, int]]]
 
 
-def sharing_positions(value: Value) -> frozenset[int]:
-    """The positions, among ``value``'s leaves, of the tensors that share memory with another.
+def sharing_groups(value: Value) -> list[frozenset[int]]:
+    """The positions, among ``value``'s leaves, of tensors whose memory overlaps another's,
+    in groups that overlap.
 
     >>> h = torch.zeros(4, 4)
-    >>> sorted(sharing_positions((h, torch.ones(2), h[:, :2])))
-    [0, 2]
+    >>> sharing_groups((h, torch.ones(2), h[:, :2], h[:, 2:3]))
+    [frozenset({0, 2, 3})]
+    >>> sharing_groups((h[:, :2], h[:, 2:]))  # no element in common: a write is one's alone
+    []
     """
     leaves = tree_leaves(value)
     if sum(isinstance(leaf, Tensor) for leaf in leaves) < 2:
-        return frozenset()
-    by_memory: dict[int, list[int]] = {}
+        return []
+    groups: list[set[int]] = []
     for k, leaf in enumerate(leaves):
         if _has_memory(leaf):
-            by_memory.setdefault(leaf.untyped_storage().data_ptr(), []).append(k)
-    return frozenset(k for found in by_memory.values() if len(found) > 1 for k in found)
+            joined = [g for g in groups if any(_meet(leaf, leaves[q]) for q in g)]
+            merged = {k}.union(*joined)
+            groups = [g for g in groups if g not in joined] + [merged]
+    return [frozenset(g) for g in groups if len(g) > 1]
 
 
 def _has_memory(leaf: object) -> bool:
@@ -58,22 +71,73 @@ def _has_memory(leaf: object) -> bool:
     )
 
 
-def versions_at(value: Value, positions: frozenset[int]) -> list[tuple[int, Tensor, int]]:
-    """The tensors of ``value`` at ``positions`` (its leaves'), with their version counters."""
+def _span(tensor: Tensor) -> tuple[int, int, int]:
+    """The bytes ``tensor`` reaches in its storage: (storage, first, last + 1)."""
+    size = tensor.element_size()
+    first = int(tensor.storage_offset()) * size
+    reach = sum((int(n) - 1) * abs(s) for n, s in zip(tensor.shape, tensor.stride(), strict=True))
+    return tensor.untyped_storage().data_ptr(), first, first + (reach + 1) * size
+
+
+def _overlap(a: tuple[int, int, int], b: tuple[int, int, int]) -> bool:
+    return a[0] == b[0] and a[1] < b[2] and b[1] < a[2]
+
+
+def _meet(a: Tensor, b: Tensor) -> bool:
+    """Whether ``a`` and ``b`` hold an element of one memory in common (column slices of
+    one matrix interleave in it, and hold none)."""
+    if not _overlap(_span(a), _span(b)):
+        return False
+    if a.element_size() != b.element_size():
+        return True  # a view of another dtype: taken to meet wherever it reaches
+    return _elements_meet(_layout(a), _layout(b))
+
+
+Layout = tuple[tuple[int, ...], tuple[int, ...], int]
+
+
+def _layout(tensor: Tensor) -> Layout:
+    return tuple(map(int, tensor.shape)), tuple(tensor.stride()), int(tensor.storage_offset())
+
+
+@functools.lru_cache(maxsize=256)
+def _elements_meet(a: Layout, b: Layout) -> bool:
+    """Whether two layouts in one storage reach a common element: computed once per pair of
+    layouts, which a partition's outputs repeat micro-batch after micro-batch."""
+    return bool(torch.isin(_elements(a), _elements(b)).any())
+
+
+def _elements(layout: Layout) -> Tensor:
+    """The storage indices of a tensor's elements."""
+    shape, stride, offset = layout
+    found = torch.tensor(offset, dtype=torch.int64)
+    for n, step in zip(shape, stride, strict=True):
+        found = found.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * step
+    return found.flatten()
+
+
+def versions_at(value: Value, groups: list[frozenset[int]]) -> Noted:
+    """The tensors of ``value`` in each of ``groups`` (positions among its leaves), with
+    their version counters."""
     leaves = tree_leaves(value)
     return [
-        (k, leaves[k], leaves[k]._version)
-        for k in sorted(positions)
-        if k < len(leaves) and isinstance(leaves[k], Tensor)
+        [(k, leaves[k], leaves[k]._version) for k in sorted(g) if isinstance(leaves[k], Tensor)]
+        for g in groups
+        if max(g) < len(leaves)
     ]
 
 
-def refuse_written(j: int, noted: list[tuple[int, Tensor, int]]) -> None:
-    """Refuse partition ``j``'s write into its input where partition ``j - 1`` returned
-    tensors sharing memory (``noted``: each with its version before ``j``'s forward)."""
-    written = [k for k, tensor, version in noted if tensor._version != version]
-    if written:
-        raise_shared_written(j, f"wrote in place into its input's leaf {written[0]}")
+def refuse_written(j: int, noted: Noted) -> None:
+    """Refuse partition ``j``'s write into a group of its input that partition ``j - 1``
+    returned overlapping (``noted``: each with its version before ``j``'s forward), where
+    it received them apart, or as tensors of the graph (each the output of the pipe's own
+    autograd function between partitions, whose gradients the write would not follow)."""
+    for group in noted:
+        written = [k for k, tensor, version in group if tensor._version != version]
+        first = group[0][1]
+        apart = any(not _meet(first, tensor) for _, tensor, _ in group[1:])
+        if written and (apart or any(tensor.requires_grad for _, tensor, _ in group)):
+            raise_shared_written(j, f"wrote in place into its input's leaves {written}")
 
 
 def raise_shared_written(j: int, what: str) -> None:

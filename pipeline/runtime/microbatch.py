@@ -263,20 +263,30 @@ def refuse_attributes(tensor: Tensor, where: str, losing: str) -> None:
     """
     if torch.compiler.is_compiling():
         return  # dynamo traces up to the pipe's own break; it cannot read a tensor's dict
-    if type(tensor) in (Tensor, torch.nn.Parameter) and vars(tensor):
+    found = _attributes(tensor)
+    if found:
         raise TypeError(
-            f"{where} carries the Python attribute(s) {', '.join(sorted(vars(tensor)))}, "
+            f"{where} carries the Python attribute(s) {', '.join(found)}, "
             f"which {losing} would not: a later layer reading them would get an "
             "AttributeError or a default; pass them as tensors or values beside it, or keep "
             "the layers that read them with the one that sets them"
         )
 
 
+def _attributes(value: Any) -> list[str]:
+    """The Python attributes set on a plain tensor (or parameter) ``value``, but torch's
+    own, private ones (``_dynamo_dynamic_indices``, set by ``mark_dynamic`` and by
+    compiled layers on their outputs), which only tune compilation."""
+    if type(value) not in (Tensor, torch.nn.Parameter):
+        return []
+    return sorted(name for name in vars(value) if not name.startswith("_"))
+
+
 def refuse_attributes_in(value: Value, where: str, losing: str) -> None:
     """``refuse_attributes`` for every tensor in ``value``, named by its place in it."""
     if torch.compiler.is_compiling():
         return
-    if any(isinstance(leaf, Tensor) and vars(leaf) for leaf in tree_leaves(value)):
+    if any(_attributes(leaf) for leaf in tree_leaves(value)):
         for path, leaf in tree_flatten_with_path(value)[0]:
             if isinstance(leaf, Tensor):
                 refuse_attributes(leaf, where + keystr(path), losing)

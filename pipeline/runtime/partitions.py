@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from pipeline.runtime.aliases import (
     raise_shared_written,
     refuse_written,
-    sharing_positions,
+    sharing_groups,
     versions_at,
 )
 from pipeline.runtime.batchnorm import deferring_batch_norm
@@ -85,8 +85,8 @@ class PartitionRuntime:
         # one thread at a time runs the partitions and touches their buffers.
         self.lock = threading.RLock()
         self._shared: list[tuple[Tensor, int]] = []
-        # By partition: the positions of its output's leaves that share memory.
-        self._sharing: dict[int, frozenset[int]] = {}
+        # By partition: the groups of its output's leaves whose memory overlaps.
+        self._sharing: dict[int, list[frozenset[int]]] = {}
 
     def __len__(self) -> int:
         return len(self.partitions)
@@ -128,12 +128,15 @@ class PartitionRuntime:
 
     def _note_sharing(self, j: int, output: Value) -> None:
         """Note where partition ``j`` returned tensors sharing memory (``aliases.py``)."""
-        found = sharing_positions(output)
+        found = sharing_groups(output)
         if not found:
             return
-        if self.protect_inputs[j + 1]:
+        if self.protect_inputs[j + 1] and not len(self.partitions[j + 1]):
+            # In another process (a DistributedPipe's), which cannot see the groups: its
+            # first layer writes into a copy of what it receives.
             raise_shared_written(j + 1, "starts with a layer that writes into its input")
-        self._sharing[j] = self._sharing.get(j, frozenset()) | found
+        known = self._sharing.setdefault(j, [])
+        known += [g for g in found if g not in known]
 
     @contextmanager
     def watching(self, batches: list[Batch]) -> Iterator[None]:

@@ -276,3 +276,16 @@ def test_step_outputs_that_cannot_be_concatenated_are_refused_once_the_last_forw
     with pytest.raises(ValueError, match="cannot be concatenated along dim 0"):
         pipe.step(x, x, total, schedule="gpipe", return_outputs=True)
     assert all(p.grad is None for p in layers.parameters())
+
+
+def test_torchs_own_private_attributes_on_a_tensor_pass() -> None:
+    # torch._dynamo.mark_dynamic(x, 0) sets _dynamo_dynamic_indices and others, and a
+    # compiled layer marks its outputs alike: refused, they failed a compiled pipe's
+    # second batch size.
+    from pipeline import Pipe
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)).double()
+    x = torch.randn(4, 4, dtype=torch.float64)
+    x._dynamo_dynamic_indices = {0}  # type: ignore[attr-defined]
+    expected = model(x)
+    torch.testing.assert_close(Pipe(model, [1, 1], devices=["cpu"] * 2, chunks=2)(x), expected)
