@@ -53,6 +53,7 @@ from pipeline.runtime.agreement import (
     ranks_text,
     refusal_elsewhere,
 )
+from pipeline.runtime.buffers import shared_buffers
 from pipeline.runtime.lazy import instance_of
 from pipeline.runtime.microbatch import Batch, Value, gather
 from pipeline.runtime.partitions import starts_in_place
@@ -248,6 +249,10 @@ class DistributedPipe(PipeBase):
         # Every stage's, other processes' too: a skip sent into a stage that copies
         # its input is refused by its sender (skip/tracker.py).
         self._runtime.protect_inputs = [starts_in_place(p) for p in every]
+        # Buffers that stages of other processes hold too: each process holds a copy.
+        self._runtime.shared_buffers = {
+            s: names for s, names in shared_buffers(every).items() if s in self.local_stages
+        }
         self._ties.resolve(self.partitions, self.local_stages, pipelines, self.rank)
         self._ties.synchronize()
 

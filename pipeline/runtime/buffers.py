@@ -6,12 +6,12 @@ and InstanceNorm update their running statistics, spectral norm advances its
 power-iteration vectors. Run again, such a layer would update them a second
 time, and would compute from values that later micro-batches have changed
 since. So a checkpointed forward notes which buffers it changed and keeps
-what they held before; recomputation runs with those values put back and
-then restores what the buffers hold now::
+what they held before; recomputation runs with a copy of those values in
+their place, and the buffers of now are put back, untouched::
 
     forward (i):   snapshot B  ->  run: B changes to B'       (B kept)
     forward (i+1): ...             B' changes to B''
-    recompute (i): B'' saved, B put back -> run -> B'' restored
+    recompute (i): a copy of B swapped in -> run -> B'' swapped back
 
 The recomputation sees what the forward saw and leaves no trace. Which
 buffers change is learned on a partition's first checkpointed forward, by
@@ -26,7 +26,7 @@ buffer that starts changing.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -35,7 +35,13 @@ from torch.nn.modules.batchnorm import _NormBase
 
 from pipeline.runtime.lazy import instance_of
 
-__all__ = ["BufferSnapshot", "PartitionBuffers", "updated_in_forward"]
+__all__ = [
+    "BufferSnapshot",
+    "PartitionBuffers",
+    "check_shared_kept",
+    "shared_buffers",
+    "updated_in_forward",
+]
 
 
 def updated_in_forward(module: nn.Module) -> str | None:
@@ -58,6 +64,41 @@ def updated_in_forward(module: nn.Module) -> str | None:
     ):
         return "power-iteration vectors"
     return None
+
+
+def shared_buffers(partitions: Sequence[nn.Module]) -> dict[int, list[str]]:
+    """By partition, the names of its buffers that another partition holds too.
+
+    >>> shared = torch.nn.Linear(2, 2)
+    >>> shared.register_buffer("seen", torch.zeros(()))
+    >>> shared_buffers([nn.Sequential(shared), nn.Sequential(nn.Tanh(), shared)])
+    {0: ['0.seen'], 1: ['1.seen']}
+    """
+    holders: dict[int, list[tuple[int, str]]] = {}
+    for j, partition in enumerate(partitions):
+        for name, buffer in partition.named_buffers(remove_duplicate=False):
+            holders.setdefault(id(buffer), []).append((j, name))
+    found: dict[int, list[str]] = {}
+    for held in holders.values():
+        if len({j for j, _ in held}) > 1:
+            for j, name in held:
+                found.setdefault(j, []).append(name)
+    return found
+
+
+def check_shared_kept(j: int, partition: nn.Module, names: list[str], versions: list[int]) -> None:
+    """Refuse partition ``j``'s forward that wrote into one of its buffers ``names`` (held by
+    another partition or process too) since their ``versions`` were taken."""
+    buffers = dict(partition.named_buffers(remove_duplicate=False))
+    written = [n for n, v in zip(names, versions, strict=True) if buffers[n]._version != v]
+    if written:
+        raise RuntimeError(
+            f"partition {j} wrote into its buffer {written[0]!r} in its forward, and another "
+            "partition (or a stage of another process) holds that buffer too: the updates "
+            "would come in the order the partitions run their micro-batches, or apart in "
+            "each process, not the plain model's; give each use a buffer of its own, or keep "
+            "its uses in one partition"
+        )
 
 
 class BufferSnapshot:
@@ -123,23 +164,40 @@ class PartitionBuffers:
 
     @contextmanager
     def replayed(self, snapshot: BufferSnapshot) -> Iterator[None]:
-        """Run with the buffers as the forward saw them; restore their values afterwards."""
+        """Run with the buffers as the forward saw them; then the buffers of now again.
+
+        Each buffer that changes is swapped, for the recomputation, for the copy
+        the forward kept, and swapped back after: the buffers of now are never
+        written. So a micro-batch not checkpointed that saved a buffer for its
+        backward (batch norm saves its running statistics) finds it as it was;
+        what the recomputation saves is the copy, which nothing changes later;
+        a layer that rebinds its buffer (``self.ema = self.ema * 0.9 + ...``)
+        leaves the one of now in place; and one that resizes it (an observer's
+        first statistics) resizes the copy.
+        """
         if not snapshot.values:
             yield
             return
         buffers = self._buffers()
-        targets = [(buffers[name], value) for name, value in snapshot.values.items()]
-        # Written through .data: the version counters stay as they are, since
-        # a micro-batch not checkpointed may have saved a buffer for its
-        # backward (batch norm saves its running statistics), and the values
-        # it saved are back in place before that backward runs.
-        with torch.no_grad():
-            now = [b.clone() for b, _ in targets]
-            for buffer, value in targets:
-                buffer.data.copy_(value)
+        # Every module holding each buffer (layers may share one), and what it holds now.
+        swapped = [
+            (module, leaf, module._buffers[leaf], value.clone())
+            for name, value in snapshot.values.items()
+            for module, leaf in self._holders(buffers[name])
+        ]
+        for module, leaf, _, copy in swapped:
+            module._buffers[leaf] = copy
         try:
             yield
         finally:
-            with torch.no_grad():
-                for (buffer, _), value in zip(targets, now, strict=True):
-                    buffer.data.copy_(value)
+            for module, leaf, now, _ in swapped:
+                module._buffers[leaf] = now
+
+    def _holders(self, buffer: Tensor) -> list[tuple[nn.Module, str]]:
+        """Each module of the partition holding ``buffer`` as its own, with the name."""
+        return [
+            (module, leaf)
+            for module in self.partition.modules()
+            for leaf, held in module._buffers.items()
+            if held is buffer
+        ]

@@ -30,7 +30,7 @@ from pipeline.runtime.aliases import (
 )
 from pipeline.runtime.batchnorm import deferring_batch_norm
 from pipeline.runtime.borrowed import find_loans
-from pipeline.runtime.buffers import PartitionBuffers
+from pipeline.runtime.buffers import PartitionBuffers, check_shared_kept, shared_buffers
 from pipeline.runtime.microbatch import (
     Arguments,
     Batch,
@@ -79,6 +79,8 @@ class PartitionRuntime:
         self.positional = positional
         self.deferred_batch_norm = deferred_batch_norm
         self.buffers = [PartitionBuffers(p, j) for j, p in enumerate(partitions)]
+        # By partition: its buffers another partition (or a stage elsewhere) holds too.
+        self.shared_buffers = shared_buffers(partitions)
         self.protect_inputs = [starts_in_place(p) for p in partitions]
         self.loans = find_loans(partitions, devices)
         # Held by each forward pass, each recomputation and each Pipe.step:
@@ -110,6 +112,10 @@ class PartitionRuntime:
         partition = self.partitions[j]
         sharing = self._sharing.get(j - 1)
         noted = versions_at(value, sharing) if sharing else []
+        held = self.shared_buffers.get(j)
+        if held:
+            buffers = dict(partition.named_buffers(remove_duplicate=False))
+            versions = [buffers[name]._version for name in held]
         with deferring_batch_norm(self.deferred_batch_norm), self.loans.lent(j):
             if type(value) is Arguments:
                 output = value.call(partition)
@@ -121,6 +127,8 @@ class PartitionRuntime:
             self._check_shared(j)
         if noted:
             refuse_written(j, noted)
+        if held:
+            check_shared_kept(j, partition, held, versions)
         if j < len(self.partitions) - 1:
             refuse_attributes_in(output, f"partition {j}'s output", "the next partition's input")
             self._note_sharing(j, output)
