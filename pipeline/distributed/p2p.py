@@ -93,15 +93,16 @@ from pipeline.distributed.wire_format import (
 from pipeline.runtime.process_group import collective_device
 from pipeline.step.mail import AbortedError, Mailboxes, MailTimeoutError, Message, describe
 
-__all__ = ["END_KEYS", "ROUTER_KEYS", "P2PTransport", "PeerError"]
+__all__ = ["DONE_KEYS", "END_KEYS", "ROUTER_KEYS", "P2PTransport", "PeerError"]
 
 _TAG = 0
 # Small messages of a step besides its stages' (a sum passed up the ranks and back down:
 # the router loss's, the step's end): the room stays what the stages' messages made it,
 # or the next step's first activation would not fit and take a send more.
 ROUTER_KEYS = ("router-up", "router-down")
+DONE_KEYS = ("done-up", "done-down")
 END_KEYS = ("end-up", "end-down")
-_ASIDE = frozenset(ROUTER_KEYS + END_KEYS)
+_ASIDE = frozenset(ROUTER_KEYS + DONE_KEYS + END_KEYS)
 
 # How long closing waits for its own stop messages to leave, at most: a
 # live peer's listener takes them at once; a dead one fails them at once.

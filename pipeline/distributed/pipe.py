@@ -41,10 +41,10 @@ from pipeline.base import PipeBase
 from pipeline.calls import EvaluateCall, MicroBatches, StepCall, redocumented
 from pipeline.distributed.groups import give_back, message_groups, retire
 from pipeline.distributed.meta import Init, materialized, meta_resets
-from pipeline.distributed.p2p import END_KEYS, ROUTER_KEYS, P2PTransport, PeerError
+from pipeline.distributed.p2p import DONE_KEYS, END_KEYS, ROUTER_KEYS, P2PTransport, PeerError
 from pipeline.distributed.sharded import check_sharding, local_ties, sharding_kind
 from pipeline.distributed.stage_arguments import check_alone, disagreement
-from pipeline.distributed.ties import TiedWeights
+from pipeline.distributed.ties import TiedWeights, ties_across
 from pipeline.distributed.wire_format import DEFAULT_MAX_MESSAGE_BYTES
 from pipeline.runtime.agreement import (
     camps,
@@ -210,13 +210,23 @@ class DistributedPipe(PipeBase):
         # Every process compares, a refusing one too: the others wait for it.
         disagreed = disagreement(module, arguments, self.group)
         problem = refusal or disagreed
-        pipelines, stopped = _every_pipeline(self.group, refused=problem is not None)
+        tied = arguments is not None and ties_across(module, arguments.balance, self.size)
+        pipelines, stopped, tied_somewhere = _every_pipeline(
+            self.group, refused=problem is not None, tied=tied
+        )
         if problem is not None:
             raise problem
         if stopped:
             raise ValueError(
                 f"the pipeline of (global) ranks {stopped} refused its arguments (its processes' "
                 "errors say why); no pipeline of the job was built"
+            )
+        if tied_somewhere and len({len(p) for p in pipelines}) > 1:
+            raise ValueError(
+                f"the job's pipelines have several sizes ({pipelines}) and one of them has "
+                "weights tied across its processes, whose groups are made over the whole job "
+                "for pipelines alike; build pipelines of one size, or keep each tied weight's "
+                "uses in one process"
             )
         return pipelines
 
@@ -310,11 +320,13 @@ class DistributedPipe(PipeBase):
             try:
                 run.run_here(programs[self.rank])
                 self._transport.end_step()
+                if self._ties.found:  # no process enters the tied sums if one failed
+                    self._step_ended(DONE_KEYS)
                 run.finish(self._ties.sum_over_holders)
+                self._step_ended(END_KEYS)
             except BaseException as error:
                 self._transport.abort(error)  # the others, at the step's end, stop waiting
                 raise
-            self._step_ended()
         for j in sorted(self._ties.stages):
             for hook in self._completion_hooks.values():
                 hook(j)
@@ -346,7 +358,7 @@ class DistributedPipe(PipeBase):
                     )
         return programs, simulation
 
-    def _step_ended(self) -> None:
+    def _step_ended(self, keys: tuple[str, str]) -> None:
         """Every process's step ends together: if one failed, every one raises.
 
         A process whose stages were done before a peer's later action failed
@@ -355,9 +367,11 @@ class DistributedPipe(PipeBase):
         step's own messages carry it, as the router loss's sum, bounded by the
         pipe's timeout: a collective would wait the group's, which stage 0's
         last backwards may outlast; a failed process's abort ends the wait.
+        With weights tied across processes, the actions' end is agreed so too
+        before their sums' all-reduce, which no failure could interrupt.
         """
         try:
-            self._summed_over_ranks(torch.zeros(1), END_KEYS)
+            self._summed_over_ranks(torch.zeros(1), keys)
             self._transport.end_step()  # its own sends too: none is left in flight
         except Exception as error:
             raise PeerError(
@@ -867,8 +881,8 @@ def _filled_in(key: str, given: Mapping[str, Any]) -> bool:
 
 
 def _every_pipeline(
-    group: dist.ProcessGroup, refused: bool
-) -> tuple[list[list[int]], list[int] | None]:
+    group: dist.ProcessGroup, refused: bool, tied: bool
+) -> tuple[list[list[int]], list[int] | None, bool]:
     """The global ranks of every pipeline (a process group like ``group``) in the job.
 
     A collective over the whole job: every process builds its pipeline
@@ -880,14 +894,14 @@ def _every_pipeline(
     world = dist.get_world_size()
     # One length for every process's row, whatever the size of its pipeline: gloo aborts
     # a process given rows of several lengths.
-    row = [int(refused), len(ranks), *ranks, *[-1] * (world - len(ranks))]
+    row = [int(refused), int(tied), len(ranks), *ranks, *[-1] * (world - len(ranks))]
     mine = torch.tensor(row, dtype=torch.int64, device=device)
     gathered = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(gathered, mine)
     rows = [[int(v) for v in t.tolist()] for t in gathered]
-    pipelines = {tuple(r[2 : 2 + r[1]]) for r in rows}
-    stopped = next((r[2 : 2 + r[1]] for r in rows if r[0]), None)
-    return [list(p) for p in sorted(pipelines)], stopped
+    pipelines = {tuple(r[3 : 3 + r[2]]) for r in rows}
+    stopped = next((r[3 : 3 + r[2]] for r in rows if r[0]), None)
+    return [list(p) for p in sorted(pipelines)], stopped, any(r[1] for r in rows)
 
 
 def _router_choice(router: RouterTally | None) -> str:

@@ -9,13 +9,16 @@ embedding group, destroyed once the pipeline is closed.
 
 from __future__ import annotations
 
+from itertools import accumulate, pairwise
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipeline.runtime.layers import named_layers
 from pipeline.step.gradients import GradientSums
 
-__all__ = ["TiedWeights"]
+__all__ = ["TiedWeights", "ties_across"]
 
 
 class TiedWeights:
@@ -126,6 +129,19 @@ class TiedWeights:
                 total = grad if grad is not None else torch.zeros_like(param)
                 dist.all_reduce(total, group=group)
                 sums.add([param], [total])
+
+
+def ties_across(module: nn.Sequential, balance: list[int], processes: int) -> bool:
+    """Whether a parameter of ``module`` is used by stages of several of ``processes``
+    (stage ``s`` in process ``s % processes``), before the pipe is built."""
+    layers = list(named_layers(module).values())
+    bounds = list(accumulate(balance, initial=0))
+    owners: dict[int, set[int]] = {}
+    for s, (a, b) in enumerate(pairwise(bounds)):
+        for layer in layers[a:b]:
+            for param in layer.parameters():
+                owners.setdefault(id(param), set()).add(s % processes)
+    return any(len(found) > 1 for found in owners.values())
 
 
 def _tied_parameters(

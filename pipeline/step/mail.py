@@ -235,6 +235,10 @@ _WHAT = {
 _OF_THE_STEP = {
     "router-up": "the router loss's counts of the ranks below",
     "router-down": "the router loss's counts of the whole batch",
+    "done-up": "the word that the ranks below ran their actions",
+    "done-down": "the word that every rank ran its actions",
+    "end-up": "the word that the ranks below ended the step",
+    "end-down": "the word that every rank ended the step",
 }
 
 

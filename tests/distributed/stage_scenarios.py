@@ -1285,6 +1285,49 @@ def an_interrupted_process_stops_the_others_and_the_next_step_is_right() -> None
     pipe.close()
 
 
+@scenario
+def a_failure_in_a_backward_with_tied_weights_fails_every_holder_at_once() -> None:
+    # The holders that were done entered the tied weights' all-reduce, which the failed
+    # process never joined: they waited the group's timeout (70 s), and the pipeline was
+    # dead after.
+    pipe = DistributedPipe(tied_model(), [2] * world(), chunks=2, timeout=60)
+    gen = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, 11, (6,), generator=gen)
+    targets = torch.randint(0, 11, (6,), generator=gen)
+    if rank() == 0:
+
+        def refuse(parameter: Tensor) -> None:
+            raise ValueError("this gradient is refused")
+
+        handle = pipe.get_parameter("1.0.weight").register_post_accumulate_grad_hook(refuse)
+        expect_error(ValueError, lambda: pipe.step(tokens, targets, F.cross_entropy), "refused")
+        handle.remove()
+    else:
+        start = time.monotonic()
+        expect_error(RuntimeError, lambda: pipe.step(tokens, targets, F.cross_entropy), "rank 0")
+        assert time.monotonic() - start < 30, "a holder waited for the failed process"
+    plain = tied_model()
+    pipe.zero_grad()
+    pipe.step(tokens, targets, F.cross_entropy)
+    F.cross_entropy(plain(tokens), targets).backward()
+    assert_grads_equal(pipe, plain, "the step after a failure")
+    pipe.close()
+
+
+@scenario
+def pipelines_of_several_sizes_with_tied_weights_are_refused_by_every_process() -> None:
+    # world 3: ranks 0 and 1 tie a weight, rank 2 alone: the tied weights' groups, made
+    # over the job for pipelines alike, failed (an IndexError on some ranks, a hang after).
+    group, _ = dist.new_subgroups_by_enumeration([[0, 1], [2]])
+    stages = dist.get_world_size(group)
+    model = tied_model_for(stages)
+    expect_error(
+        ValueError,
+        lambda: DistributedPipe(model, [2] * stages, group=group),
+        "pipelines have several sizes",
+    )
+
+
 def next_step_is_right(pipe: DistributedPipe, x: Tensor, y: Tensor) -> None:
     """After a failed step: the next one gives the plain model's gradients (blocks seed 7)."""
     plain = blocks(2 * world(), seed=7)

@@ -31,6 +31,7 @@ SHARED = [
     "a_failing_process_makes_the_others_fail_at_once_naming_it",
     "a_failure_after_the_other_processes_are_done_fails_them_too",
     "a_step_whose_last_backwards_outlast_the_groups_timeout_ends_whole",
+    "a_failure_in_a_backward_with_tied_weights_fails_every_holder_at_once",
     "bad_arguments_are_refused_by_every_process_before_any_work",
     "a_predecessors_checkpoint_loads_into_each_processs_stages",
     "tensors_sharing_memory_into_a_stage_writing_its_input_are_refused",
@@ -108,6 +109,7 @@ def test_three_stage_processes_with_skips_over_the_middle_one(group_runner: Grou
         "a_failure_reaches_a_process_whose_send_follows_the_failed_peers_abort",
         "a_pipe_closed_mid_step_fails_every_process_at_once",
         "pipelines_of_several_sizes_in_one_job_each_equal_the_plain_model",
+        "pipelines_of_several_sizes_with_tied_weights_are_refused_by_every_process",
     ]
     check(group_runner(names, script=STAGES, world_size=3, wall_timeout_s=150), names)
 
