@@ -1306,12 +1306,7 @@ def a_failure_in_a_backward_with_tied_weights_fails_every_holder_at_once() -> No
         start = time.monotonic()
         expect_error(RuntimeError, lambda: pipe.step(tokens, targets, F.cross_entropy), "rank 0")
         assert time.monotonic() - start < 30, "a holder waited for the failed process"
-    plain = tied_model()
-    pipe.zero_grad()
-    pipe.step(tokens, targets, F.cross_entropy)
-    F.cross_entropy(plain(tokens), targets).backward()
-    assert_grads_equal(pipe, plain, "the step after a failure")
-    pipe.close()
+    next_step_is_right(pipe, tokens, targets, tied_model(), F.cross_entropy)
 
 
 @scenario
@@ -1328,12 +1323,19 @@ def pipelines_of_several_sizes_with_tied_weights_are_refused_by_every_process() 
     )
 
 
-def next_step_is_right(pipe: DistributedPipe, x: Tensor, y: Tensor) -> None:
-    """After a failed step: the next one gives the plain model's gradients (blocks seed 7)."""
-    plain = blocks(2 * world(), seed=7)
+def next_step_is_right(
+    pipe: DistributedPipe,
+    x: Tensor,
+    y: Tensor,
+    plain: nn.Module | None = None,
+    loss_fn: Any = F.mse_loss,
+) -> None:
+    """After a failed step: the next one gives the plain model's gradients (``plain``, by
+    default blocks of seed 7)."""
+    plain = blocks(2 * world(), seed=7) if plain is None else plain
     pipe.zero_grad()
-    pipe.step(x, y, F.mse_loss)
-    F.mse_loss(plain(x), y).backward()
+    pipe.step(x, y, loss_fn)
+    loss_fn(plain(x), y).backward()
     assert_grads_equal(pipe, plain, "the step after a failure")
     pipe.close()
 
