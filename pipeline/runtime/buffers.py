@@ -26,7 +26,7 @@ buffer that starts changing.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -106,7 +106,7 @@ class BufferSnapshot:
 
     __slots__ = ("values", "versions")
 
-    def __init__(self, versions: dict[str, int], values: dict[str, Tensor]) -> None:
+    def __init__(self, versions: dict[str, tuple[int, int]], values: dict[str, Tensor]) -> None:
         self.versions = versions
         self.values = values
 
@@ -133,7 +133,9 @@ class PartitionBuffers:
         keep = buffers.keys() if self.changing is None else self.changing
         with torch.no_grad():
             values = {name: buffers[name].clone() for name in keep}
-        return BufferSnapshot({name: b._version for name, b in buffers.items()}, values)
+        # Each buffer's tensor and version: a layer may write into it, or rebind it.
+        marks = {name: (id(b), b._version) for name, b in buffers.items()}
+        return BufferSnapshot(marks, values)
 
     def after_forward(self, snapshot: BufferSnapshot) -> None:
         """Keep only the buffers the forward changed; learn them on the first call."""
@@ -141,7 +143,7 @@ class PartitionBuffers:
         changed = {
             name
             for name, b in buffers.items()
-            if b._version != snapshot.versions.get(name, b._version)
+            if snapshot.versions.get(name, (id(b), b._version)) != (id(b), b._version)
         }
         if self.changing is None:
             changed |= {
@@ -166,32 +168,49 @@ class PartitionBuffers:
     def replayed(self, snapshot: BufferSnapshot) -> Iterator[None]:
         """Run with the buffers as the forward saw them; then the buffers of now again.
 
-        Each buffer that changes is swapped, for the recomputation, for the copy
-        the forward kept, and swapped back after: the buffers of now are never
-        written. So a micro-batch not checkpointed that saved a buffer for its
-        backward (batch norm saves its running statistics) finds it as it was;
-        what the recomputation saves is the copy, which nothing changes later;
-        a layer that rebinds its buffer (``self.ema = self.ema * 0.9 + ...``)
-        leaves the one of now in place; and one that resizes it (an observer's
-        first statistics) resizes the copy.
+        Each buffer that changes is given the kept values in place (through
+        ``.data``, which moves no version counter: a micro-batch not
+        checkpointed may have saved it for its backward, batch norm's running
+        statistics, and finds them back in place before that backward runs),
+        so that a layer reading it by any reference (an attribute, a closure,
+        a view) reads what the forward read; and, but for a buffer sharing its
+        memory with another (a view: a copy would part them), every module
+        holding it is given, for the recomputation, a copy of those values in
+        its place, swapped back after. So what the recomputation saves is the
+        copy, which nothing changes later; a layer that rebinds its buffer
+        (``self.ema = self.ema * 0.9 + ...``) leaves the buffer of now in
+        place; and one that sizes it at its first forward (an observer's
+        statistics, kept empty) sizes the copy. The values of now are put back
+        in place after.
         """
         if not snapshot.values:
             yield
             return
         buffers = self._buffers()
-        # Every module holding each buffer (layers may share one), and what it holds now.
+        live = [(buffers[name], value) for name, value in snapshot.values.items()]
+        viewed = _sharing_memory(buffers.values())
+        with torch.no_grad():
+            now = [buffer.clone() for buffer, _ in live]
+            for buffer, value in live:
+                if buffer.shape == value.shape:
+                    buffer.data.copy_(value)
         swapped = [
-            (module, leaf, module._buffers[leaf], value.clone())
-            for name, value in snapshot.values.items()
-            for module, leaf in self._holders(buffers[name])
+            (module, leaf, buffer, value.clone())
+            for buffer, value in live
+            if id(buffer) not in viewed
+            for module, leaf in self._holders(buffer)
         ]
         for module, leaf, _, copy in swapped:
             module._buffers[leaf] = copy
         try:
             yield
         finally:
-            for module, leaf, now, _ in swapped:
-                module._buffers[leaf] = now
+            for module, leaf, buffer, _ in swapped:
+                module._buffers[leaf] = buffer
+            with torch.no_grad():
+                for (buffer, _), value in zip(live, now, strict=True):
+                    if buffer.shape == value.shape:
+                        buffer.data.copy_(value)
 
     def _holders(self, buffer: Tensor) -> list[tuple[nn.Module, str]]:
         """Each module of the partition holding ``buffer`` as its own, with the name."""
@@ -201,3 +220,12 @@ class PartitionBuffers:
             for leaf, held in module._buffers.items()
             if held is buffer
         ]
+
+
+def _sharing_memory(buffers: Iterable[Tensor]) -> set[int]:
+    """The ids of the buffers whose memory another of them shares (a view of another)."""
+    by_storage: dict[int, list[int]] = {}
+    for buffer in buffers:
+        if buffer.layout == torch.strided and buffer.device.type != "meta" and buffer.numel():
+            by_storage.setdefault(buffer.untyped_storage().data_ptr(), []).append(id(buffer))
+    return {i for found in by_storage.values() if len(found) > 1 for i in found}

@@ -54,7 +54,7 @@ from torch import Tensor
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from pipeline.runtime.microbatch import Batch, check_gatherable, check_rows
+from pipeline.runtime.microbatch import Batch, check_gatherable, check_rows, refuse_attributes_in
 from pipeline.runtime.partitions import Hook, PartitionRuntime, protected
 from pipeline.runtime.recompute import Recomputation
 from pipeline.runtime.rng import BaseSeed, PartitionRandomness, TaskRandomness
@@ -444,6 +444,7 @@ class StageRun:
             self.losses[i] = loss.detach()
         if self.context.keep_outputs:
             check_rows(output.leaves)
+            refuse_attributes_in(output.value, "the last partition's output", "the output given")
             self.outputs[i] = Batch.of(
                 [x.detach() if isinstance(x, Tensor) else x for x in output.leaves], output.spec
             )
