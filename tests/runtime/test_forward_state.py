@@ -152,17 +152,14 @@ class Sizes(nn.Module):
         return x * self.scale
 
 
-@pytest.mark.parametrize("stateful", [Rebinds, SavesItsBuffer, Sizes])
-@pytest.mark.parametrize("call", ["pipe(x)", "gpipe", "1f1b"])
-def test_buffers_rebound_saved_or_sized_in_a_forward_are_replayed_from_a_copy(
-    stateful: type[nn.Module], call: str
-) -> None:
-    # Recomputation copied the kept values into the buffers of now and back: a rebound
-    # buffer kept the recomputation's stale value (gradients 0.22 off), a saved one was
-    # overwritten under its backward (0.12 off), a sized one failed to copy back.
+def trained_twice(
+    stateful: type[nn.Module], balance: list[int], call: str
+) -> tuple[nn.Module, Pipe]:
+    """The plain model (micro-batch by micro-batch) and a checkpointing pipe of a model around
+    ``stateful``, after two steps of ``call``; their gradients checked equal."""
     torch.manual_seed(0)
     plain = nn.Sequential(nn.Linear(6, 6), stateful(), nn.Tanh(), nn.Linear(6, 2)).double()
-    pipe = Pipe(copy.deepcopy(plain), [2, 2], devices=["cpu"] * 2, chunks=CHUNKS,
+    pipe = Pipe(copy.deepcopy(plain), balance, devices=["cpu"] * 2, chunks=CHUNKS,
                 checkpoint="always")  # fmt: skip
     x, y = batch()
     for _ in range(2):
@@ -173,6 +170,18 @@ def test_buffers_rebound_saved_or_sized_in_a_forward_are_replayed_from_a_copy(
             pipe.step(x, y, F.mse_loss, schedule=call)
     for name, p in plain.named_parameters():
         torch.testing.assert_close(pipe.get_parameter(name).grad, p.grad, msg=name)
+    return plain, pipe
+
+
+@pytest.mark.parametrize("stateful", [Rebinds, SavesItsBuffer, Sizes])
+@pytest.mark.parametrize("call", ["pipe(x)", "gpipe", "1f1b"])
+def test_buffers_rebound_saved_or_sized_in_a_forward_are_replayed_from_a_copy(
+    stateful: type[nn.Module], call: str
+) -> None:
+    # Recomputation copied the kept values into the buffers of now and back: a rebound
+    # buffer kept the recomputation's stale value (gradients 0.22 off), a saved one was
+    # overwritten under its backward (0.12 off), a sized one failed to copy back.
+    plain, pipe = trained_twice(stateful, [2, 2], call)
     for name, b in plain.named_buffers():
         torch.testing.assert_close(pipe.get_buffer(name), b, msg=name)
 
@@ -240,20 +249,8 @@ def test_a_buffer_read_through_an_alias_or_a_view_is_replayed(
 ) -> None:
     # A copy swapped in for the module's buffer alone left the alias, or the view's
     # base, with the values of now: gradients 0.2 (0.002 for a view) off.
-    torch.manual_seed(0)
-    plain = nn.Sequential(nn.Linear(6, 6), stateful(), nn.Tanh(), nn.Linear(6, 2)).double()
     # The Tanh recomputed in the same partition: its gradient reads what the alias gave.
-    pipe = Pipe(copy.deepcopy(plain), [3, 1], devices=["cpu"] * 2, chunks=CHUNKS,
-                checkpoint="always")  # fmt: skip
-    x, y = batch()
-    for _ in range(2):
-        per_micro_batch(plain, x, y)
-        if call == "pipe(x)":
-            F.mse_loss(pipe(x), y).backward()
-        else:
-            pipe.step(x, y, F.mse_loss, schedule=call)
-    for name, p in plain.named_parameters():
-        torch.testing.assert_close(pipe.get_parameter(name).grad, p.grad, msg=name)
+    trained_twice(stateful, [3, 1], call)
 
 
 class RebindsLater(Rebinds):
