@@ -285,6 +285,7 @@ class P2PTransport:
             [x.to(device) if isinstance(x, torch.Tensor) else x for x in leaves],
             message.spec,
             message.differentiable,
+            sharing=message.sharing,
         )
 
     def abort(self, error: BaseException | None = None) -> None:
@@ -374,7 +375,13 @@ class P2PTransport:
     ) -> None:
         """Send ``message`` to ``peer``; refused before anything is sent if it cannot travel."""
         description, tensors = encode(
-            key, message.leaves, message.spec, message.differentiable, where, self.max_message_bytes
+            key,
+            message.leaves,
+            message.spec,
+            message.differentiable,
+            where,
+            self.max_message_bytes,
+            message.sharing,
         )
         with self._send_locks[peer]:
             if kind == DATA:
@@ -520,7 +527,9 @@ class P2PTransport:
             reused = received if room == next_room else _buffer(next_room)
             envelope = self._expect(reused, peer)
         values = [tensors.get(k, leaf) for k, leaf in enumerate(described.leaves)]
-        message = Message(values, described.spec, described.differentiable)
+        message = Message(
+            values, described.spec, described.differentiable, sharing=described.sharing
+        )
         return kind, described.key, message, envelope
 
 

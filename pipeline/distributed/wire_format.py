@@ -6,9 +6,10 @@ description, then each tensor's raw bytes, a send each::
     envelope     kind, description length, tensor count (int64 each), then
                  the description if it fits, then every tensor's bytes if
                  they all fit, each at an offset a multiple of 64
-    description  one encoded value: (key, structured, differentiable, value),
-                 each tensor of the value replaced by its dtype name, shape
-                 and byte count
+    description  encoded values: (key, structured, differentiable, sharing),
+                 then the value, each of its tensors replaced by its dtype
+                 name, shape and byte count; ``sharing`` lists the groups
+                 of the value's leaves that shared memory in the sender
 
 What fits is decided by the room the receiver posted for the envelope
 (``layout``): 1 KiB for a peer's first message, then the size the last
@@ -41,7 +42,7 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -130,12 +131,14 @@ class TensorSlot:
 
 @dataclass(frozen=True)
 class Description:
-    """A decoded description: the message's key, leaves (tensors as slots), spec, flags."""
+    """A decoded description: the message's key, leaves (tensors as slots), spec, flags,
+    and the groups of leaves that shared memory."""
 
     key: Any
     leaves: list[Any]
     spec: TreeSpec | None
     differentiable: list[bool]
+    sharing: list[frozenset[int]]
 
     def slots(self) -> Iterator[tuple[int, TensorSlot]]:
         """The leaves that are tensors, with their indices."""
@@ -212,6 +215,7 @@ def encode(
     differentiable: list[bool],
     where: Callable[[], str],
     max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    sharing: Sequence[frozenset[int]] = (),
 ) -> tuple[bytes, list[torch.Tensor]]:
     """A message's description, and its tensors in the order their bytes follow.
 
@@ -220,7 +224,8 @@ def encode(
     """
     value = list(leaves) if spec is None else tree_unflatten(leaves, spec)
     writer = _Writer(where)
-    writer.value((key, spec is not None, list(differentiable)), "", 0)
+    groups = [sorted(group) for group in sharing]
+    writer.value((key, spec is not None, list(differentiable), groups), "", 0)
     writer.value(value, "", 0)
     description = b"".join(writer.parts)
     total = sum(t.nbytes for t in writer.tensors)
@@ -364,9 +369,9 @@ def decode(
     """
     reader = _Reader(data, max_bytes)
     header = reader.value(0)
-    if not (isinstance(header, tuple) and len(header) == 3):
+    if not (isinstance(header, tuple) and len(header) == 4):
         raise MalformedMessageError("the description does not start with its key and flags")
-    key, structured, differentiable = header
+    key, structured, differentiable, groups = header
     if type(structured) is not bool or not (
         isinstance(differentiable, list) and all(type(d) is bool for d in differentiable)
     ):
@@ -382,9 +387,25 @@ def decode(
         raise MalformedMessageError(
             f"{len(differentiable)} differentiable flags for {len(leaves)} values"
         )
-    described = Description(key, list(leaves), spec, differentiable)
+    sharing = _sharing(groups, len(leaves))
+    described = Description(key, list(leaves), spec, differentiable, sharing)
     _check_form(kind, count, described)
     return described
+
+
+def _sharing(groups: object, count: int) -> list[frozenset[int]]:
+    """The groups of a message's ``count`` leaves that shared memory, checked."""
+    if not (
+        isinstance(groups, list)
+        and all(
+            isinstance(g, list) and len(g) > 1 and all(type(k) is int and 0 <= k < count for k in g)
+            for g in groups
+        )
+    ):
+        raise MalformedMessageError(
+            f"the groups of leaves sharing memory are not lists of positions among {count}"
+        )
+    return [frozenset(g) for g in groups]
 
 
 _Value = tuple[tuple[Any, ...], TreeSpec | None]

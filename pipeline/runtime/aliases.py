@@ -19,7 +19,8 @@ longer overlap, or need a gradient: at once where its first layer declares
 that it writes into its input (``inplace``: it gets a copy of each), else
 after its forward, by their version counters. Tensors that need no gradient,
 received as they were sent (one process, one device), still overlap, and
-pass.
+pass. A DistributedPipe's stage tells the groups in its message to the next
+process, which receives the tensors apart (``Message.sharing``).
 """
 
 from __future__ import annotations

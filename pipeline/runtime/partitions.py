@@ -143,8 +143,17 @@ class PartitionRuntime:
             # In another process (a DistributedPipe's), which cannot see the groups: its
             # first layer writes into a copy of what it receives.
             raise_shared_written(j + 1, "starts with a layer that writes into its input")
+        self.note_sharing(j, found)
+
+    def sharing(self, j: int) -> list[frozenset[int]]:
+        """The groups of partition ``j``'s output leaves seen sharing memory so far."""
+        return list(self._sharing.get(j, ()))
+
+    def note_sharing(self, j: int, groups: list[frozenset[int]]) -> None:
+        """Note ``groups`` of partition ``j``'s output leaves as sharing memory: seen here,
+        or by the process that ran partition ``j`` (told in its message)."""
         known = self._sharing.setdefault(j, [])
-        known += [g for g in found if g not in known]
+        known += [g for g in groups if g not in known]
 
     @contextmanager
     def watching(self, batches: list[Batch]) -> Iterator[None]:

@@ -168,13 +168,16 @@ class Message:
     """Values handed to another stage: a value's leaves (or gradients), detached.
 
     ``differentiable`` says which tensors the receiver makes leaves that
-    require grad; ``event`` (CUDA) marks when the sender's copy is done.
+    require grad; ``sharing``, which of them shared memory in the sender
+    (``runtime/aliases.py``: groups of positions among the leaves);
+    ``event`` (CUDA) marks when the sender's copy is done.
     """
 
     leaves: list[Any]
     spec: Any = None
     differentiable: list[bool] = field(default_factory=list)
     event: Any = None
+    sharing: list[frozenset[int]] = field(default_factory=list)
 
 
 def moved(message: Message, device: torch.device) -> Message:
@@ -194,7 +197,7 @@ def moved(message: Message, device: torch.device) -> Message:
         # there), which is not the current device's when the sender runs on another one.
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(device))
-    return Message(leaves, message.spec, message.differentiable, event)
+    return Message(leaves, message.spec, message.differentiable, event, message.sharing)
 
 
 def arrived(message: Message) -> Message:

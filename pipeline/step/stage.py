@@ -267,6 +267,9 @@ class StageRun:
             leaves = [_leaf(x) if _needs_grad(x) else x for x in batch.leaves]
             return Batch.of(leaves, batch.spec), list(batch.leaves)
         message = self._receive(("act", self.j, i), self.j - 1, i)
+        if message.sharing:
+            # Received apart from another process: a write into one is refused (aliases.py).
+            self.context.runtime.note_sharing(self.j - 1, message.sharing)
         leaves = [
             _leaf(x) if wanted else x
             for x, wanted in zip(message.leaves, message.differentiable, strict=True)
@@ -331,7 +334,12 @@ class StageRun:
 
     def _send_output(self, i: int, stashed: _Stashed, output: Batch) -> None:
         differentiable = [_needs_grad(x) for x in output.leaves]
-        message = Message([_detached(x) for x in output.leaves], output.spec, differentiable)
+        message = Message(
+            [_detached(x) for x in output.leaves],
+            output.spec,
+            differentiable,
+            sharing=self.context.runtime.sharing(self.j),
+        )
         self._send(("act", self.j + 1, i), message, self.j + 1, i)
 
     # Backward

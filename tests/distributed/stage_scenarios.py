@@ -1574,6 +1574,25 @@ class WritesFirst(nn.Module):
         return a + b
 
 
+class WritesFirstUndeclared(WritesFirst):
+    inplace = False
+
+
+class WithMask(nn.Module):
+    """Its input, and a mask of it twice: one tensor needing no gradient, two outputs."""
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        mask = (x > 0).double()
+        return x, mask, mask
+
+
+class WritesMask(nn.Module):
+    def forward(self, three: tuple[Tensor, Tensor, Tensor]) -> Tensor:
+        x, mask, same = three
+        mask.add_(1)
+        return x * same
+
+
 class Averages(nn.Module):
     """A moving average of its input in a buffer, written in place in every forward."""
 
@@ -1610,6 +1629,27 @@ def tensors_sharing_memory_into_a_stage_writing_its_input_are_refused() -> None:
     expect_error(RuntimeError, lambda: pipe.step(x, y, F.mse_loss), expected)
     assert all(p.grad is None for p in pipe.parameters())
     pipe.close()
+
+
+@scenario
+def tensors_sharing_memory_written_by_a_stage_in_another_process_are_refused() -> None:
+    # Received apart, the write showed in one of them, where the plain model's shows in
+    # both: evaluate's outputs and step's gradients were off, silently.
+    def evaluated(pipe: DistributedPipe, x: Tensor, y: Tensor) -> object:
+        return pipe.evaluate(x)
+
+    def stepped(pipe: DistributedPipe, x: Tensor, y: Tensor) -> object:
+        return pipe.step(x, y, F.mse_loss)
+
+    for pair, run in [(Twice(), evaluated), (WithMask(), stepped)]:
+        writer = WritesFirstUndeclared() if isinstance(pair, Twice) else WritesMask()
+        layers = nn.Sequential(*blocks(2 * world() - 3), pair, writer, block().double())
+        pipe = DistributedPipe(layers, [2] * world(), chunks=2)
+        x, y = batch()
+        expected = "wrote in place into its input's leaves" if rank() == world() - 1 else ""
+        expect_error(RuntimeError, partial(run, pipe, x, y), expected)
+        assert all(p.grad is None for p in pipe.parameters())
+        pipe.close()
 
 
 @scenario

@@ -144,6 +144,17 @@ def tensor_description(dtype: bytes, shape: list[int], nbytes: int) -> bytes:
     return head + b"[" + struct.pack("<I", 1) + tensor
 
 
+def test_the_groups_of_leaves_that_shared_memory_cross_and_bad_ones_are_refused() -> None:
+    # The receiver gets such tensors apart: the groups let it refuse a write into one.
+    leaves = [torch.zeros(2), torch.zeros(2), torch.zeros(3)]
+    data, tensors = encode(KEY, leaves, None, [False] * 3, where, sharing=[frozenset({2, 0})])
+    assert decode(data, DATA, len(tensors)).sharing == [frozenset({0, 2})]
+    for bad in [frozenset({0, 3}), frozenset({1})]:  # beyond the leaves; a group of one
+        data, tensors = encode(KEY, leaves, None, [False] * 3, where, sharing=[bad])
+        with pytest.raises(MalformedMessageError, match="sharing memory are not lists"):
+            decode(data, DATA, len(tensors))
+
+
 def test_the_hand_written_description_is_a_valid_one() -> None:
     # The malformed variants below differ from this one in one field each.
     good = decode(tensor_description(b"float32", [2, 3], 24), DATA, 1)
