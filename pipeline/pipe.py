@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+import threading
 import time
 import weakref
 from collections import OrderedDict
@@ -146,6 +147,13 @@ class Pipe(PipeBase):
     def close(self) -> None:
         """Stop this pipe's worker threads, once a call under way on another thread has ended
         (a call waiting for it is refused). Garbage collection does it otherwise."""
+        if any(worker.thread is threading.current_thread() for worker in self._workers):
+            # The call under way waits for this very thread, which would wait for the call.
+            raise RuntimeError(
+                "Pipe.close() was called on one of the pipe's own worker threads (by a layer "
+                "or a hook, during a call or a step): the pipe cannot stop the thread it runs "
+                "on while the call waits for it; close the pipe once the call has returned"
+            )
         with self._runtime.lock:
             super().close()
 

@@ -123,3 +123,33 @@ def test_close_from_another_thread_lets_the_call_under_way_end_then_refuses_call
     assert len(outcome) == 1 and isinstance(outcome[0], Tensor)
     with pytest.raises(RuntimeError, match="this Pipe is closed"):
         pipe(x)
+
+
+class Closes(nn.Module):
+    """Closes the pipe it is a layer of, from the worker running it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pipes: list[Pipe] = []  # a list: a module attribute would register the pipe
+
+    def forward(self, x: Tensor) -> Tensor:
+        for pipe in self.pipes:
+            pipe.close()
+        return x
+
+
+@pytest.mark.parametrize("engine", ["call", "step"])
+def test_close_from_the_pipes_own_worker_is_refused_not_a_hang(engine: str) -> None:
+    # The call waited for the worker, which waited for the call to end: both hung.
+    closes = Closes()
+    pipe = Pipe(nn.Sequential(nn.Linear(8, 8), closes).double(), [1, 1], devices=["cpu"] * 2,
+                chunks=2)  # fmt: skip
+    closes.pipes.append(pipe)
+    x, y = batch()
+    run = (lambda: pipe(x)) if engine == "call" else (lambda: pipe.step(x, y, F.mse_loss))
+    with pytest.raises(RuntimeError, match="on one of the pipe's own worker threads"):
+        run()
+    closes.pipes.clear()
+    pipe.close()
+    with pytest.raises(RuntimeError, match="this Pipe is closed"):
+        pipe(x)
