@@ -10,12 +10,13 @@ was dropped)::
     F 1   saves c       live {a, b, c}     peak a + b + c
     B 0   frees a, b    live {c}
 
-Parameters are not activations and are left out, and so are the caller's
-input and target, of which the micro-batches are views (the step keeps no
-copy of them): what is counted is what the step itself keeps. The count is the same on
-CPU and CUDA: bytes autograd holds, not what the allocator reserved (its
-caches, its rounding, the workspace of kernels); a view counts its whole
-storage. It costs a few microseconds per saved tensor, so it is off by
+Parameters are not activations and are left out (FSDP2's gathered ones
+too, and views of them), and so are the caller's input and target, of
+which the micro-batches are views (the step keeps no copy of them): what
+is counted is what the step itself keeps. The count is the same on CPU and
+CUDA: bytes autograd holds, not what the allocator reserved (its caches,
+its rounding, the workspace of kernels); a view counts its whole storage.
+It costs a few microseconds per saved tensor, so it is off by
 default.
 """
 
@@ -28,7 +29,9 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+
+from pipeline.runtime.lazy import instance_of
 
 __all__ = ["ActivationMeter"]
 
@@ -38,7 +41,7 @@ class ActivationMeter:
 
     def __init__(self, excluded: Iterable[Tensor]) -> None:
         """``excluded``: tensors whose storages are not counted (parameters, the caller's batch)."""
-        self._excluded = {p.untyped_storage().data_ptr() for p in excluded}
+        self._excluded = {key for t in excluded if (key := _storage_key(t)) is not None}
         # Storage address -> [bytes, saved tensors still holding it].
         self._live: dict[int, list[int]] = {}
         # Released from whichever thread drops the graph.
@@ -53,7 +56,7 @@ class ActivationMeter:
     def _pack(self, tensor: Tensor) -> Any:
         storage = tensor.untyped_storage()
         key = storage.data_ptr()
-        if key in self._excluded:
+        if key in self._excluded or _is_parameter(tensor):
             return tensor
         with self._lock:
             entry = self._live.setdefault(key, [storage.nbytes(), 0])
@@ -84,6 +87,23 @@ class _Saved:
 
     def __init__(self, tensor: Tensor) -> None:
         self.tensor = tensor
+
+
+def _storage_key(tensor: Tensor) -> int | None:
+    """The address of ``tensor``'s storage (a DTensor's: its shard's); None where it has
+    none to give (an FSDP2 parameter's unsharded storage, freed at its reshard)."""
+    if instance_of(tensor, "torch.distributed.tensor", "DTensor"):
+        tensor = tensor.to_local()  # type: ignore[attr-defined]
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except RuntimeError:
+        return None
+
+
+def _is_parameter(tensor: Tensor) -> bool:
+    """Whether ``tensor`` is a parameter or a view of one: FSDP2 gathers a unit's parameters
+    into storages of their own during the step, after the meter was made."""
+    return isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter)
 
 
 def _unpack(saved: Any) -> Tensor:

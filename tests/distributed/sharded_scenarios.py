@@ -251,6 +251,7 @@ def fsdp_stages_equal_the_plain_model_in_every_schedule() -> None:
         side.run(case, counts)
         # Each unit reduce-scatters once and all-gathers once (a root unit keeps them).
         assert_once_per_step(counts, case, reduce_scatter_single=units, all_gather_single=units)
+    assert_activations_unsharded(side)
     # A step that fails half-way leaves nothing of its gradients to the next, and
     # no unsharded parameters that would miss a later change of the sharded ones.
     x, y = side.batch()
@@ -264,6 +265,25 @@ def fsdp_stages_equal_the_plain_model_in_every_schedule() -> None:
             param.mul_(0.5)
     side.run(Case("zb-h1"))
     side.pipe.close()
+
+
+def assert_activations_unsharded(side: SideBySide) -> None:
+    """``measure_memory`` counts a sharded stage's activations alone, as a Pipe's stage.
+
+    It failed on the sharded parameters' storages, then counted the gathered ones."""
+    x, y = side.batch()
+    x, y = side.mine(x), side.mine(y)
+    pipe = Pipe(copy.deepcopy(side.plain), list(side.pipe.balance), devices=["cpu"] * 2,
+                chunks=side.pipe.chunks)  # fmt: skip
+    for schedule in ["1f1b", "zb-h1"]:
+        side.pipe.step(x, y, F.mse_loss, schedule=schedule, measure_memory=True)
+        pipe.step(x, y, F.mse_loss, schedule=schedule, measure_memory=True)
+        assert pipe.last_step is not None and side.pipe.last_step is not None
+        expected = {p.partition: p.peak_activation_bytes for p in pipe.last_step.partitions}
+        for measured in side.pipe.last_step.partitions:
+            assert measured.peak_activation_bytes == expected[measured.partition], schedule
+    pipe.close()
+    side.optimizer.zero_grad()
 
 
 def failing() -> Any:
