@@ -43,6 +43,8 @@ from torch import Tensor, nn
 from pipeline.runtime.microbatch import to_device
 from pipeline.runtime.partitions import PositionalSequential
 from pipeline.runtime.rng import BaseSeed, TaskRandomness
+from pipeline.skip.carrier import Carrier
+from pipeline.skip.tracker import SkipKey, SkipTracker, use_tracker
 from pipeline.step.activations import ActivationMeter
 from pipeline.step.backward_in_two import backward_input
 
@@ -206,11 +208,13 @@ def saved_storages(
 
     outputs: list[tuple[int, ...]] = []
     grads: list[int] = []
+    stashes = _Stashes()
     with (
         own_random_state(device),
         torch.inference_mode(False),
         torch.enable_grad(),
         torch.autograd.graph.saved_tensors_hooks(pack, _same),
+        use_tracker(stashes),
     ):
         value = sample
         for index, layer in enumerate(layers):
@@ -225,9 +229,17 @@ def saved_storages(
                              if t.requires_grad))  # fmt: skip
         current[0] = len(layers)
         kept.append(loss_fn(value, target))
-    with own_random_state(device), torch.inference_mode(False), torch.enable_grad():
+    stashes.serving = True
+    with (
+        own_random_state(device),
+        torch.inference_mode(False),
+        torch.enable_grad(),
+        use_tracker(stashes),
+    ):
         splits = [
-            _split_alone(model, index, layer, sample if index == 0 else kept[index - 1], device)
+            _split_alone(
+                model, index, layer, sample if index == 0 else kept[index - 1], device, stashes
+            )
             for index, layer in enumerate(layers)
         ]
     return Saved(
@@ -252,10 +264,48 @@ class _Split:
     whole: bool
 
 
+class _Stashes(SkipTracker):
+    """The skips of a whole run, served again to each popping layer run alone.
+
+    Each is served as the whole run stashed it, needing a gradient or not:
+    a skip stashed from the caller's input needs none, and a stage receiving
+    it holds no gradient of it. Served while ``serving``, when what a layer
+    alone stashes is dropped; ``served`` lists what the last layer popped.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kept: dict[SkipKey, Tensor] = {}
+        self.serving = False
+        self.served: list[Tensor] = []
+
+    def save(self, output: Carrier, key: SkipKey, tensor: Tensor) -> None:
+        if not self.serving:
+            self.kept[key] = tensor
+            super().save(output, key, tensor)
+
+    def load(self, input: Carrier, key: SkipKey) -> Tensor:
+        if not self.serving:
+            return super().load(input, key)
+        kept = self.kept[key]
+        fresh = kept.detach().clone()
+        if kept.requires_grad:
+            # A leaf that a layer may write into in place, like a stage's received skip.
+            fresh = fresh.requires_grad_().clone()
+        self.served.append(fresh)
+        return fresh
+
+
 def _split_alone(
-    model: nn.Sequential, index: int, layer: nn.Module, value: Value, device: torch.device
+    model: nn.Sequential,
+    index: int,
+    layer: nn.Module,
+    value: Value,
+    device: torch.device,
+    stashes: _Stashes,
 ) -> _Split:
-    """``I`` on layer ``index`` alone, its input requiring grad, as a stage runs it.
+    """``I`` on layer ``index`` alone, its input requiring grad, as a stage runs it; the skips
+    it pops as the whole run stashed them, among the inputs whose gradients ``I`` computes.
 
     ``recorded``: the bytes of the gradients ``I`` records at the anchors,
     which the stage keeps until ``W``; ``top``: the bytes saved above the
@@ -265,10 +315,12 @@ def _split_alone(
 
     inputs = fresh_inputs(value, device)
     meter = ActivationMeter([*layer.parameters(), *layer.buffers()])  # as a stage's meter counts
+    stashes.served = []
     with meter.hooks():
         outputs = call_layer(model, index, layer, inputs)
     roots = [t for t in tensors_in(outputs) if t.requires_grad]
-    halves = backward_input(roots, [torch.ones_like(t) for t in roots], list(tensors_in(inputs)))
+    received = [*tensors_in(inputs), *stashes.served]
+    halves = backward_input(roots, [torch.ones_like(t) for t in roots], received)
     if halves is None:  # a Python function's node: I runs a whole backward, W has nothing left
         return _Split(0, 0, anchored=False, whole=True)
     weights = halves[1]

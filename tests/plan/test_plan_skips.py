@@ -38,9 +38,11 @@ class Gate(nn.Module):
 
 def skip_model() -> nn.Sequential:
     torch.manual_seed(0)
-    layers: list[nn.Module] = [nn.Linear(WIDTH, WIDTH), Keep()]
+    # Keep first and Gate last: every cut in two has the skip cross it (a cut by time
+    # beside them, as at first, moved with the machine's load).
+    layers: list[nn.Module] = [Keep(), nn.Linear(WIDTH, WIDTH)]
     layers += [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.GELU()) for _ in range(4)]
-    layers += [Gate(), nn.Linear(WIDTH, WIDTH)]
+    layers += [nn.Linear(WIDTH, WIDTH), Gate()]
     return nn.Sequential(*layers).double()
 
 
@@ -56,7 +58,6 @@ def test_a_planned_skip_model_steps_like_the_plain_model_with_the_predicted_acti
         memory_limit=2**30, chunks=[4], schedules=[schedule], checkpoints=[mode], repeats=1,
     )  # fmt: skip
     pipe = plan.pipe()
-    assert 2 <= plan.balance[0] <= 6  # Keep and Gate in different partitions
     pipe.step(x, y, F.mse_loss, schedule=plan.schedule, measure_memory=True)
     check = plan.check(pipe)
     assert check.measured_activations == check.predicted_activations
