@@ -161,6 +161,7 @@ class PipeBase(nn.Module, ABC):
         self._validated = ProgramCache()
         self._evaluations = 0
         self._registered = _registered(self)
+        self._step_checks: list[Callable[[], None]] = []
 
     # Inputs
 
@@ -379,6 +380,21 @@ class PipeBase(nn.Module, ABC):
                 "tensors in place (with torch.no_grad(): layer.weight.copy_(new))"
             )
 
+    @contextmanager
+    def checked_before_step(self, check: Callable[[], None]) -> Iterator[None]:
+        """Within the block, each ``step`` runs ``check`` among its own checks, before any work.
+
+        For a wrapper's checks (``DataParallel``'s): a ``DistributedPipe``
+        runs them inside the step's agreement, so that a refusal in one
+        process fails every process of the pipeline at once, where one raised
+        before the step would leave the others waiting for it.
+        """
+        self._step_checks.append(check)
+        try:
+            yield
+        finally:
+            self._step_checks.remove(check)
+
     def _refuse_own_hooks(self, what: str) -> None:
         """Refuse ``step`` or ``evaluate`` of a pipe with hooks of its own: they run around
         its forward, which neither calls."""
@@ -409,6 +425,8 @@ class PipeBase(nn.Module, ABC):
                 f"(torch.no_grad() or inference mode); {self._EVALUATE}"
             )
         self._refuse_own_hooks("step")
+        for check in self._step_checks:
+            check()
         refuse_cached_parametrizations(self, f"{self._NAME}.step")
         reduction = self._check_loss(loss_fn, loss_reduction, loss_divisor)
         check_grad_scaler(grad_scaler, self._runtime.devices[-1])

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import Any
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -17,6 +17,16 @@ from pipeline.data_parallel.replicas import broadcast_from_rank0, check_replicas
 from pipeline.runtime.module_hooks import call_hook_kinds
 from pipeline.runtime.process_group import resolve_group
 from pipeline.step.sharded import fsdp_units
+
+
+@runtime_checkable
+class ChecksBeforeSteps(Protocol):
+    """A module whose ``step`` runs a wrapper's checks among its own, before any work, and
+    over a pipeline of processes inside the step's agreement (``PipeBase.checked_before_step``)."""
+
+    def checked_before_step(self, check: Callable[[], None]) -> AbstractContextManager[None]:
+        """Within the block, each step runs ``check`` among its own checks."""
+        ...
 
 
 class DataParallel(nn.Module):
@@ -86,6 +96,7 @@ class DataParallel(nn.Module):
         averaged = {id(p) for _, p in named_params}
         self._frozen = [(n, p) for n, p in self._wrapped if id(p) not in averaged]
         self._sync = True
+        self._find_unused = find_unused_parameters
         partitions = partition_of_each(module, [p for _, p in named_params])
         self.reducer = Reducer(
             named_params,
@@ -139,15 +150,23 @@ class DataParallel(nn.Module):
                 "calling it, so they would not run: register them on the layers, or remove them "
                 "first"
             )
+        # Checked by the module's step, with its own checks: over a DistributedPipe a
+        # refusal in one process then fails every process of the pipeline at once.
+        checked: AbstractContextManager[None] = nullcontext()
         if self._sync:
-            self._check_parameters_and_buffers()
+            self._synced_buffers = list(self.module.buffers())
+            if isinstance(self.module, ChecksBeforeSteps):
+                checked = self.module.checked_before_step(self._check_parameters)
+            else:
+                self._check_parameters()
         if self._sync and self.broadcast_buffers:
             self._broadcast_buffers()
         if self._sync:
             self.reducer.prepare_for_step()
         else:
             self.reducer.disarm()
-        result = step(*args, **kwargs)
+        with checked:
+            result = step(*args, **kwargs)
         if self._sync:
             self.reducer.finish_step()
         return result
@@ -173,12 +192,19 @@ class DataParallel(nn.Module):
             self._sync = previous
 
     def _check_parameters_and_buffers(self) -> None:
-        """Refuse parameters that are not those wrapped; take replaced buffers anew.
+        """Refuse parameters that are not those wrapped; take replaced buffers anew (``.to()``
+        replaces them, unlike parameters): they are broadcast as they are now."""
+        self._check_parameters()
+        self._synced_buffers = list(self.module.buffers())
+
+    def _check_parameters(self) -> None:
+        """Refuse parameters that are not those wrapped, or not trained as when wrapped.
 
         A parameter replaced, added or removed since wrapping, or frozen then
         and requiring grad now, would keep each replica's own gradient (DDP's
-        too), and the replicas would drift apart. Buffers replaced (``.to()``
-        replaces them, unlike parameters) are broadcast as they are now.
+        too), and the replicas would drift apart. One trained then and frozen
+        now gets no gradient, which only ``find_unused_parameters=True`` lets
+        a step leave unreduced.
         """
         now = list(self.module.named_parameters())
         name = _first_changed(now, self._wrapped)
@@ -190,13 +216,21 @@ class DataParallel(nn.Module):
                 "would drift apart; change parameters in place (param.data.copy_, "
                 "load_state_dict), or wrap the model again"
             )
-        self._synced_buffers = list(self.module.buffers())
         unfrozen = [name for name, p in self._frozen if p.requires_grad]
         if unfrozen:
             raise RuntimeError(
                 f"DataParallel: parameter '{unfrozen[0]}' requires grad now but did not when "
                 "DataParallel was built, so its gradients would not be averaged and the "
                 "replicas would drift apart; set requires_grad before wrapping (or wrap again)"
+            )
+        then = {name for name, _ in self._frozen}
+        frozen = [name for name, p in self._wrapped if not p.requires_grad and name not in then]
+        if frozen and not self._find_unused:
+            raise RuntimeError(
+                f"DataParallel: parameter '{frozen[0]}' was trained when DataParallel was built "
+                "and is frozen now (requires_grad=False), so it gets no gradient to average; "
+                "pass find_unused_parameters=True to let a step leave parameters without one, "
+                "or wrap the model again"
             )
 
     def _broadcast_buffers(self) -> None:

@@ -160,6 +160,9 @@ def a_parameter_unfrozen_or_replaced_after_wrapping_is_refused() -> None:
     model[0].weight.requires_grad_(True)
     expect_error(RuntimeError, lambda: dp(shard(x)), "'0.weight' requires grad now")
     model[0].weight.requires_grad_(False)
+    model[2].bias.requires_grad_(False)  # trained when wrapped: it would get no gradient
+    expect_error(RuntimeError, lambda: dp(shard(x)), "'2.bias' was trained when DataParallel")
+    model[2].bias.requires_grad_(True)
     # Replaced: its buckets average the old parameter's stale .grad, each
     # replica kept its own gradient of the new one (0.18 apart), silently.
     model[2].weight = nn.Parameter(model[2].weight.detach().clone())

@@ -626,6 +626,22 @@ def data_parallel_over_fsdp_stages_is_refused_before_any_work() -> None:
         "HSDP mesh",
     )
     layout.pipe.close()
+    # A parameter of stage 1 frozen after DataParallel was built: its processes raised at
+    # the step's end, and those of stage 0 returned, their optimizers free to step alone.
+    trainer, replica = grid(MLPS, [2, 2], seed=0)
+    assert isinstance(trainer.module, DistributedPipe)
+    for name, param in trainer.module.named_parameters():
+        param.requires_grad_(not name.startswith("3."))
+    optimizer = adamw(trainer)
+    frozen = "'3.0.weight' was trained when DataParallel was built and is frozen now"
+    refused = "rank 1 of the pipeline refused this step's arguments"
+    expect_error(
+        RuntimeError if rank() % 2 else ValueError,
+        lambda: train(MLPS, trainer, optimizer, 0, replica, replicas=2),
+        frozen if rank() % 2 else refused,
+    )
+    assert all(p.grad is None for p in trainer.parameters())
+    trainer.module.close()
 
 
 class Tokens(nn.Module):
