@@ -565,7 +565,8 @@ class DistributedPipe(PipeBase):
         raises (that one its own error); so does every process if they chose
         different schedules, or if the target and the input split differently.
         """
-        m = self.chunks
+        if choice is not None:
+            choice += f", {self.chunks} chunks"
         try:
             rows = gather_rows(self._agreement_row(batches, targets, choice, refusal), self.group)
         except RuntimeError as error:
@@ -580,15 +581,15 @@ class DistributedPipe(PipeBase):
         choices = camps([theirs[1] for theirs in rows])
         if len(choices) > 1:
             raise ValueError(
-                "the processes of the pipeline chose different schedules, loss arguments or "
-                "grad scalers (enabled, their scale) for this call, or shard their stages "
-                f"differently: {ranks_text(choices)} chose "
+                "the processes of the pipeline chose different schedules, loss arguments, "
+                "grad scalers (enabled, their scale) or chunks (pipe.chunks) for this call, or "
+                f"shard their stages differently: {ranks_text(choices)} chose "
                 f"differently (this process, rank {self.rank}: {choice}); every process must "
                 "pass the same ones, and with FSDP2, shard every stage"
             )
-        self._ties.check_trained_alike([theirs[4 + 2 * m :] for theirs in rows])
-        input_rows = _micro_batch_sizes(rows[self.owner[0]][2:])
-        target_rows = _micro_batch_sizes(rows[self.owner[-1]][3 + m :])
+        self._ties.check_trained_alike([theirs[8:] for theirs in rows])
+        input_rows = _micro_batch_sizes(rows[self.owner[0]][2:5])
+        target_rows = _micro_batch_sizes(rows[self.owner[-1]][5:8])
         if with_target and input_rows != target_rows:
             raise ValueError(
                 f"the target splits into micro-batches of {target_rows} rows but the input into "
@@ -605,14 +606,12 @@ class DistributedPipe(PipeBase):
     ) -> list[int]:
         """This process's row of ``_agree``: refused, its choice's hash, both splits' sizes,
         then whether it trains each tied parameter."""
-        m = self.chunks
-        # Every process's row has 2 + 2 (m + 1) entries and one per tied
-        # parameter, m being the chunks that every process agreed on when the
-        # pipe was built (stage_arguments.py) and the ties the whole model's:
-        # the rows cannot differ in length, which would make gloo abort a process.
+        # Every process's row has 8 entries and one per tied parameter, the ties
+        # the whole model's: the rows cannot differ in length, which would make
+        # gloo abort a process, even where the processes' chunks differ.
         row = [int(refusal is not None), 0 if choice is None else fingerprint(choice)]
         for scattered in (batches, targets):
-            row += [len(scattered), *(b.rows() for b in scattered), *[0] * (m - len(scattered))]
+            row += _split_summary([b.rows() for b in scattered])
         return row + self._ties.training_states()
 
     def _stage_done(self, j: int) -> None:
@@ -843,9 +842,22 @@ def _scaler_state(scaler: Any) -> str:
     return f"scale {float(scaler.get_scale())!r}"
 
 
-def _micro_batch_sizes(row: list[int]) -> list[int]:
-    """The micro-batches' sizes in an agreement row's part ``[count, size, size, ...]``."""
-    return row[1 : 1 + row[0]]
+def _split_summary(sizes: list[int]) -> list[int]:
+    """``[count, first, last]`` of micro-batches' sizes, which ``scatter`` makes (as
+    ``Tensor.chunk``) all equal but the last.
+
+    >>> _split_summary([3, 3, 3, 1]), _split_summary([])
+    ([4, 3, 1], [0, 0, 0])
+    """
+    summary = [len(sizes), sizes[0], sizes[-1]] if sizes else [0, 0, 0]
+    assert _micro_batch_sizes(summary) == sizes, f"a split not as Tensor.chunk's: {sizes}"
+    return summary
+
+
+def _micro_batch_sizes(summary: list[int]) -> list[int]:
+    """The micro-batches' sizes of a ``_split_summary``."""
+    count, first, last = summary
+    return [first] * (count - 1) + [last] if count else []
 
 
 def _refuse_partial_load(

@@ -1159,6 +1159,12 @@ def chunks_that_differ_on_one_process_are_refused_by_every_process_and_the_group
     )
     pipe = DistributedPipe(blocks(2 * world(), seed=20), [2] * world(), chunks=4)
     x, y = batch()
+    # Changed afterwards on one process: gloo aborted a process (the agreement's rows
+    # were as long as the chunks), another blamed the target's batch size.
+    pipe.chunks = chunks
+    for run in (lambda: pipe.step(x, y, F.mse_loss), lambda: pipe.evaluate(x)):
+        expect_error(ValueError, run, "chose different", "chunks (pipe.chunks)", f"{chunks} chunks")
+    pipe.chunks = 4
     pipe.step(x, y, F.mse_loss)
     plain = blocks(2 * world(), seed=20)
     F.mse_loss(plain(x), y).backward()
