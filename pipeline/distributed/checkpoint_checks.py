@@ -251,8 +251,8 @@ def _unexpected_text(unexpected: list[str], saved: set[str]) -> str:
         return (
             f"the checkpoint holds {len(optimizer)} keys of the optimizer's state or settings "
             f"({_shown(optimizer, 2)}) for parameters this optimizer keeps no such entry for: "
-            "a parameter frozen since it was saved (it has no state now), an optimizer of "
-            "another kind, or settings an LR scheduler added (initial_lr); pass strict=False "
+            "an optimizer of another kind, or settings an LR scheduler added (initial_lr); "
+            "pass strict=False "
             "to load what this optimizer has and leave the rest, or load it into the "
             "optimizer it was saved from"
         )

@@ -370,11 +370,14 @@ class _OptimizerTarget:
         self._before = optimizer.state
         params = [p for group in optimizer.param_groups for p in group["params"]]
         grads = [p.grad for p in params]
+        # torch's step gives no state to a frozen parameter, whose saved state (trained,
+        # then frozen) would be taken for another optimizer's: trained around torch's calls.
+        self._frozen = [p for p in params if not p.requires_grad and p.dtype.is_floating_point]
         optimizer.state = defaultdict(dict)
         for param in params:
             param.grad = None
         try:
-            with _step_hooks_quiet(optimizer):
+            with _step_hooks_quiet(optimizer), _trained(self._frozen):
                 self._target = (
                     get_optimizer_state_dict(module, optimizer, options=_FLAT)
                     if _holds_parameters(optimizer)
@@ -435,7 +438,11 @@ class _OptimizerTarget:
         if not self._target:
             return  # no parameter here: nothing to load
         loaded = {**self._target, **self.reading.loaded()}
-        with _without_empty_groups(self._optimizer), _step_hooks_quiet(self._optimizer):
+        with (
+            _without_empty_groups(self._optimizer),
+            _step_hooks_quiet(self._optimizer),
+            _trained(self._frozen),
+        ):
             set_optimizer_state_dict(self._module, self._optimizer, loaded, options=_FLAT)
         for name in self._stateless:
             self._optimizer.state.pop(self._module.get_parameter(name), None)
@@ -443,6 +450,18 @@ class _OptimizerTarget:
     def undo(self) -> None:
         """The optimizer as it was (a refused or failed load): its own state, untouched."""
         self._optimizer.state = self._before
+
+
+@contextlib.contextmanager
+def _trained(frozen: list[torch.Tensor]) -> Iterator[None]:
+    """``frozen`` parameters requiring grad for the block, then frozen again."""
+    for param in frozen:
+        param.requires_grad_(True)
+    try:
+        yield
+    finally:
+        for param in frozen:
+            param.requires_grad_(False)
 
 
 @contextlib.contextmanager
