@@ -15,7 +15,10 @@ CPU partitions. ``--model`` picks it:
 
 With ``--processes`` (under ``torchrun --nproc_per_node=N``), the same for
 a ``DistributedPipe`` of N processes, one stage each (two with the
-interleaved schedule): every process plans (``processes=N``).
+interleaved schedule): every process plans (``processes=N``). With
+``--shards D`` too, N / D processes per pipeline and each stage sharded
+with FSDP2 over D replicas, a ``(dp, pp)`` mesh (``mesh=``), each replica
+stepping on the whole batch.
 
 Then every configuration is built as a Pipe (a DistributedPipe) and measured:
 
@@ -41,6 +44,7 @@ grid, among the configurations whose predicted memory fits
 Run: python examples/benchmarks/plan_quality.py [--model gpt|unet|gpt2|llama] [--quick]
      [--memory-limit MIB]
      torchrun --nproc_per_node=2 examples/benchmarks/plan_quality.py --processes [...]
+     torchrun --nproc_per_node=4 examples/benchmarks/plan_quality.py --processes --shards 2
 """
 
 from __future__ import annotations
@@ -60,10 +64,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from pipe_common import print_json, start_single_threaded
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import pipeline
 from pipeline.distributed import DistributedPipe, init_process_group_from_env
 from pipeline.plan import Candidate, Plan
+from pipeline.plan.sharding import shard_stages
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/
 import gpt
@@ -154,23 +160,34 @@ def workload(name: str, quick: bool) -> Workload:
     return split_workload(quick, llama)
 
 
-def built(model: Any, c: Candidate, processes: bool) -> pipeline.Pipe | DistributedPipe:
-    """Candidate ``c`` as a Pipe (or this process's stages of a DistributedPipe) over a copy
-    of ``model``."""
+def built(
+    model: Any, c: Candidate, processes: bool, mesh: DeviceMesh | None = None
+) -> pipeline.Pipe | DistributedPipe:
+    """Candidate ``c`` as a Pipe (or this process's stages of a DistributedPipe, sharded over
+    ``mesh``'s "dp" as the plan's are) over a copy of ``model``."""
     checkpoint: Any = c.checkpoint
     if processes:
-        return DistributedPipe(copy.deepcopy(model), list(c.balance), chunks=c.chunks,
-                               checkpoint=checkpoint)  # fmt: skip
+        group = None if mesh is None else mesh["pp"].get_group()
+        pipe = DistributedPipe(copy.deepcopy(model), list(c.balance), chunks=c.chunks,
+                               checkpoint=checkpoint, group=group)  # fmt: skip
+        if mesh is not None:
+            shard_stages(pipe, mesh["dp"])
+        return pipe
     devices = [str(d) for d in c.devices]
     return pipeline.Pipe(copy.deepcopy(model), list(c.balance), devices=devices,
                          chunks=c.chunks, checkpoint=checkpoint)  # fmt: skip
 
 
-def planned(w: Workload, o: dict[str, Any], limit: int, processes: bool) -> Plan:
-    """The plan of the grid ``o`` for two CPU partitions, or for this group's processes."""
+def planned(
+    w: Workload, o: dict[str, Any], limit: int, processes: bool, mesh: DeviceMesh | None
+) -> Plan:
+    """The plan of the grid ``o`` for two CPU partitions, or for this group's processes (in
+    pipelines on ``mesh``, if given)."""
     where: dict[str, Any] = (
         {"processes": dist.get_world_size()} if processes else {"devices": ["cpu", "cpu"]}
     )
+    if mesh is not None:
+        where = {"mesh": mesh}
     return pipeline.plan(
         copy.deepcopy(w.model), w.x, w.y, w.loss_fn, **where, kwargs=w.kwargs,
         batch_size=len(w.x), memory_limit=limit, chunks=o["chunks"], schedules=o["schedules"],
@@ -208,21 +225,25 @@ def measured_activations(
 
 
 def one_alive(
-    w: Workload, candidates: list[Candidate], rounds: int, processes: bool
+    w: Workload,
+    candidates: list[Candidate],
+    rounds: int,
+    processes: bool,
+    mesh: DeviceMesh | None = None,
 ) -> tuple[list[list[int]], list[float]]:
     """Each configuration's activations and median step time: its pipe (``processes``: a
     DistributedPipe) built afresh each round and closed after ``STEPS_PER_BUILD`` steps
     measured (a warm-up step first), the order turning each round."""
     activations = []
     for c in candidates:
-        pipe = built(w.model, c, processes)
+        pipe = built(w.model, c, processes, mesh)
         activations.append(measured_activations(pipe, w, c.schedule, len(c.balance)))
         pipe.close()
     times: list[list[float]] = [[] for _ in candidates]
     for r in range(rounds):
         turn = r % len(candidates)
         for k in [*range(turn, len(candidates)), *range(turn)]:
-            pipe = built(w.model, candidates[k], processes)
+            pipe = built(w.model, candidates[k], processes, mesh)
             run = stepper(pipe, w, candidates[k].schedule)
             run()
             for _ in range(STEPS_PER_BUILD):
@@ -251,17 +272,26 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--processes", action="store_true", help="a DistributedPipe, a stage per process (torchrun)"
     )
+    parser.add_argument(
+        "--shards", type=int, default=1, help="with --processes: stages sharded D ways (FSDP2)"
+    )
     args = parser.parse_args(argv)
+    if args.shards != 1 and not args.processes:
+        parser.error("--shards shards a DistributedPipe's stages: pass --processes too")
     o = grid(args.quick)
     info, _ = start_single_threaded()
+    mesh = None
     if args.processes:
         init_process_group_from_env()
+    if args.shards != 1:
+        stages = dist.get_world_size() // args.shards
+        mesh = init_device_mesh("cpu", (args.shards, stages), mesh_dim_names=("dp", "pp"))
     shown = not args.processes or dist.get_rank() == 0
     w = workload(args.model, args.quick)
     limit = int(args.memory_limit * MiB)
-    plan = planned(w, o, limit, args.processes)
+    plan = planned(w, o, limit, args.processes, mesh)
     candidates: list[Candidate] = plan.candidates
-    activations, seconds = one_alive(w, candidates, o["rounds"], args.processes)
+    activations, seconds = one_alive(w, candidates, o["rounds"], args.processes, mesh)
     measured = longest(seconds, args.processes)
     if shown:
         report(args, info, limit, plan, measured, activations)
@@ -309,6 +339,7 @@ def report(
           f"({sum(m == 0 for m in memory)} of {len(memory)} exact)")  # fmt: skip
     print_json({"benchmark": "plan_quality", "model": args.model, "quick": args.quick,
                 "processes": plan.processes.count if plan.processes else None,
+                "shards": args.shards,
                 "machine": info, "memory_limit": limit, "chosen": plan.chosen.describe(),
                 "chosen_over_best_measured": measured[chosen] / measured[best],
                 "best_measured": candidates[best].describe(), "rows": rows})  # fmt: skip

@@ -2,7 +2,8 @@
 
 Read in this order: ``profile.py`` (what is measured of the model, per
 micro-batch size), ``memory.py`` and ``timing.py`` (the two models),
-``links.py`` (what crosses between processes), ``partition.py`` (the
+``links.py`` (what crosses between processes), ``sharding.py`` (stages
+sharded with FSDP2), ``partition.py`` (the
 balance for time and memory together), ``search.py`` (every
 configuration), ``result.py`` (``Plan``, its table, ``pipe()``,
 ``distributed()``, ``check()``); ``agreement.py`` (one plan in every
@@ -13,7 +14,7 @@ error.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -29,15 +30,26 @@ from pipeline.plan.checks import (
 )
 from pipeline.plan.contention import NO_CONTENTION, Contention, cpu_contention
 from pipeline.plan.links import Link, measure_link
-from pipeline.plan.memory import layer_parameters
+from pipeline.plan.memory import LayerParameters, layer_parameters
 from pipeline.plan.overhead import action_overhead as measured_overhead
 from pipeline.plan.overhead import distributed_action_overhead
 from pipeline.plan.pace import Pace, Placement, Workload, measured_paces, paced_as
 from pipeline.plan.profile import LayerTimes, Saved, layer_times, saved_storages
 from pipeline.plan.result import Plan, PlanCheck, PlanError, Processes, choose
 from pipeline.plan.search import Candidate, candidates, runs
+from pipeline.plan.sharding import (
+    LayerCollectives,
+    Sharding,
+    layer_collectives,
+    measure_collectives,
+    mesh_dimensions,
+    sharded_parameters,
+)
 from pipeline.runtime.microbatch import Arguments, scatter
 from pipeline.runtime.process_group import collective_device, resolve_group
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["Candidate", "Plan", "PlanCheck", "PlanError", "plan"]
 
@@ -67,6 +79,7 @@ def plan(
     device: torch.device | str | None = None,
     link_latency: float | None = None,
     link_seconds_per_byte: float | None = None,
+    mesh: DeviceMesh | None = None,
 ) -> Plan:
     """The fastest predicted pipe configuration whose predicted peak fits ``memory_limit``.
 
@@ -108,6 +121,15 @@ def plan(
     measured in the group, ``links.py``). Outside a process group, give
     both, and ``action_overhead``.
 
+    With ``mesh``, a ``(dp, pp)`` ``DeviceMesh`` (dimensions named "dp"
+    and "pp"), the pipeline runs on "pp" (``processes`` is its size) and
+    each stage is sharded with FSDP2 over "dp" (``sharding.py``): each
+    data-parallel replica steps on its own ``batch_size`` rows, and
+    ``memory_limit`` bounds each process with its shard. Every process of
+    the mesh calls ``plan``; the replicas measure side by side, as they will
+    train, and take the first replica's figures, so that all choose alike;
+    ``plan.distributed()`` builds and shards this process's stages.
+
     Example::
 
         plan = pipeline.plan(model, x, y, F.cross_entropy, devices=["cpu", "cpu"],
@@ -126,8 +148,17 @@ def plan(
     args = () if sample_input is None else (sample_input,)
     value = sample_input if not kwargs else Arguments(args, dict(kwargs))
     in_group = group is not None or (dist.is_available() and dist.is_initialized())
+    shards = 1
+    if mesh is not None:
+        if group is not None:
+            raise TypeError(
+                "pass mesh= or group=, not both: the mesh's 'pp' dimension is the group"
+            )
+        processes, shards = mesh_dimensions(mesh, processes)
+        group = mesh["pp"].get_group()
     # In a group every process compares its arguments, a refusing one too: the others wait.
     pg = resolve_group(group) if processes is not None and in_group else None
+    replicas = None if mesh is None else mesh["dp"].get_group()
     profiles: dict[int, tuple[Saved, LayerTimes]] = {}
     refusal: Exception | None = None
     try:
@@ -194,13 +225,17 @@ def plan(
         compared = [
             processes, batch_size, memory_limit, chunks, schedules, checkpoints,
             optimizer_bytes_per_param, repeats, action_overhead, contention, link_latency,
-            link_seconds_per_byte, None if here is None else here.type, model, saved,
+            link_seconds_per_byte, None if here is None else here.type, model, saved, shards,
         ]  # fmt: skip
-        agree_inputs(pg, refusal, repr(compared))
+        agree_inputs(pg, refusal, repr(compared), replicas)
         for rows, memory in saved.items():
             profiles[rows] = (memory, _from_rank_zero(pg, rows, len(sequential) + 1, timed))
 
     link = None if count is None else _link(pg, link_latency, link_seconds_per_byte, repeats)
+    sharding = None
+    if mesh is not None and pg is not None:
+        sharding = Sharding(mesh, measure_collectives(pg, mesh, repeats))
+    collectives = None if sharding is None else layer_collectives(sequential, sharding.collectives)
 
     def contended(m: int) -> Contention:
         """The contention among the workers with ``m`` micro-batches: the smaller they are,
@@ -219,7 +254,7 @@ def plan(
     if contention is None and count is None:
         where = Placement(tuple(resolved))
     elif contention is None and pg is not None:
-        where = Placement((resolved[0],), pg)
+        where = Placement((resolved[0],), pg, None if mesh is None else mesh["dp"])
 
     factors = {m: contended(m) for m in counts}
     if action_overhead is None:
@@ -229,6 +264,15 @@ def plan(
             action_overhead = distributed_action_overhead(
                 pg, resolved[0], link, _OVERHEAD_CHUNKS, repeats
             )
+    paces = _paces(
+        where, Workload(sequential, sample_input, target, loss_fn, kwargs), schedules, counts,
+        lambda m: profiled(size // m), link, action_overhead, repeats, collectives,
+    )  # fmt: skip
+    if replicas is not None:
+        # The replicas measured side by side: the first one's figures, in every process.
+        link, action_overhead, paces = _as_first_replica(
+            replicas, profiles, link, action_overhead, paces
+        )
     found = candidates(
         len(sequential),
         resolved,
@@ -238,19 +282,61 @@ def plan(
         tuple(schedules),
         tuple(checkpoints),
         profiled,
-        layer_parameters(sequential, int(optimizer_bytes_per_param)),
+        _parameters(sequential, int(optimizer_bytes_per_param), shards),
         action_overhead,
         factors,
         link,
-        paces := _paces(
-            where, Workload(sequential, sample_input, target, loss_fn, kwargs), schedules,
-            counts, lambda m: profiled(size // m), link, action_overhead, repeats,
-        ),
+        paces,
+        collectives,
     )  # fmt: skip
     placement = None
     if count is not None and link is not None:
-        placement = Processes(count, pg, resolved[0], link)
+        placement = Processes(count, pg, resolved[0], link, sharding)
     return choose(sequential, found, limit, factors, action_overhead, placement, paces)
+
+
+def _parameters(
+    model: nn.Sequential, optimizer_bytes_per_param: int, shards: int
+) -> LayerParameters:
+    """Each layer's parameter terms, its parameters sharded ``shards`` ways (1: whole)."""
+    if shards == 1:
+        return layer_parameters(model, optimizer_bytes_per_param)
+    return sharded_parameters(model, optimizer_bytes_per_param, shards)
+
+
+def _as_first_replica(
+    replicas: dist.ProcessGroup,
+    profiles: dict[int, tuple[Saved, LayerTimes]],
+    link: Link | None,
+    overhead: float,
+    paces: dict[tuple[str, int], Pace] | None,
+) -> tuple[Link | None, float, dict[tuple[str, int], Pace] | None]:
+    """The layers' times (in ``profiles``, in place), the link, the cost of an action and the
+    paces of the first replica (rank 0 of ``replicas``), the same in every replica."""
+    rows = sorted(profiles)
+    mine = [
+        n
+        for r in rows
+        for part in (profiles[r][1].forward, profiles[r][1].backward, profiles[r][1].input_grad)
+        for n in part
+    ]
+    mine += [] if link is None else [link.latency, link.seconds_per_byte]
+    mine += [overhead]
+    keys = sorted(paces or {})
+    mine += [n for key in keys for n in (paces[key].factor, paces[key].outside)] if paces else []
+    first = iter(from_rank_zero(replicas, len(mine), lambda: mine))
+    for r in rows:
+        saved, times = profiles[r]
+        width = len(times.forward)
+        numbers = [next(first) for _ in range(3 * width)]
+        parts = (tuple(numbers[k * width : (k + 1) * width]) for k in range(3))
+        profiles[r] = (saved, LayerTimes(*parts))
+    if link is not None:
+        link = Link(next(first), next(first))
+    overhead = next(first)
+    if paces is not None:
+        paces = {key: Pace(next(first), next(first)) for key in keys}
+    return link, overhead, paces
 
 
 def _paces(
@@ -262,6 +348,7 @@ def _paces(
     link: Link | None,
     overhead: float,
     repeats: int,
+    collectives: LayerCollectives | None,
 ) -> dict[tuple[str, int], Pace] | None:
     """The model's pace in a pipe placed ``where`` (``pace.py``), by the schedule that
     measures it (``paced_as``) and micro-batch count, for each the schedules can run;
@@ -275,7 +362,7 @@ def _paces(
         for m in counts
         if runs(name, m, len(work.model), where.workers)
     ]
-    paces = measured_paces(where, work, wanted, link, overhead, repeats)
+    paces = measured_paces(where, work, wanted, link, overhead, repeats, collectives)
     return {(name, m): p for (name, m, _), p in zip(wanted, paces, strict=True)}
 
 

@@ -31,27 +31,46 @@ from pipeline.runtime.process_group import collective_device
 __all__ = ["agree_inputs", "from_rank_zero", "largest"]
 
 
-def agree_inputs(group: dist.ProcessGroup, refusal: Exception | None, text: str) -> None:
+def agree_inputs(
+    group: dist.ProcessGroup,
+    refusal: Exception | None,
+    text: str,
+    replicas: dist.ProcessGroup | None = None,
+) -> None:
     """Raise on every rank unless every rank passed its own checks and has the same ``text``.
 
     A collective: a rank that refused (``refusal``) raises its own error,
-    the others one naming it.
+    the others one naming it. With ``replicas`` (the groups across a mesh's
+    pipelines: each rank is in one of each), a second round there: then
+    every rank of the mesh raises where any one would.
     """
+    error = _disagreement(group, refusal, text)
+    if replicas is not None:
+        error = _disagreement(replicas, error, text)
+    if error is not None:
+        raise error
+
+
+def _disagreement(
+    group: dist.ProcessGroup, refusal: Exception | None, text: str
+) -> Exception | None:
+    """What every rank of ``group`` raises (None: nothing): ``agree_inputs``'s round."""
     rows = gather_rows([int(refusal is not None), fingerprint(text)], group)
     if refusal is not None:
-        raise refusal
+        return refusal
     elsewhere = refusal_elsewhere(rows, "refused its pipeline.plan arguments", "no process planned")
     if elsewhere is not None:
-        raise elsewhere
+        return elsewhere
     split = camps([row[1] for row in rows])
     if len(split) > 1:
-        raise ValueError(
+        return ValueError(
             f"pipeline.plan was called differently in the processes of the group: "
             f"{ranks_text(split)} differ in the model, the sample batch, the target or the "
             "arguments (compared: every argument and the bytes the model saves, per micro-batch "
             "size); call it with the same ones in every process so that every process builds "
             "the same pipeline"
         )
+    return None
 
 
 def from_rank_zero(

@@ -62,11 +62,13 @@ __all__ = [
 @dataclass(frozen=True)
 class LayerParameters:
     """Per layer: bytes of the parameters and buffers it holds first, of the parameters
-    trained, and of their optimizer state."""
+    trained, and of their optimizer state; with sharded stages (``sharding.py``), bytes of
+    its parameters gathered whole during a step (else none)."""
 
     nbytes: tuple[int, ...]
     trained_bytes: tuple[int, ...]
     optimizer: tuple[int, ...]
+    gathered: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,7 @@ class StageMemory:
     parameters: int
     gradients: int
     optimizer: int
+    gathered: int = 0
 
     @property
     def held(self) -> int:
@@ -94,7 +97,7 @@ class StageMemory:
 
     @property
     def total(self) -> int:
-        return self.held + self.parameters + self.gradients + self.optimizer
+        return self.held + self.parameters + self.gathered + self.gradients + self.optimizer
 
 
 @dataclass(frozen=True)
@@ -229,4 +232,5 @@ def stage_memory(
         parameters=sum(parameters.nbytes[first:stop]),
         gradients=sum(parameters.trained_bytes[first:stop]),
         optimizer=sum(parameters.optimizer[first:stop]),
+        gathered=sum(parameters.gathered[first:stop]),
     )

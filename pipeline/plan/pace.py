@@ -55,10 +55,13 @@ from pipeline.plan.contention import Contention
 from pipeline.plan.links import Link, cut_seconds
 from pipeline.plan.partition import fitting_balance
 from pipeline.plan.profile import LayerTimes, Saved
+from pipeline.plan.sharding import LayerCollectives, shard_stages, stage_collectives
 from pipeline.plan.timing import matching, predicted_seconds, stage_costs
 from pipeline.step.schedules import resolve_schedule
 
 if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
     from pipeline.distributed import DistributedPipe
 
 __all__ = [
@@ -128,10 +131,12 @@ Wanted = tuple[str, int, tuple[Saved, LayerTimes]]
 @dataclass(frozen=True)
 class Placement:
     """Where a pace is measured: a DistributedPipe over ``group``, this process's stages on
-    ``devices[0]``; or, without a group, a Pipe with a stage on each of ``devices``."""
+    ``devices[0]`` (sharded over ``shards``, a 1-D mesh, as ``sharding.py`` shards them);
+    or, without a group, a Pipe with a stage on each of ``devices``."""
 
     devices: tuple[torch.device, ...]
     group: dist.ProcessGroup | None = None
+    shards: DeviceMesh | None = None
 
     @property
     def workers(self) -> int:
@@ -151,8 +156,11 @@ class Placement:
         if self.group is None:
             devices = list(self.devices) * (len(balance) // len(self.devices))
             return Pipe(model, balance, devices=devices, chunks=chunks, checkpoint="never")
-        return DistributedPipe(model, balance, group=self.group, device=self.devices[0],
+        pipe = DistributedPipe(model, balance, group=self.group, device=self.devices[0],
                                chunks=chunks, checkpoint="never")  # fmt: skip
+        if self.shards is not None:
+            shard_stages(pipe, self.shards)
+        return pipe
 
 
 def measured_paces(
@@ -162,6 +170,7 @@ def measured_paces(
     link: Link | None,
     overhead: float,
     repeats: int,
+    collectives: LayerCollectives | None = None,
 ) -> list[Pace]:
     """The model's pace in a pipe placed by ``placement`` for each of ``wanted``: stepped
     with its schedule (``"1f1b"``, ``"zb-h1"``, or ``"interleaved"``: two stages per
@@ -170,7 +179,9 @@ def measured_paces(
     With a group, a collective, the same on every rank. Each profile: the
     layers' saved bytes and times for one micro-batch of that count;
     ``link``: between processes (None: a Pipe's stages, one memory);
-    ``overhead``: the seconds per action (``overhead.py``). The seconds
+    ``overhead``: the seconds per action (``overhead.py``); ``collectives``:
+    sharded stages' all-gathers and reduce-scatters, per layer, played with
+    the actions so that the factor scales the compute alone. The seconds
     outside the actions do not depend on the schedule or the count: every
     pace takes the median of those measured, which a single measure's noise
     moves less.
@@ -195,7 +206,10 @@ def measured_paces(
     measured = [placement.largest(statistics.median(c)) for c in calls]
     outside = statistics.median(-placement.largest(-statistics.median(g)) for g in gaps)
     return [
-        Pace(_factor(name, m, profile, cut, workers, call, outside, link, overhead), outside)
+        Pace(
+            _factor(name, m, profile, cut, workers, call, outside, link, overhead, collectives),
+            outside,
+        )
         for (name, m, profile), cut, call in zip(wanted, cuts, measured, strict=True)
     ]
 
@@ -210,6 +224,7 @@ def _factor(
     outside: float,
     link: Link | None,
     overhead: float,
+    collectives: LayerCollectives | None = None,
 ) -> float:
     """The factor on the layers' times that plays the step in its ``measured`` seconds."""
     saved, times = profile
@@ -218,11 +233,12 @@ def _factor(
     programs = resolve_schedule(schedule).programs(chunks, stages)
     owner = [j % workers for j in range(stages)]
     cuts = None if link is None else cut_seconds(saved, spans, owner, link)
+    fixed = stage_collectives(collectives, spans)
 
     def played(factor: float) -> float:
         scale = Contention(factor, factor)
         costs = [stage_costs(times, a, b, scale) for a, b in spans]
-        return outside + predicted_seconds(programs, costs, set(), overhead, None, cuts)
+        return outside + predicted_seconds(programs, costs, set(), overhead, None, cuts, fixed)
 
     # The smallest factor where the link and the actions' own cost take the whole step.
     return matching(played, measured, _FASTEST, _SLOWEST)

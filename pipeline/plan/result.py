@@ -24,6 +24,7 @@ from pipeline.plan.contention import NO_CONTENTION, Contention
 from pipeline.plan.links import Link
 from pipeline.plan.pace import Pace
 from pipeline.plan.search import Candidate
+from pipeline.plan.sharding import Sharding, shard_stages
 from pipeline.runtime.agreement import gather_rows
 from pipeline.step.reports import DistributedStepReport, _bytes
 
@@ -41,12 +42,13 @@ RUNNER_UPS = 8
 @dataclass(frozen=True)
 class Processes:
     """A plan's processes: how many, their group (None: planned outside one), this one's
-    device and the link between them."""
+    device, the link between them, and how their stages are sharded (None: whole)."""
 
     count: int
     group: dist.ProcessGroup | None
     device: torch.device
     link: Link
+    sharding: Sharding | None = None
 
 
 class PlanError(ValueError):
@@ -189,7 +191,9 @@ class Plan:
         """This process's stages of the chosen DistributedPipe; every process of the plan calls it.
 
         The plan's balance, chunks and checkpoint mode, on the group and
-        device it was planned with; ``options`` are DistributedPipe's others
+        device it was planned with, its stages sharded as planned with
+        ``mesh=`` (``sharding.shard_stages``: make the optimizer after this,
+        over the sharded parameters); ``options`` are DistributedPipe's others
         (``timeout``, ``init``, ...). The processes compare their arguments
         as they build it and all refuse a mismatch (DistributedPipe's own
         agreement). Train it with ``pipe.step(x, y, loss_fn,
@@ -216,7 +220,7 @@ class Plan:
                 "with; plan again with other arguments instead (its other options are "
                 "DistributedPipe's)"
             )
-        return DistributedPipe(
+        pipe = DistributedPipe(
             self.model,
             self.balance,
             group=self.processes.group,
@@ -225,6 +229,10 @@ class Plan:
             checkpoint=self.checkpoint,  # type: ignore[arg-type]
             **options,
         )
+        sharding = self.processes.sharding
+        if sharding is not None:
+            shard_stages(pipe, sharding.mesh["dp"])
+        return pipe
 
     def check(self, pipe: Pipe | DistributedPipe) -> PlanCheck:
         """The prediction beside ``pipe.last_step``: run ``step(..., measure_memory=True)`` first.
@@ -298,6 +306,15 @@ class Plan:
                 f"{self.processes.count} processes, link {link.latency * 1e6:.0f} us + "
                 f"{link.seconds_per_byte * 1e9:.3f} ns/B per message"
             )
+            sharding = self.processes.sharding
+            if sharding is not None:
+                gather, reduce = sharding.collectives.gather, sharding.collectives.reduce
+                parts.append(
+                    f"stages sharded {sharding.shards} ways (FSDP2), all-gather "
+                    f"{gather.latency * 1e6:.0f} us + {gather.seconds_per_byte * 1e9:.3f} ns/B, "
+                    f"reduce-scatter {reduce.latency * 1e6:.0f} us + "
+                    f"{reduce.seconds_per_byte * 1e9:.3f} ns/B per unit"
+                )
         title = f"Plan ({', '.join(parts)})"
         return "\n".join([title, *(line.rstrip() for line in lines)])
 
@@ -374,8 +391,9 @@ def _nothing_fits(found: list[Candidate], limit: int) -> str:
     terms = ", ".join(
         f"stage {j}: {_bytes(s.total)} (activations {_bytes(s.saved)}, inputs "
         f"{_bytes(s.inputs)}, mail {_bytes(s.mail)}, recorded for W {_bytes(s.recorded)}, "
-        f"parameters {_bytes(s.parameters)}, gradients "
-        f"{_bytes(s.gradients)}, optimizer {_bytes(s.optimizer)})"
+        f"parameters {_bytes(s.parameters)}"
+        + (f" and gathered {_bytes(s.gathered)}" if s.gathered else "")
+        + f", gradients {_bytes(s.gradients)}, optimizer {_bytes(s.optimizer)})"
         for j, s in enumerate(cheapest.memory)
     )
     return (

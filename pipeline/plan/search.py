@@ -25,6 +25,7 @@ from pipeline.plan.memory import LayerParameters, StageMemory, stage_memory
 from pipeline.plan.pace import SAME_PACE, Pace, paced_as, virtual_stages
 from pipeline.plan.partition import fitting_balance, least_memory_balance
 from pipeline.plan.profile import LayerTimes, Saved
+from pipeline.plan.sharding import LayerCollectives, stage_collectives
 from pipeline.plan.timing import predicted_seconds, stage_costs
 from pipeline.step.actions import Action, Program
 from pipeline.step.runner import checkpointed_tasks
@@ -97,6 +98,7 @@ def candidates(
     contention: Mapping[int, Contention] | None = None,
     link: Link | None = None,
     paces: Mapping[tuple[str, int], Pace] | None = None,
+    collectives: LayerCollectives | None = None,
 ) -> list[Candidate]:
     """Every configuration's candidates; an interleaved one only where it can run.
 
@@ -109,7 +111,8 @@ def candidates(
     ``paces``: by the schedule that measured it (``pace.paced_as``) and
     micro-batch count, the model's pace in the pipe (``pace.py``): every stage's
     costs scaled by its factor, its seconds outside the actions added to
-    every step.
+    every step. ``collectives``: per layer, its FSDP2 unit's all-gather and
+    reduce-scatter seconds in a step (stages sharded: ``sharding.py``).
     """
     found: list[Candidate] = []
     for name in schedules:
@@ -145,6 +148,7 @@ def candidates(
                         limit,
                         overhead,
                         link,
+                        collectives,
                     ),
                     programs,
                     order,
@@ -180,6 +184,7 @@ class _Configuration:
     limit: int
     overhead: float
     link: Link | None
+    collectives: LayerCollectives | None
 
 
 def _balanced(
@@ -231,6 +236,7 @@ def _balanced(
             config.overhead,
             config.factor,
             None if config.link is None else cut_seconds(saved, spans, owner, config.link),
+            stage_collectives(config.collectives, spans),
         )
         found.append(
             Candidate(

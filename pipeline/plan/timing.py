@@ -13,12 +13,15 @@ models: the predicted step time is the last action's end. On CPU,
 an action runs slower while other workers compute (``contention.py``): a
 second play slows each action by the share of the first play's overlap,
 its forward work (a forward, a recomputation, the library's own work) by
-the forward factor, its backward work by the backward one.
+the forward factor, its backward work by the backward one. A stage sharded
+with FSDP2 (``sharding.py``) adds its units' all-gathers to its first
+forward, before its output goes, and their reduce-scatters after its last
+action, once its gradient went: the step ends when the last one ends.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pipeline.plan.contention import NO_CONTENTION, Contention
@@ -63,6 +66,7 @@ def predicted_seconds(
     overhead: float,
     contention: list[Contention] | None = None,
     cuts: CutSeconds | None = None,
+    collectives: Sequence[tuple[float, float]] | None = None,
 ) -> float:
     """The step's predicted seconds: ``programs`` played with ``costs[s]`` for stage ``s``.
 
@@ -71,18 +75,23 @@ def predicted_seconds(
     played once as they are, then again with each action slowed in
     proportion to the other workers busy while it ran in the first play.
     ``cuts``: the transfers between stages in different processes
-    (``links.py``); None: communication costs nothing.
+    (``links.py``); None: communication costs nothing. ``collectives[s]``:
+    stage ``s``'s all-gathers, in its first forward, and reduce-scatters,
+    after its last action (sharded stages; None: none).
 
     >>> from pipeline.step.actions import parse_program
     >>> programs = [parse_program("0F0 0F1 0B0 0B1"), parse_program("1F0 1B0 1F1 1B1")]
     >>> one = StageCosts(1.0, 2.0, 1.0, 1.0)
     >>> predicted_seconds(programs, [one, one], set(), 0.0)
     9.0
+    >>> predicted_seconds(programs, [one, one], set(), 0.0, collectives=[(0.5, 0.25)] * 2)
+    10.25
     >>> twice = Contention(2.0, 2.0)
     >>> predicted_seconds(programs, [one, one], set(), 0.0, [twice, twice]) > 9.0
     True
     """
     worker = {a.stage: w for w, program in enumerate(programs) for a in program}
+    fixed, after = _collective_seconds(programs, collectives)
 
     def parts(action: Action) -> tuple[float, float]:
         """The action's forward work (the library's own with it) and its backward work."""
@@ -97,7 +106,7 @@ def predicted_seconds(
         return forward + overhead, backward
 
     def cost(action: Action) -> float:
-        return sum(parts(action))
+        return sum(parts(action)) + fixed.get(action, 0.0)
 
     start, end = _played(programs, len(costs), cost, cuts)
     if contention is not None and len(programs) > 1 and any(c != NO_CONTENTION for c in contention):
@@ -107,15 +116,33 @@ def predicted_seconds(
             share = others[action] / (len(programs) - 1)
             factor = contention[action.stage]
             forward, backward = parts(action)
-            return forward * (1 + (factor.forward - 1) * share) + backward * (
-                1 + (factor.backward - 1) * share
+            return (
+                forward * (1 + (factor.forward - 1) * share)
+                + backward * (1 + (factor.backward - 1) * share)
+                + fixed.get(action, 0.0)
             )
 
         start, end = _played(programs, len(costs), slowed, cuts)
-    return max(end.values(), default=0.0)
+    return max([*end.values(), *(end[a] + s for a, s in after.items())], default=0.0)
 
 
 Times = dict[Action, float]
+
+
+def _collective_seconds(
+    programs: list[Program], collectives: Sequence[tuple[float, float]] | None
+) -> tuple[Times, Times]:
+    """The seconds of each stage's collectives: its all-gathers, by its first forward, which
+    they delay; its reduce-scatters, by its last action, after which they run."""
+    gathers: Times = {}
+    reduces: Times = {}
+    if collectives is None:
+        return gathers, reduces
+    for program in programs:
+        for stage in {a.stage for a in program}:
+            mine = [a for a in program if a.stage == stage]
+            gathers[next(a for a in mine if a.kind == "F")], reduces[mine[-1]] = collectives[stage]
+    return gathers, reduces
 
 
 def _played(

@@ -31,9 +31,10 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from pipeline import DataParallel, Pipe, split
+from pipeline import DataParallel, Pipe, plan, split
 from pipeline.arguments import CheckpointMode
 from pipeline.distributed import DistributedPipe, load_checkpoint, save_checkpoint
+from pipeline.plan import PlanError
 from pipeline.schedules import Interleaved1F1B, Programs, Schedule
 from tests.distributed.checkpoint_scenarios import (
     MLPS,
@@ -642,6 +643,73 @@ def data_parallel_over_fsdp_stages_is_refused_before_any_work() -> None:
     )
     assert all(p.grad is None for p in trainer.parameters())
     trainer.module.close()
+
+
+def storage_bytes(tensors: list[Tensor]) -> int:
+    """Bytes of the storages of ``tensors`` (a DTensor's shard), each storage once."""
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in local}
+               .values())  # fmt: skip
+
+
+@scenario
+def a_plan_for_sharded_stages_is_one_plan_that_predicts_each_term() -> None:
+    mesh = fsdp_mesh()
+    model = mlps(4)
+    generator = torch.Generator().manual_seed(4)
+    x, y = (torch.randn(2 * ROWS, WIDTH, generator=generator, dtype=torch.double) for _ in "xy")
+    replica = mesh["dp"].get_local_rank()
+    mine = slice(replica * ROWS, (replica + 1) * ROWS)
+    for wrong, error, words in [
+        ({"mesh": tp_mesh()}, ValueError, "two dimensions named 'dp' and 'pp'"),
+        ({"mesh": mesh, "group": mesh["pp"].get_group()}, TypeError, "mesh= or group="),
+        ({"mesh": mesh, "processes": 4}, ValueError, "'pp' dimension has 2 processes"),
+    ]:
+        call = functools.partial(plan, model, x, y, F.mse_loss, batch_size=ROWS, **wrong)
+        expect_error(error, functools.partial(call, memory_limit=2**30), words)
+    planned = plan(copy.deepcopy(model), x[mine], y[mine], F.mse_loss, mesh=mesh,
+                   batch_size=ROWS, memory_limit=2**30, chunks=[2, 4], schedules=["1f1b"],
+                   checkpoints=["never"], optimizer_bytes_per_param=16, repeats=1)  # fmt: skip
+    # One plan in every process: the replicas measured apart, and take the first's figures.
+    every: list[Any] = [None] * 4
+    dist.all_gather_object(every, (repr(planned), [s.total for s in planned.chosen.memory]))
+    assert all(theirs == every[0] for theirs in every), every
+    assert "stages sharded 2 ways (FSDP2)" in str(planned)
+    pipe = planned.distributed()
+    units = [m for s in pipe.local_stages for m in pipe.partitions[s].modules()]
+    assert sum(isinstance(m, FSDPModule) for m in units) == 3  # two layers and their stage
+    gathered: dict[int, int] = {}
+
+    def held(module: nn.Module, args: Any, output: Any) -> None:
+        gathered[id(module)] = storage_bytes(list(module.parameters()))
+
+    for s in pipe.local_stages:
+        for layer in pipe.partitions[s]:
+            layer.register_forward_hook(held)
+    optimizer = torch.optim.AdamW(pipe.parameters())
+    pipe.step(x[mine], y[mine], F.mse_loss, schedule=planned.schedule, measure_memory=True)
+    F.mse_loss(model(x), y).backward()
+    for name, param in pipe.named_parameters():
+        torch.testing.assert_close(full(param.grad), model.get_parameter(name).grad, msg=name)
+    optimizer.step()
+    check = planned.check(pipe)
+    assert check.measured_activations == check.predicted_activations
+    (stage,) = pipe.local_stages
+    predicted = planned.chosen.memory[stage]
+    params = list(pipe.parameters())
+    assert predicted.parameters == storage_bytes(params)
+    assert predicted.gathered == sum(gathered.values())
+    state = [v for s in optimizer.state.values() for k, v in s.items() if k != "step"]
+    assert predicted.optimizer == storage_bytes(state)
+    # The unsharded gradients (the gathered parameters' size), then their reduced shards.
+    shards = storage_bytes([p.grad for p in params if p.grad is not None])
+    assert predicted.gradients == predicted.gathered + shards
+    tight = functools.partial(
+        plan, copy.deepcopy(model), x[mine], y[mine], F.mse_loss, mesh=mesh, batch_size=ROWS,
+        chunks=[2], repeats=1, schedules=["1f1b"], checkpoints=["never"], contention=1.0,
+    )  # fmt: skip
+    expect_error(PlanError, functools.partial(tight, memory_limit=4096), "gathered")
+    pipe.close()
 
 
 class Tokens(nn.Module):

@@ -32,6 +32,7 @@ NAMES = [
     "clip_grad_norm_over_sharded_stages_equals_the_plain_models",
     "sharded_stages_save_and_load_across_layouts",
     "data_parallel_over_fsdp_stages_is_refused_before_any_work",
+    "a_plan_for_sharded_stages_is_one_plan_that_predicts_each_term",
 ]
 
 

@@ -4,7 +4,7 @@ plan made in every rank of a gloo group building its DistributedPipe."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -19,6 +19,7 @@ from pipeline.plan.pace import Pace, _factor
 from pipeline.plan.profile import LayerTimes, Saved
 from pipeline.plan.result import Processes, choose
 from pipeline.plan.search import candidates
+from pipeline.plan.sharding import stage_collectives
 from pipeline.plan.timing import StageCosts, predicted_seconds, stage_costs
 from pipeline.step.actions import parse_program
 from pipeline.step.schedules import OneFOneB
@@ -222,13 +223,22 @@ def test_the_pace_fitted_to_a_step_plays_that_step_and_scales_every_candidate() 
     programs = OneFOneB().programs(4, 2)
     cuts = cut_seconds(saved, [(0, 2), (2, 4)], [0, 1], link)
 
-    def played(factor: float) -> float:
+    # Sharded stages' collectives, per layer: played beside the actions, not scaled.
+    sharded = ((0.3,) * LAYERS, (0.7,) * LAYERS)
+
+    def played(factor: float, collectives: Any = None) -> float:
         costs = [stage_costs(times, a, b, Contention(factor, factor)) for a, b in [(0, 2), (2, 4)]]
-        return predicted_seconds(programs, costs, set(), 0.5, None, cuts)
+        fixed = stage_collectives(collectives, [(0, 2), (2, 4)])
+        return predicted_seconds(programs, costs, set(), 0.5, None, cuts, fixed)
 
     measured = 2.0 + played(1.5)
-    factor = _factor("1f1b", 4, (saved, times), [2, 2], 2, measured, 2.0, link, 0.5)
+    factor = _factor("1f1b", 4, (saved, times), [2, 2], 2, measured, 2.0, link, 0.5, None)
     assert factor == pytest.approx(1.5, rel=1e-6)
+    with_collectives = 2.0 + played(1.5, sharded)
+    assert with_collectives > measured
+    fitted = _factor("1f1b", 4, (saved, times), [2, 2], 2, with_collectives, 2.0, link, 0.5,
+                     sharded)  # fmt: skip
+    assert fitted == pytest.approx(1.5, rel=1e-6)
     pace = Pace(factor, 2.0)
     found = candidates(
         LAYERS, [CPU, CPU], 8, 2**40, (4,), ("1f1b",), ("never",), lambda rows: (saved, times),
@@ -236,6 +246,12 @@ def test_the_pace_fitted_to_a_step_plays_that_step_and_scales_every_candidate() 
     )  # fmt: skip
     assert [c.balance for c in found] == [(2, 2)]
     assert found[0].seconds == pytest.approx(measured, rel=1e-6)
+    sharded_found = candidates(
+        LAYERS, [CPU, CPU], 8, 2**40, (4,), ("1f1b",), ("never",), lambda rows: (saved, times),
+        layer_parameters(gelu_mlp(LAYERS), 0), overhead=0.5, link=link, paces={("1f1b", 4): pace},
+        collectives=sharded,
+    )  # fmt: skip
+    assert sharded_found[0].seconds == pytest.approx(with_collectives, rel=1e-6)
     # Without it, the same candidate is the profile's time: less by the pace's share.
     plain = candidates(
         LAYERS, [CPU, CPU], 8, 2**40, (4,), ("1f1b",), ("never",), lambda rows: (saved, times),
