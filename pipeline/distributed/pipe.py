@@ -30,6 +30,7 @@ import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -42,7 +43,13 @@ from pipeline.calls import EvaluateCall, MicroBatches, StepCall, redocumented
 from pipeline.distributed.groups import give_back, message_groups, retire
 from pipeline.distributed.meta import Init, materialized, meta_resets
 from pipeline.distributed.p2p import DONE_KEYS, END_KEYS, ROUTER_KEYS, P2PTransport, PeerError
-from pipeline.distributed.sharded import check_sharding, local_ties, sharding_kind
+from pipeline.distributed.sharded import (
+    check_sharding,
+    local_ties,
+    sharding_groups,
+    sharding_kind,
+    told_over,
+)
 from pipeline.distributed.stage_arguments import check_alone, disagreement
 from pipeline.distributed.ties import TiedWeights, ties_across
 from pipeline.distributed.wire_format import DEFAULT_MAX_MESSAGE_BYTES
@@ -255,6 +262,8 @@ class DistributedPipe(PipeBase):
         ]
         self._register_names(module, [self.partitions[s] for s in self.local_stages])
         self._ties_here = local_ties(self.partitions, self.local_stages)
+        # A step or evaluation that failed midway with stages sharded across pipelines.
+        self._stranded: BaseException | None = None
         self._start_runtime([self.device] * n)
         # Every stage's, other processes' too: a skip sent into a stage that copies
         # its input is refused by its sender (skip/tracker.py).
@@ -300,6 +309,7 @@ class DistributedPipe(PipeBase):
 
     def _train(self, call: StepCall) -> Tensor | tuple[Tensor, Value | None]:
         started = time.perf_counter()
+        self._refuse_if_stranded()
         last = len(self.balance) - 1 in self.local_stages
         chosen, reduction, micro_batches, router = self._agreed_step(call)
         programs, simulation = self._programs(chosen, len(micro_batches.rows))
@@ -315,7 +325,12 @@ class DistributedPipe(PipeBase):
             at_end=self._ties.parameters(),
             router=router,
         )
-        with self._one_pass(micro_batches.batches), run.holding_hooks(), run.routing():
+        with (
+            self._stranding_on_failure(),
+            self._one_pass(micro_batches.batches),
+            run.holding_hooks(),
+            run.routing(),
+        ):
             self._transport.begin_step()
             try:
                 run.run_here(programs[self.rank])
@@ -481,6 +496,29 @@ class DistributedPipe(PipeBase):
         super()._check_open()
         self._transport.check_peers()
 
+    @contextmanager
+    def _stranding_on_failure(self) -> Iterator[None]:
+        """Around a call's work: a failure with stages sharded across pipelines strands the
+        pipe (``sharded.py``): the other pipelines' collectives may wait for this one's."""
+        try:
+            yield
+        except BaseException as error:
+            if sharding_groups(self.partitions, self.local_stages):
+                self._stranded = error
+            raise
+
+    def _refuse_if_stranded(self) -> None:
+        """Refuse, before any collective, a call after one that stranded the pipe."""
+        if self._stranded is not None:
+            raise RuntimeError(
+                "an earlier step or evaluation of this DistributedPipe failed midway, with its "
+                "stages sharded (FSDP2, tensor parallelism) with other pipelines' processes: "
+                "their collectives may still wait for this process's, and a new call's would "
+                "meet them and compute with them, silently wrong; end the job and resume it "
+                f"from a checkpoint (the failure: {type(self._stranded).__name__}: "
+                f"{self._stranded})"
+            )
+
     def _check_step(self, call: StepCall) -> tuple[Schedule, LossReduction]:
         """The step's schedule and reduction, once this process's own arguments pass.
 
@@ -563,7 +601,9 @@ class DistributedPipe(PipeBase):
 
         Before any work: if a process refused its arguments, every process
         raises (that one its own error); so does every process if they chose
-        different schedules, or if the target and the input split differently.
+        different schedules, or if the target and the input split differently;
+        with sharded stages, so do the other pipelines' processes that shard
+        them (``sharded.py``).
         """
         if choice is not None:
             choice += f", {self.chunks} chunks"
@@ -571,6 +611,26 @@ class DistributedPipe(PipeBase):
             rows = gather_rows(self._agreement_row(batches, targets, choice, refusal), self.group)
         except RuntimeError as error:
             raise self._transport.explain("the step's agreement", error) from error
+        agreed: list[int] = []
+        try:
+            agreed = self._agreed(rows, refusal, choice, with_target)
+        except Exception as error:
+            refusal = error
+        else:
+            refusal = None
+        refusal = told_over(sharding_groups(self.partitions, self.local_stages), refusal)
+        if refusal is not None:
+            raise refusal
+        return agreed
+
+    def _agreed(
+        self,
+        rows: list[list[int]],
+        refusal: Exception | None,
+        choice: str | None,
+        with_target: bool,
+    ) -> list[int]:
+        """The micro-batches' sizes from every process's row, or what refuses the call."""
         if refusal is not None:
             raise refusal
         elsewhere = refusal_elsewhere(
@@ -649,13 +709,14 @@ class DistributedPipe(PipeBase):
     )
 
     def _evaluate(self, call: EvaluateCall) -> Any:
+        self._refuse_if_stranded()
         last = len(self.balance) - 1 in self.local_stages
         wants_outputs = call.return_outputs or call.loss_fn is None
         reduction, micro_batches, router = self._agreed_evaluation(call)
         programs = forward_programs(len(micro_batches.rows), len(self.balance), self.size)
         local = [self.partitions[s] for s in self.local_stages]
         watching = self._runtime.watching(micro_batches.batches)
-        with self._evaluating(), resharded_after(local), watching:
+        with self._stranding_on_failure(), self._evaluating(), resharded_after(local), watching:
             run = self._evaluation_run(
                 call,
                 reduction,

@@ -23,6 +23,15 @@ not make equal to the plain model:
 - a module that a split model's captured code reads without calling it, in
   a sharded stage: FSDP2's gathering and reduction follow module calls;
 - a torch whose FSDP2 lacks what the step reads of it.
+
+Sharded stages run collectives with other pipelines' processes (FSDP2's
+over "dp", tensor parallelism's over "tp"), which the pipeline's own
+agreement does not reach. So a refusal in one process is told over those
+groups too (``told_over``), before any work: a pipeline that went on would
+wait in a collective its peer never starts, or, worse, meet the peer's next
+step's and compute with it, silently. And once a step failed midway, the
+peers' collectives may still wait for this process's: its later steps would
+meet them, and are refused (``DistributedPipe``'s ``_refuse_if_stranded``).
 """
 
 from __future__ import annotations
@@ -30,8 +39,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
+import torch.distributed as dist
 from torch import nn
 
+from pipeline.runtime.agreement import gather_rows
 from pipeline.runtime.layers import modules_only_read
 from pipeline.runtime.lazy import instance_of
 from pipeline.step.sharded import fsdp_units, missing_internals
@@ -39,7 +50,7 @@ from pipeline.step.sharded import fsdp_units, missing_internals
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
 
-__all__ = ["check_sharding", "local_ties", "sharding_kind"]
+__all__ = ["check_sharding", "local_ties", "sharding_groups", "sharding_kind", "told_over"]
 
 _RECIPE = (
     "shard each stage on its own: fully_shard(layer, mesh=mesh['dp']) for the layers of "
@@ -135,6 +146,41 @@ def _check_units_within_stages(
                     "gradients together, which must wait for its stage's last backward; "
                     f"{_RECIPE}"
                 )
+
+
+def sharding_groups(
+    partitions: Sequence[nn.Module], stages: Iterable[int]
+) -> list[dist.ProcessGroup]:
+    """The groups the parameters of ``stages`` are sharded over (each dimension of their
+    DTensors' meshes), in one order that every process takes: by their ranks."""
+    found: dict[tuple[int, ...], dist.ProcessGroup] = {}
+    for s in stages:
+        for param in partitions[s].parameters():
+            mesh = getattr(param, "device_mesh", None)
+            if mesh is None or not instance_of(param, "torch.distributed.tensor", "DTensor"):
+                continue
+            for dim in range(mesh.ndim):
+                group = mesh.get_group(dim)
+                found.setdefault(tuple(dist.get_process_group_ranks(group)), group)
+    return [found[ranks] for ranks in sorted(found, key=lambda ranks: (len(ranks), ranks))]
+
+
+def told_over(groups: Sequence[dist.ProcessGroup], error: Exception | None) -> Exception | None:
+    """``error``, or one saying that a process of ``groups`` refused (each a collective).
+
+    Two rounds over every group: a mesh of pipelines sharded over one or two
+    more dimensions (dp, tp) then hears from every process of it.
+    """
+    heard = error is not None
+    for _ in range(2):
+        for group in groups:
+            heard = any(row[0] for row in gather_rows([int(heard)], group)) or heard
+    if error is None and heard:
+        return RuntimeError(
+            "a process of another pipeline that shards these stages with this one (FSDP2, "
+            "tensor parallelism) refused this call (its error says why): no process ran anything"
+        )
+    return error
 
 
 def sharding_kind(partitions: Sequence[nn.Module], stages: Iterable[int]) -> str:

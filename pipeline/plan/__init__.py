@@ -43,6 +43,7 @@ from pipeline.plan.sharding import (
     layer_collectives,
     measure_collectives,
     mesh_dimensions,
+    refuse_ties,
     sharded_parameters,
 )
 from pipeline.runtime.microbatch import Arguments, scatter
@@ -182,6 +183,8 @@ def plan(
             optimizer_bytes_per_param,
             what="devices" if here is None else "processes",
         )
+        if mesh is not None:
+            refuse_ties(sequential)
         if pg is not None and dist.get_world_size(pg) != count:
             raise ValueError(
                 f"processes={count} but the process group has {dist.get_world_size(pg)} "
@@ -229,7 +232,8 @@ def plan(
         ]  # fmt: skip
         agree_inputs(pg, refusal, repr(compared), replicas)
         for rows, memory in saved.items():
-            profiles[rows] = (memory, _from_rank_zero(pg, rows, len(sequential) + 1, timed))
+            times = _from_rank_zero(pg, rows, len(sequential) + 1, timed, replicas)
+            profiles[rows] = (memory, times)
 
     link = None if count is None else _link(pg, link_latency, link_seconds_per_byte, repeats)
     sharding = None
@@ -270,9 +274,7 @@ def plan(
     )  # fmt: skip
     if replicas is not None:
         # The replicas measured side by side: the first one's figures, in every process.
-        link, action_overhead, paces = _as_first_replica(
-            replicas, profiles, link, action_overhead, paces
-        )
+        link, action_overhead, paces = _as_first_replica(replicas, link, action_overhead, paces)
     found = candidates(
         len(sequential),
         resolved,
@@ -306,31 +308,17 @@ def _parameters(
 
 def _as_first_replica(
     replicas: dist.ProcessGroup,
-    profiles: dict[int, tuple[Saved, LayerTimes]],
     link: Link | None,
     overhead: float,
     paces: dict[tuple[str, int], Pace] | None,
 ) -> tuple[Link | None, float, dict[tuple[str, int], Pace] | None]:
-    """The layers' times (in ``profiles``, in place), the link, the cost of an action and the
-    paces of the first replica (rank 0 of ``replicas``), the same in every replica."""
-    rows = sorted(profiles)
-    mine = [
-        n
-        for r in rows
-        for part in (profiles[r][1].forward, profiles[r][1].backward, profiles[r][1].input_grad)
-        for n in part
-    ]
-    mine += [] if link is None else [link.latency, link.seconds_per_byte]
-    mine += [overhead]
+    """The link, the cost of an action and the paces of the first replica (rank 0 of
+    ``replicas``), the same in every replica."""
     keys = sorted(paces or {})
+    mine = [] if link is None else [link.latency, link.seconds_per_byte]
+    mine += [overhead]
     mine += [n for key in keys for n in (paces[key].factor, paces[key].outside)] if paces else []
     first = iter(from_rank_zero(replicas, len(mine), lambda: mine))
-    for r in rows:
-        saved, times = profiles[r]
-        width = len(times.forward)
-        numbers = [next(first) for _ in range(3 * width)]
-        parts = (tuple(numbers[k * width : (k + 1) * width]) for k in range(3))
-        profiles[r] = (saved, LayerTimes(*parts))
     if link is not None:
         link = Link(next(first), next(first))
     overhead = next(first)
@@ -389,13 +377,21 @@ def _process_device(
 
 
 def _from_rank_zero(
-    group: dist.ProcessGroup, rows: int, width: int, timed: Callable[[int], LayerTimes]
+    group: dist.ProcessGroup,
+    rows: int,
+    width: int,
+    timed: Callable[[int], LayerTimes],
+    replicas: dist.ProcessGroup | None = None,
 ) -> LayerTimes:
-    """``timed(rows)`` on rank 0 (``width`` layers and the loss), the same on every rank."""
+    """``timed(rows)`` on rank 0 (``width`` layers and the loss), the same on every rank;
+    with ``replicas``, the first replica's rank 0's: the pace's pipes are cut by these
+    times, and the replicas' pipes, sharded together, must be cut alike."""
 
     def flat() -> list[float]:
         times = timed(rows)
         return [*times.forward, *times.backward, *times.input_grad]
 
     numbers = from_rank_zero(group, 3 * width, flat)
+    if replicas is not None:
+        numbers = from_rank_zero(replicas, 3 * width, lambda: numbers)
     return LayerTimes(*(tuple(numbers[k * width : (k + 1) * width]) for k in range(3)))

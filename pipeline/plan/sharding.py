@@ -52,6 +52,7 @@ __all__ = [
     "Sharding",
     "layer_collectives",
     "mesh_dimensions",
+    "refuse_ties",
     "shard_bytes",
     "shard_stages",
     "sharded_parameters",
@@ -107,6 +108,23 @@ def mesh_dimensions(mesh: DeviceMesh, processes: int | None) -> tuple[int, int]:
             "leave processes out (the mesh gives it), or pass the same"
         )
     return stages, shards
+
+
+def refuse_ties(model: nn.Sequential) -> None:
+    """Refuse a model with a parameter held by two layers: sharded, a weight tied across
+    processes is not supported (docs/distributed_pipe.md, 'Sharded stages')."""
+    first: dict[int, int] = {}
+    for index, layer in enumerate(model):
+        for param in layer.parameters():
+            held = first.setdefault(id(param), index)
+            if held != index:
+                raise ValueError(
+                    f"layers {held} and {index} hold one parameter (of shape "
+                    f"{tuple(param.shape)}), a weight that some balances would tie across "
+                    "processes, which a DistributedPipe whose stages are sharded with FSDP2 "
+                    "does not support yet: untie it to plan with mesh=, or plan the pipeline "
+                    "alone (processes=N) and replicate it with pipeline.DataParallel"
+                )
 
 
 def shard_bytes(tensor: Tensor, shards: int) -> int:

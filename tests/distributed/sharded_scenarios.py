@@ -253,18 +253,17 @@ def fsdp_stages_equal_the_plain_model_in_every_schedule() -> None:
         # Each unit reduce-scatters once and all-gathers once (a root unit keeps them).
         assert_once_per_step(counts, case, reduce_scatter_single=units, all_gather_single=units)
     assert_activations_unsharded(side)
-    # A step that fails half-way leaves nothing of its gradients to the next, and
-    # no unsharded parameters that would miss a later change of the sharded ones.
+    # A step that fails midway strands the pipe: another pipeline's collectives may wait
+    # for this one's (where it did not fail, or failed elsewhere), and a next step's would
+    # meet them. Its later calls are refused before any collective, on every process.
     x, y = side.batch()
     expect_error(
         Exception,
         lambda: side.pipe.step(side.mine(x), side.mine(y), failing(), schedule="1f1b"),
         "a loss that fails",
     )
-    with torch.no_grad():
-        for param in [*side.pipe.parameters(), *side.plain.parameters()]:
-            param.mul_(0.5)
-    side.run(Case("zb-h1"))
+    for call in (lambda: side.pipe.step(x, y, F.mse_loss), lambda: side.pipe.evaluate(x)):
+        expect_error(RuntimeError, call, "failed midway", "resume it from a checkpoint")
     side.pipe.close()
 
 
@@ -374,6 +373,36 @@ def tensor_parallel_stages_equal_the_plain_model() -> None:
     for case in [Case("gpipe"), Case("1f1b", "always"), Case("zb-h1")]:
         side.run(case)
     pipe.close()
+
+
+@scenario
+def a_refusal_in_one_pipeline_is_heard_by_every_pipeline_sharding_its_stages() -> None:
+    # A hook on rank 0's pipe alone: only rank 0's pipeline refused. The other ran the
+    # step and waited in FSDP2's reduce-scatter (a hang), or met rank 0's next step in
+    # tensor parallelism's all-reduces: gradients of two batches mixed, silently.
+    fsdp, _ = fsdp_side_by_side(blocks(4), [2, 2])
+    model = mlps(4)
+    pipe = DistributedPipe(
+        copy.deepcopy(model), [2, 2], chunks=4, group=tp_mesh()["pp"].get_group()
+    )
+    split_layers(pipe)
+    tp = SideBySide(pipe, model, replica=0, replicas=1)
+    # FSDP2's pipelines are ranks 0, 1 and 2, 3; tensor parallelism's 0, 2 and 1, 3.
+    for side, pipeline_peer in [(fsdp, 1), (tp, 2)]:
+        hook = side.pipe.register_forward_pre_hook(lambda *_: None) if rank() == 0 else None
+        x, y = side.batch()
+        words = (
+            "registered on itself" if rank() == 0
+            else "rank 0 of the pipeline refused" if rank() == pipeline_peer
+            else "a process of another pipeline that shards these stages"
+        )  # fmt: skip
+        step = functools.partial(side.pipe.step, side.mine(x), side.mine(y), F.mse_loss)
+        expect_error(Exception, step, words)
+        assert all(p.grad is None for p in side.pipe.parameters())
+        if hook is not None:
+            hook.remove()
+        side.run(Case("1f1b"))
+        side.pipe.close()
 
 
 @scenario
@@ -667,6 +696,10 @@ def a_plan_for_sharded_stages_is_one_plan_that_predicts_each_term() -> None:
     ]:
         call = functools.partial(plan, model, x, y, F.mse_loss, batch_size=ROWS, **wrong)
         expect_error(error, functools.partial(call, memory_limit=2**30), words)
+    tied = mlps(2)
+    tied[1][2].weight = tied[0][2].weight  # some balances would tie it across processes
+    call = functools.partial(plan, tied, x[mine], y[mine], F.mse_loss, batch_size=ROWS, mesh=mesh)
+    expect_error(ValueError, functools.partial(call, memory_limit=2**30), "hold one parameter")
     planned = plan(copy.deepcopy(model), x[mine], y[mine], F.mse_loss, mesh=mesh,
                    batch_size=ROWS, memory_limit=2**30, chunks=[2, 4], schedules=["1f1b"],
                    checkpoints=["never"], optimizer_bytes_per_param=16, repeats=1)  # fmt: skip

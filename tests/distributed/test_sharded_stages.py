@@ -25,6 +25,7 @@ NAMES = [
     "interleaved_fsdp_stages_equal_the_plain_model",
     "dropout_under_fsdp_is_the_unsharded_pipes",
     "tensor_parallel_stages_equal_the_plain_model",
+    "a_refusal_in_one_pipeline_is_heard_by_every_pipeline_sharding_its_stages",
     "hsdp_stages_all_reduce_once_per_step",
     "sharding_a_step_would_get_wrong_is_refused_by_every_process",
     "a_pipe_in_one_process_refuses_fsdp_units_before_any_work",
