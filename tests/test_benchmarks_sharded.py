@@ -50,9 +50,10 @@ def test_quick_run_prints_the_comparison_as_json(torchrun: Torchrun) -> None:
             for key in ("collectives_per_step_rank0", "saved_and_gathered_peak_bytes_per_rank"):
                 expected = figures[key][twin]
                 if key == "collectives_per_step_rank0":
-                    # The step's agreement; its end, a message up to rank 1 and one back.
+                    # The step's agreement, over the pipeline and over the dp group; its
+                    # end, a message up to rank 1 and one back.
                     ends = {"send": expected["send"] + 1, "recv": expected["recv"] + 1}
-                    expected = expected | {"all_gather": 1} | ends
+                    expected = expected | {"all_gather": 2} | ends
                 assert figures[key][name] == expected, (name, key)
         states = figures["state_bytes_per_rank"][name]
         assert len(states) == 4

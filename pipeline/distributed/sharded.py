@@ -168,11 +168,12 @@ def sharding_groups(
 def told_over(groups: Sequence[dist.ProcessGroup], error: Exception | None) -> Exception | None:
     """``error``, or one saying that a process of ``groups`` refused (each a collective).
 
-    Two rounds over every group: a mesh of pipelines sharded over one or two
-    more dimensions (dp, tp) then hears from every process of it.
+    A round over every group (in one order: no two processes wait for each
+    other), two where there are several: a mesh of pipelines sharded over
+    one or two more dimensions (dp, tp) then hears from every process of it.
     """
     heard = error is not None
-    for _ in range(2):
+    for _ in range(min(len(groups), 2)):
         for group in groups:
             heard = any(row[0] for row in gather_rows([int(heard)], group)) or heard
     if error is None and heard:

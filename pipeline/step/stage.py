@@ -334,11 +334,12 @@ class StageRun:
 
     def _send_output(self, i: int, stashed: _Stashed, output: Batch) -> None:
         differentiable = [_needs_grad(x) for x in output.leaves]
+        # The groups seen so far that this output's leaves reach: an earlier step's
+        # output may have had more of them.
+        count = len(output.leaves)
+        sharing = [g for g in self.context.runtime.sharing(self.j) if max(g) < count]
         message = Message(
-            [_detached(x) for x in output.leaves],
-            output.spec,
-            differentiable,
-            sharing=self.context.runtime.sharing(self.j),
+            [_detached(x) for x in output.leaves], output.spec, differentiable, sharing=sharing
         )
         self._send(("act", self.j + 1, i), message, self.j + 1, i)
 
