@@ -43,7 +43,7 @@ from pipeline.plan.sharding import (
     layer_collectives,
     measure_collectives,
     mesh_dimensions,
-    refuse_ties,
+    refuse_unshardable,
     sharded_parameters,
 )
 from pipeline.runtime.microbatch import Arguments, scatter
@@ -184,7 +184,7 @@ def plan(
             what="devices" if here is None else "processes",
         )
         if mesh is not None:
-            refuse_ties(sequential)
+            refuse_unshardable(sequential)
         if pg is not None and dist.get_world_size(pg) != count:
             raise ValueError(
                 f"processes={count} but the process group has {dist.get_world_size(pg)} "
@@ -284,7 +284,7 @@ def plan(
         tuple(schedules),
         tuple(checkpoints),
         profiled,
-        _parameters(sequential, int(optimizer_bytes_per_param), shards),
+        _parameters(sequential, int(optimizer_bytes_per_param), shards, mesh is not None),
         action_overhead,
         factors,
         link,
@@ -298,10 +298,11 @@ def plan(
 
 
 def _parameters(
-    model: nn.Sequential, optimizer_bytes_per_param: int, shards: int
+    model: nn.Sequential, optimizer_bytes_per_param: int, shards: int, sharded: bool
 ) -> LayerParameters:
-    """Each layer's parameter terms, its parameters sharded ``shards`` ways (1: whole)."""
-    if shards == 1:
+    """Each layer's parameter terms: ``sharded`` ``shards`` ways (over one shard too, a unit
+    gathers its parameters and reduces its gradients into copies of them), else whole."""
+    if not sharded:
         return layer_parameters(model, optimizer_bytes_per_param)
     return sharded_parameters(model, optimizer_bytes_per_param, shards)
 

@@ -52,7 +52,7 @@ __all__ = [
     "Sharding",
     "layer_collectives",
     "mesh_dimensions",
-    "refuse_ties",
+    "refuse_unshardable",
     "shard_bytes",
     "shard_stages",
     "sharded_parameters",
@@ -110,12 +110,27 @@ def mesh_dimensions(mesh: DeviceMesh, processes: int | None) -> tuple[int, int]:
     return stages, shards
 
 
-def refuse_ties(model: nn.Sequential) -> None:
-    """Refuse a model with a parameter held by two layers: sharded, a weight tied across
-    processes is not supported (docs/distributed_pipe.md, 'Sharded stages')."""
+def refuse_unshardable(model: nn.Sequential) -> None:
+    """Refuse, before any work, a model whose layers the recipe cannot shard: a parameter
+    held by two layers (a weight tied across processes is not supported with sharded
+    stages, docs/distributed_pipe.md), a 0-dimensional one, or a layer of two dtypes
+    (``fully_shard`` refuses both, in the processes holding them alone)."""
     first: dict[int, int] = {}
     for index, layer in enumerate(model):
-        for param in layer.parameters():
+        params = list(layer.parameters())
+        dtypes = sorted({str(p.dtype) for p in params})
+        if len(dtypes) > 1:
+            raise ValueError(
+                f"layer {index} ({type(layer).__name__}) holds parameters of {len(dtypes)} "
+                f"dtypes ({', '.join(dtypes)}), which an FSDP2 unit cannot gather together: "
+                "give them one dtype to plan with mesh="
+            )
+        for param in params:
+            if param.dim() == 0:
+                raise ValueError(
+                    f"layer {index} ({type(layer).__name__}) holds a 0-dimensional parameter, "
+                    "which fully_shard does not shard: make it of shape (1,) to plan with mesh="
+                )
             held = first.setdefault(id(param), index)
             if held != index:
                 raise ValueError(
@@ -157,7 +172,8 @@ def sharded_parameters(
             sum(shard_bytes(p, shards) for p in fresh)
             + sum(b.numel() * b.element_size() for b in buffers)
         )
-        gathered.append(sum(p.numel() * p.element_size() for p in fresh))
+        # Gathered whole into a buffer of every shard's padded size, as FSDP2 gathers it.
+        gathered.append(sum(shard_bytes(p, shards) * shards for p in fresh))
         trained.append(sum(p.numel() * p.element_size() + shard_bytes(p, shards) for p in learnt))
         elements = sum(shard_bytes(p, shards) // p.element_size() for p in learnt)
         optimizer.append(elements * optimizer_bytes_per_param)
