@@ -682,13 +682,17 @@ class DistributedPipe(PipeBase):
                 hook(j)
 
     def _loss_everywhere(self, total: Tensor | None) -> Tensor:
-        """The step's loss, sent by the last stage's process to the others, in its dtype."""
+        """An evaluation's loss, from the last stage's process to the others, in its dtype.
+
+        Summed over the ranks by the step's messages (``_summed_over_ranks``),
+        the others giving nothing: every process also hears that every other
+        ended its actions, and a failure in one ends the others' wait for it,
+        where a broadcast kept them until the failed process exited.
+        """
         message = torch.zeros(2, dtype=torch.float64)
         if total is not None:
             message[0], message[1] = total.double(), _LOSS_DTYPES.index(total.dtype)
-        message = message.to(collective_device(self.group))
-        dist.broadcast(message, group=self.group, group_src=self.owner[-1])
-        value, dtype = message.tolist()
+        value, dtype = self._summed_over_ranks(message, END_KEYS).tolist()
         return torch.tensor(value, dtype=_LOSS_DTYPES[int(dtype)], device=self.device)
 
     # Evaluation
@@ -728,15 +732,23 @@ class DistributedPipe(PipeBase):
                 router=router,
             )
             self._transport.begin_step()
-            with run.routing():
-                run.run_here(programs[self.rank])
-            if router is not None:
-                router.close()  # while the step's messages go
-            outputs = self._outputs_everywhere(run, micro_batches.rows) if wants_outputs else None
-            self._transport.end_step()
+            try:
+                with run.routing():
+                    run.run_here(programs[self.rank])
+                if router is not None:
+                    router.close()  # while the step's messages go
+                outputs = (
+                    self._outputs_everywhere(run, micro_batches.rows) if wants_outputs else None
+                )
+                wanted = last and call.loss_fn is not None
+                total = self._loss_everywhere(run.loss() if wanted else None)
+                self._transport.end_step()
+            except BaseException as error:
+                self._transport.abort(error)  # the others, waiting for the loss, stop waiting
+                raise
         if call.loss_fn is None:
             return outputs
-        loss = run.with_router_loss(self._loss_everywhere(run.loss() if last else None))
+        loss = run.with_router_loss(total)
         return (loss, outputs) if call.return_outputs else loss
 
     def _agreed_evaluation(

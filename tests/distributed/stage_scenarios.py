@@ -1087,7 +1087,7 @@ def last_step_reports_this_process_stages() -> None:
     }
     assert all(p.peak_activation_bytes for p in report.partitions)
     assert sum(report.received.values()) > 0
-    # The call holds the actions, and the agreement before them and the loss's broadcast after.
+    # The call holds the actions, and the agreement before them and the end's messages after.
     assert report.call_duration > report.duration > 0
     text = repr(report)
     assert text.startswith(f"DistributedStepReport(rank {rank()}: Interleaved1F1B(virtual=2)")
@@ -1835,11 +1835,17 @@ def a_loss_refused_by_its_process(output: Tensor, target: Tensor) -> Tensor:
 def a_failure_on_the_last_process_reaches_every_process() -> None:
     pipe = DistributedPipe(blocks(2 * world()), [2] * world(), chunks=2)
     x, y = batch()
-    if rank() == world() - 1:
-        expect_error(ValueError, lambda: pipe.step(x, y, a_loss_refused_by_its_process), "refuses")
-    else:  # the processes beyond its neighbour hear of it too
-        last = f"rank {world() - 1} failed: ValueError: this loss refuses to run"
-        expect_error(RuntimeError, lambda: pipe.step(x, y, a_loss_refused_by_its_process), last)
+    # evaluate's other processes waited for its loss in a broadcast until the failed
+    # process exited; the loss now comes by the step's messages, which its abort ends.
+    for run in (pipe.step, pipe.evaluate):
+        call = partial(run, x, y, a_loss_refused_by_its_process)
+        if rank() == world() - 1:
+            expect_error(ValueError, call, "refuses")
+        else:  # the processes beyond its neighbour hear of it too
+            expect_error(RuntimeError, call, f"rank {world() - 1} failed: ValueError: this loss")
+    with torch.no_grad():
+        expected = F.mse_loss(blocks(2 * world())(x), y)
+    torch.testing.assert_close(pipe.evaluate(x, y, F.mse_loss), expected)
     pipe.close()
 
 
