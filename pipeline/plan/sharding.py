@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -228,10 +228,14 @@ def _reduce_scatter(group: dist.ProcessGroup, whole: Tensor) -> None:
     scatter(shard, whole, group=group)
 
 
-def _timed(group: dist.ProcessGroup, collective: object, nbytes: int, repeats: int) -> list[float]:
+def _timed(
+    group: dist.ProcessGroup,
+    collective: Callable[[dist.ProcessGroup, Tensor], None],
+    nbytes: int,
+    repeats: int,
+) -> list[float]:
     """Seconds of ``repeats`` runs of ``collective`` over a tensor of ``nbytes`` (whole), after
     one that warms up."""
-    assert callable(collective)
     shards = dist.get_world_size(group)
     whole = torch.zeros(-(-nbytes // shards) * shards, dtype=torch.uint8,
                         device=collective_device(group))  # fmt: skip
