@@ -168,19 +168,25 @@ def sandbox(index: int, layer: nn.Module, device: torch.device) -> nn.Module:
         ) from error
 
 
-def fresh_inputs(value: Value, device: torch.device) -> Value:
+def fresh_inputs(value: Value, device: torch.device, leaves: list[Tensor] | None = None) -> Value:
     """A copy of ``value`` on ``device`` that a layer may change in place.
 
     Every tensor in it, at any depth, is copied; containers keep their types.
+    A floating tensor is a clone of a leaf that requires grad, appended to
+    ``leaves`` if given: a backward that wants the input's gradient wants
+    the leaf's too, or takes it for a weight.
     """
     if isinstance(value, Tensor):
-        return _fresh_tensor(value, device)
+        return _fresh_tensor(value, device, leaves)
     return tree_map(
-        lambda item: _fresh_tensor(item, device) if isinstance(item, Tensor) else item, value
+        lambda item: _fresh_tensor(item, device, leaves) if isinstance(item, Tensor) else item,
+        value,
     )
 
 
-def _fresh_tensor(tensor: Tensor, device: torch.device) -> Tensor:
+def _fresh_tensor(
+    tensor: Tensor, device: torch.device, leaves: list[Tensor] | None = None
+) -> Tensor:
     detached = tensor.detach().to(device)
     if detached.is_inference():
         # A tensor made under torch.inference_mode cannot join autograd; a copy can.
@@ -188,7 +194,10 @@ def _fresh_tensor(tensor: Tensor, device: torch.device) -> Tensor:
     if detached.is_floating_point() or detached.is_complex():
         # A layer may not change a leaf that requires grad (or a view of one)
         # in place, so it gets a clone of the leaf: a tensor with a history.
-        return detached.requires_grad_().clone()
+        leaf = detached.requires_grad_()
+        if leaves is not None:
+            leaves.append(leaf)
+        return leaf.clone()
     return detached.clone()
 
 

@@ -288,11 +288,15 @@ class _Stashes(SkipTracker):
         if not self.serving:
             return super().load(input, key)
         kept = self.kept[key]
-        fresh = kept.detach().clone()
-        if kept.requires_grad:
-            # A leaf that a layer may write into in place, like a stage's received skip.
-            fresh = fresh.requires_grad_().clone()
-        self.served.append(fresh)
+        if not kept.requires_grad:
+            fresh = kept.detach().clone()
+            self.served.append(fresh)
+            return fresh
+        # A copy of a leaf, which a layer may write into in place, like a stage's received
+        # skip; the leaf is served too, as fresh_inputs's leaves are.
+        leaf = kept.detach().clone().requires_grad_()
+        fresh = leaf.clone()
+        self.served += [fresh, leaf]
         return fresh
 
 
@@ -313,13 +317,16 @@ def _split_alone(
     """
     from balance.layerwise import fresh_inputs, tensors_in  # as in saved_storages
 
-    inputs = fresh_inputs(value, device)
+    # The leaves under the copies are inputs too: I would take them for weights, and a
+    # layer without weights for one with.
+    leaves: list[Tensor] = []
+    inputs = fresh_inputs(value, device, leaves)
     meter = ActivationMeter([*layer.parameters(), *layer.buffers()])  # as a stage's meter counts
     stashes.served = []
     with meter.hooks():
         outputs = call_layer(model, index, layer, inputs)
     roots = [t for t in tensors_in(outputs) if t.requires_grad]
-    received = [*tensors_in(inputs), *stashes.served]
+    received = [*tensors_in(inputs), *leaves, *stashes.served]
     halves = backward_input(roots, [torch.ones_like(t) for t in roots], received)
     if halves is None:  # a Python function's node: I runs a whole backward, W has nothing left
         return _Split(0, 0, anchored=False, whole=True)
