@@ -12,7 +12,8 @@ docs/plan.md writes the terms down):
   not need); a checkpointed one holds none until its backward
   recomputes them, then holds them until it ends. ``StageMemory.activations``
   is their peak alone, taken where tensors are saved (a forward, a
-  recomputation), as the step's meter takes it
+  recomputation, which saves copies of the buffers its layers change, such
+  as BatchNorm's running statistics), as the step's meter takes it
   (``pipeline/step/activations.py``): the figure is that meter's, exactly;
 - what the stage keeps **outside autograd**, beside them:
 
@@ -110,7 +111,9 @@ class MicroBatchBytes:
     zero-bubble's ``I`` keeps for ``W``; ``released`` the saved bytes ``I``
     lets go (what lies above the stage's topmost anchor, the loss's
     included, where ``I`` starts from the stage's received input:
-    ``Saved.released_bytes``).
+    ``Saved.released_bytes``); ``replayed`` the buffer copies a
+    recomputation saves beside ``saved`` (``Saved.replayed_bytes``), of
+    which ``I`` lets ``replayed_released`` go.
     """
 
     saved: int
@@ -119,6 +122,8 @@ class MicroBatchBytes:
     grad: int
     recorded: int
     released: int = 0
+    replayed: int = 0
+    replayed_released: int = 0
 
 
 @dataclass(frozen=True)
@@ -188,12 +193,13 @@ def held_peaks(
                 # The mailed activation becomes the input, and what the layers save of it.
                 hold[:3] = [0, one.received, 0] if task else [one.saved, one.unsaved, 0]
             elif kind in ("B", "I") and task:
-                hold[:2] = [one.saved, one.unsaved]  # recomputed, its gradient still mailed
+                # Recomputed (on copies of the buffers it changes), its gradient still mailed.
+                hold[:2] = [one.saved + one.replayed, one.unsaved]
             sample()
             if kind in ("B", "I"):
                 hold[2] = 0
             if kind == "I":
-                hold[0] -= one.released
+                hold[0] -= one.released + (one.replayed_released if task else 0)
                 hold[3] = one.recorded
             if kind in ("B", "W"):
                 del holds[i]
@@ -221,6 +227,8 @@ def stage_memory(
         grad=saved.grad_bytes(stop),
         recorded=saved.recorded_bytes(first, stop),
         released=saved.released_bytes(first, stop, last),
+        replayed=saved.replayed_bytes(first, stop),
+        replayed_released=saved.released_replayed_bytes(first, stop),
     )
     peaks = held_peaks(order, stage, checkpointed, one)
     return StageMemory(

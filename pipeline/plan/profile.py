@@ -9,7 +9,12 @@ model, its gradients and the random generators are left as they were:
   storage autograd saves, once, with the layers that saved it. Left out, as
   the step's own meter (``pipeline/step/activations.py``) leaves them out:
   parameters, and the caller's input and target (the micro-batches are
-  views of them). A storage saved by two adjacent layers (Tanh saves its
+  views of them). Buffers are left out too, but for the copies a
+  recomputation saves: a layer that changes a buffer in its training
+  forward (BatchNorm's running statistics) runs its recomputation on copies
+  of it (``pipeline/runtime/buffers.py``), so what its backward saved of
+  those buffers is saved again, as copies, by a checkpointed task
+  (``Saved.replayed``). A storage saved by two adjacent layers (Tanh saves its
   output, the next Linear its input) is one storage; cut between them it is
   counted on both stages, as each stage's meter counts it. The tensors that
   leave each layer (what crosses a cut there) are noted too, with the bytes
@@ -32,8 +37,8 @@ from __future__ import annotations
 import copy
 import statistics
 import time
-from collections.abc import Callable, Iterable
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,7 +75,9 @@ class Saved:
     that ``I`` lets go when the layer is the last of its stage with weights;
     ``anchored[i]`` whether layer ``i`` has one (weights it computes
     gradients of); ``whole[i]`` whether its ``I`` is a whole backward (a
-    Python function's node among its anchors).
+    Python function's node among its anchors); ``replayed[i]`` the buffers
+    layer ``i`` changes in its forward and saves for backward, as (storage
+    key, bytes): their copies, which its recomputation saves instead.
     """
 
     storages: tuple[int, ...]
@@ -81,6 +88,7 @@ class Saved:
     tops: tuple[int, ...]
     anchored: tuple[bool, ...]
     whole: tuple[bool, ...]
+    replayed: tuple[tuple[tuple[int, int], ...], ...] = ()
 
     def saved_bytes(self, first: int, stop: int, loss: bool) -> int:
         """Bytes saved by layers ``first`` to ``stop - 1`` (and the loss): each storage once."""
@@ -134,6 +142,26 @@ class Saved:
         )
         return only_above + (self.tops[top] if anchored else 0)
 
+    def replayed_bytes(self, first: int, stop: int, above: int = -1) -> int:
+        """Bytes of the buffer copies that layers ``first`` to ``stop - 1`` (those after
+        layer ``above``) save when a checkpointed task recomputes them: each copy once."""
+        copies = {
+            key: size
+            for index in range(max(first, above + 1), stop)
+            for key, size in (self.replayed[index] if self.replayed else ())
+        }
+        return sum(copies.values())
+
+    def released_replayed_bytes(self, first: int, stop: int) -> int:
+        """Of ``replayed_bytes``, those zero-bubble's ``I`` lets go with what lies above the
+        stage's topmost anchor (``released_bytes``), when the task was recomputed."""
+        if not self.input_path(first):
+            return 0
+        if any(self.whole[first:stop]):
+            return self.replayed_bytes(first, stop)
+        anchored = [k for k in range(first, stop) if self.anchored[k]]
+        return self.replayed_bytes(first, stop, above=anchored[-1] if anchored else first - 1)
+
     def grad_bytes(self, stop: int) -> int:
         """Bytes of the gradient mailed back to the stage ending before layer ``stop``."""
         return 0 if stop == len(self.outputs) else self.output_grads[stop - 1]
@@ -182,6 +210,10 @@ def saved_storages(
 
     layers = copy.deepcopy(model).to(device).train()
     excluded = {t.untyped_storage().data_ptr() for t in [*layers.parameters(), *layers.buffers()]}
+    buffers = {
+        b.untyped_storage().data_ptr(): b.untyped_storage().nbytes() for b in layers.buffers()
+    }
+    saved_buffers: list[set[int]] = [set() for _ in layers]
     sample, target = to_device(sample, device), to_device(target, device)
     excluded |= {t.untyped_storage().data_ptr() for t in [*tensors_in(sample), *tensors_in(target)]}
     keys: dict[int, int] = {}
@@ -202,8 +234,11 @@ def saved_storages(
         return keys[pointer]
 
     def pack(tensor: Tensor) -> Tensor:
-        if tensor.untyped_storage().data_ptr() not in excluded:
+        pointer = tensor.untyped_storage().data_ptr()
+        if pointer not in excluded:
             savers[key_of(tensor)].add(current[0])
+        elif pointer in buffers and current[0] < len(saved_buffers):
+            saved_buffers[current[0]].add(pointer)
         return tensor
 
     outputs: list[tuple[int, ...]] = []
@@ -219,7 +254,9 @@ def saved_storages(
         value = sample
         for index, layer in enumerate(layers):
             current[0] = index
-            value = call_layer(model, index, layer, value)
+            with _changed_buffers(layer) as changed:
+                value = call_layer(model, index, layer, value)
+            saved_buffers[index] &= changed
             kept.append(value)
             outputs.append(
                 tuple(key_of(t) for t in tensors_in(value) if t.untyped_storage().data_ptr()
@@ -251,6 +288,19 @@ def saved_storages(
         tuple(split.top for split in splits),
         tuple(split.anchored for split in splits),
         tuple(split.whole for split in splits),
+        tuple(tuple((key, buffers[key]) for key in sorted(keys)) for keys in saved_buffers),
+    )
+
+
+@contextmanager
+def _changed_buffers(layer: nn.Module) -> Iterator[set[int]]:
+    """The storages of the buffers of ``layer`` that the block changed, filled in after it;
+    by value, as the runtime learns them (batch norm moves no version counter)."""
+    before = [(b, b.detach().clone()) for b in layer.buffers()]
+    changed: set[int] = set()
+    yield changed
+    changed.update(
+        b.untyped_storage().data_ptr() for b, value in before if not torch.equal(b, value)
     )
 
 
