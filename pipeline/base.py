@@ -161,7 +161,8 @@ class PipeBase(nn.Module, ABC):
         self._validated = ProgramCache()
         self._evaluations = 0
         self._registered = _registered(self)
-        self._step_checks: list[Callable[[], None]] = []
+        # A wrapper's checks, and what it does once they pass (``checked_before_step``).
+        self._step_checks: list[tuple[Callable[[], None], Callable[[], None] | None]] = []
 
     # Inputs
 
@@ -381,19 +382,25 @@ class PipeBase(nn.Module, ABC):
             )
 
     @contextmanager
-    def checked_before_step(self, check: Callable[[], None]) -> Iterator[None]:
-        """Within the block, each ``step`` runs ``check`` among its own checks, before any work.
+    def checked_before_step(
+        self, check: Callable[[], None], ready: Callable[[], None] | None = None
+    ) -> Iterator[None]:
+        """Within the block, each ``step`` runs ``check`` among its own checks, before any
+        work, and ``ready`` (if given) once they all passed, as its work begins.
 
         For a wrapper's checks (``DataParallel``'s): a ``DistributedPipe``
         runs them inside the step's agreement, so that a refusal in one
         process fails every process of the pipeline at once, where one raised
-        before the step would leave the others waiting for it.
+        before the step would leave the others waiting for it. What the
+        wrapper changes for the step (``DataParallel`` broadcasts rank 0's
+        buffers) is ``ready``: a refused step changes nothing.
         """
-        self._step_checks.append(check)
+        entry = (check, ready)
+        self._step_checks.append(entry)
         try:
             yield
         finally:
-            self._step_checks.remove(check)
+            self._step_checks.remove(entry)
 
     def _refuse_own_hooks(self, what: str) -> None:
         """Refuse ``step`` or ``evaluate`` of a pipe with hooks of its own: they run around
@@ -425,7 +432,7 @@ class PipeBase(nn.Module, ABC):
                 f"(torch.no_grad() or inference mode); {self._EVALUATE}"
             )
         self._refuse_own_hooks("step")
-        for check in self._step_checks:
+        for check, _ in self._step_checks:
             check()
         refuse_cached_parametrizations(self, f"{self._NAME}.step")
         reduction = self._check_loss(loss_fn, loss_reduction, loss_divisor)
@@ -527,6 +534,9 @@ class PipeBase(nn.Module, ABC):
         ``stages_by_worker[w]`` lists the stages worker ``w`` runs: which generators
         each thread owns follows (``pipeline/runtime/ownership.py``).
         """
+        for _, ready in self._step_checks:
+            if ready is not None:
+                ready()
         if call.grad_scaler is not None:
             # Its scale is made on first use: here, on the loss's device, not by a worker.
             call.grad_scaler.scale(torch.zeros((), device=self._runtime.devices[-1]))

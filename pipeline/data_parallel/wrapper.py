@@ -24,8 +24,11 @@ class ChecksBeforeSteps(Protocol):
     """A module whose ``step`` runs a wrapper's checks among its own, before any work, and
     over a pipeline of processes inside the step's agreement (``PipeBase.checked_before_step``)."""
 
-    def checked_before_step(self, check: Callable[[], None]) -> AbstractContextManager[None]:
-        """Within the block, each step runs ``check`` among its own checks."""
+    def checked_before_step(
+        self, check: Callable[[], None], ready: Callable[[], None] | None = None
+    ) -> AbstractContextManager[None]:
+        """Within the block, each step runs ``check`` among its own checks, then ``ready``
+        once they all passed."""
         ...
 
 
@@ -152,15 +155,18 @@ class DataParallel(nn.Module):
             )
         # Checked by the module's step, with its own checks: over a DistributedPipe a
         # refusal in one process then fails every process of the pipeline at once.
+        # Its buffers are broadcast once they pass too: a refused step changes nothing.
         checked: AbstractContextManager[None] = nullcontext()
+        broadcast = self._broadcast_buffers if self._sync and self.broadcast_buffers else None
         if self._sync:
             self._synced_buffers = list(self.module.buffers())
             if isinstance(self.module, ChecksBeforeSteps):
-                checked = self.module.checked_before_step(self._check_parameters)
+                checked = self.module.checked_before_step(self._check_parameters, broadcast)
+                broadcast = None
             else:
                 self._check_parameters()
-        if self._sync and self.broadcast_buffers:
-            self._broadcast_buffers()
+        if broadcast is not None:
+            broadcast()
         if self._sync:
             self.reducer.prepare_for_step()
         else:

@@ -167,6 +167,17 @@ def a_parameter_unfrozen_or_replaced_after_wrapping_is_refused() -> None:
     # replica kept its own gradient of the new one (0.18 apart), silently.
     model[2].weight = nn.Parameter(model[2].weight.detach().clone())
     expect_error(RuntimeError, lambda: dp(shard(x)), "parameter '2.weight' is not the one")
+    # Through a Pipe's step the check runs among the step's own, and the buffers are
+    # broadcast only once they pass: refused, each replica's running mean as it was.
+    norm = nn.BatchNorm1d(1)
+    pipe = Pipe(nn.Sequential(mlp(seed=0), norm), [1, 1], devices=["cpu"] * 2, chunks=2)
+    dp = DataParallel(pipe)
+    with torch.no_grad():
+        norm.running_mean.fill_(rank() + 1.0)
+    pipe[0][2].weight.requires_grad_(False)
+    refused = lambda: dp.step(shard(x), shard(y), F.mse_loss)  # noqa: E731
+    expect_error(RuntimeError, refused, "'0.2.weight' was trained when DataParallel")
+    assert norm.running_mean.eq(rank() + 1.0).all(), norm.running_mean
 
 
 class BackwardFailedError(Exception):
