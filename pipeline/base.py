@@ -32,6 +32,7 @@ from pipeline.arguments import (
 )
 from pipeline.calls import EvaluateCall, MicroBatches, StepCall
 from pipeline.runtime.batchnorm import DeferredBatchNorm, statistics_of_one_pass
+from pipeline.runtime.buffers import updating_layer
 from pipeline.runtime.evaluation import evaluating, evaluation_seed
 from pipeline.runtime.grad_norm import clip_grad_norm
 from pipeline.runtime.layers import named_layers, register_names
@@ -47,7 +48,7 @@ from pipeline.runtime.partitions import (
 from pipeline.runtime.router_loss import RouterLossSource, RouterTally, step_tally
 from pipeline.runtime.unseen import refuse_cached_parametrizations
 from pipeline.skip.layout import SkipLayout
-from pipeline.step.actions import Program, backward_before_forward
+from pipeline.step.actions import Program, backward_before_forward, forwards_out_of_order
 from pipeline.step.cache import ProgramCache
 from pipeline.step.held_hooks import check_supported
 from pipeline.step.losses import (
@@ -61,7 +62,7 @@ from pipeline.step.mail import Transport
 from pipeline.step.reports import Measured
 from pipeline.step.runner import StepRun, checkpointed_tasks
 from pipeline.step.schedules import Schedule
-from pipeline.step.simulate import Simulation
+from pipeline.step.simulate import ProgramError, Simulation
 from pipeline.step.token_loss import TokenLoss
 
 __all__ = ["PipeBase"]
@@ -514,6 +515,25 @@ class PipeBase(nn.Module, ABC):
     def _programs(self, schedule: Schedule, m: int) -> tuple[list[Program], Simulation]:
         """The schedule's programs for ``m`` micro-batches, validated once (``step/cache.py``)."""
         return self._validated.programs(schedule, m, len(self.balance))
+
+    def _refuse_reordered_updates(
+        self, schedule: Schedule, programs: list[Program], stages: Iterable[int]
+    ) -> None:
+        """Refuse programs that run a stage's forwards out of micro-batch order where a layer
+        of it updates state in each forward: the plain model updates it in that order."""
+        for j in stages:
+            found = forwards_out_of_order(programs, j)
+            layer = updating_layer(self.partitions[j]) if found is not None else None
+            if found is not None and layer is not None:
+                raise ProgramError(
+                    f"{schedule!r}: stage {j} runs the forward of micro-batch {found[1]} "
+                    f"before that of micro-batch {found[0]}, and its layer {layer[0]!r} "
+                    f"updates its {layer[1]} in each training forward, in the order the "
+                    "forwards run, where the plain model takes the micro-batches in order (as "
+                    "under gradient accumulation), so they would differ: run each stage's "
+                    "forwards in micro-batch order (its backwards may come in any order), or "
+                    "use deferred_batch_norm=True for BatchNorm"
+                )
 
     def _step_run(
         self,

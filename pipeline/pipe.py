@@ -289,6 +289,7 @@ class Pipe(PipeBase):
         micro_batches = MicroBatches(batches, targets, _rows_of(batches, targets))
         self._check_token_loss(batches, loss_reduction, call.loss_divisor)
         programs, simulation = self._programs(schedule, len(batches))
+        self._refuse_reordered_updates(schedule, programs, range(n))
         router = self._router_tally(call, batches, programs)
         by_worker = programs_by_worker(programs, self._thread_of)
         hooks = list(self._completion_hooks.values())

@@ -67,13 +67,13 @@ from pipeline.runtime.partitions import starts_in_place
 from pipeline.runtime.process_group import collective_device, resolve_group
 from pipeline.runtime.router_loss import ASKED, RouterTally, asked
 from pipeline.skip.layout import SkipLayout, inspect_skip_layout
-from pipeline.step.actions import Program
+from pipeline.step.actions import Program, parse_program
 from pipeline.step.cache import described_by_repr
 from pipeline.step.losses import LossDivisor
 from pipeline.step.mail import Message
 from pipeline.step.reports import DistributedStepReport
 from pipeline.step.runner import StepRun, forward_programs
-from pipeline.step.schedules import Schedule, resolve_schedule
+from pipeline.step.schedules import Schedule, forwards_in_order, resolve_schedule
 from pipeline.step.sharded import resharded_after
 from pipeline.step.simulate import ProgramError, Simulation
 
@@ -412,6 +412,7 @@ class DistributedPipe(PipeBase):
         try:
             chosen, reduction = self._check_step(call)
             choice = self._step_choice(chosen, reduction, call)
+            self._refuse_reordered_forwards(chosen)
             batches = self._scatter(self._input_of(call.input, call.kwargs), "input", needed=first)
             targets = self._scatter(call.target, "target", needed=last)
             self._check_token_loss(batches, reduction, call.loss_divisor)
@@ -424,6 +425,14 @@ class DistributedPipe(PipeBase):
         rows = self._agree(batches, targets, choice, refusal)
         assert chosen is not None and reduction is not None, "else every process raised"
         return chosen, reduction, MicroBatches(batches, targets, rows), router
+
+    def _refuse_reordered_forwards(self, schedule: Schedule) -> None:
+        """``_refuse_reordered_updates`` for this process's stages, inside the agreement: on
+        the programs for ``chunks`` micro-batches, which the processes compare."""
+        if not forwards_in_order(schedule):
+            programs = schedule.programs(self.chunks, len(self.balance))
+            parsed = [parse_program(program) for program in programs]
+            self._refuse_reordered_updates(schedule, parsed, self.local_stages)
 
     def _router_here(
         self, call: StepCall | EvaluateCall, batches: list[Batch], schedule: Schedule | None

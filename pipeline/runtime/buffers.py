@@ -33,6 +33,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _NormBase
 
+from pipeline.runtime.batchnorm import DeferredBatchNorm
 from pipeline.runtime.lazy import instance_of
 
 __all__ = [
@@ -41,6 +42,7 @@ __all__ = [
     "check_shared_kept",
     "shared_buffers",
     "updated_in_forward",
+    "updating_layer",
 ]
 
 
@@ -63,6 +65,20 @@ def updated_in_forward(module: nn.Module) -> str | None:
         instance_of(hook, "torch.nn.utils.spectral_norm", "SpectralNorm") for hook in hooks
     ):
         return "power-iteration vectors"
+    return None
+
+
+def updating_layer(partition: nn.Module) -> tuple[str, str] | None:
+    """The first layer of ``partition`` (its name, and what) that updates state in each of its
+    forwards now, in training (``updated_in_forward``); or None.
+
+    A ``DeferredBatchNorm`` updates its statistics once a step, from every
+    micro-batch's, in no order: it is not one.
+    """
+    for name, module in partition.named_modules():
+        what = updated_in_forward(module)
+        if what is not None and module.training and not isinstance(module, DeferredBatchNorm):
+            return name, what
     return None
 
 

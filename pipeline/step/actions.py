@@ -17,7 +17,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, TypeAlias
 
-__all__ = ["Action", "Kind", "Program", "backward_before_forward", "parse_program"]
+__all__ = [
+    "Action",
+    "Kind",
+    "Program",
+    "backward_before_forward",
+    "forwards_out_of_order",
+    "parse_program",
+]
 
 Kind: TypeAlias = Literal["F", "B", "I", "W"]
 Program: TypeAlias = list["Action"]
@@ -83,4 +90,26 @@ def backward_before_forward(programs: list[Program]) -> Action | None:
         early = [a for a in program[: forwards[-1]] if a.kind != "F"] if forwards else []
         if early:
             return early[0]
+    return None
+
+
+def forwards_out_of_order(programs: Sequence[Program], stage: int) -> tuple[int, int] | None:
+    """The first micro-batch whose forward ``stage`` runs after a later one's, and that later
+    one; or None when its forwards run in micro-batch order, as every built-in schedule's do.
+
+    Items that are not actions are left for validation to name.
+
+    >>> forwards_out_of_order([parse_program("0F1 0F0 0B0 0B1")], 0)
+    (0, 1)
+    >>> forwards_out_of_order([parse_program("0F0 0B0 0F1 0B1")], 0) is None
+    True
+    """
+    latest: int | None = None
+    for program in programs:
+        for action in program:
+            if not (isinstance(action, Action) and action.stage == stage and action.kind == "F"):
+                continue
+            if latest is not None and action.microbatch < latest:
+                return action.microbatch, latest
+            latest = action.microbatch
     return None

@@ -11,7 +11,7 @@ step to the next; any other schedule is asked at every step.
 
 from __future__ import annotations
 
-from pipeline.step.actions import Action, Program, parse_program
+from pipeline.step.actions import Program, parse_program
 from pipeline.step.schedules import (
     GPipe,
     Interleaved1F1B,
@@ -38,7 +38,7 @@ class ProgramCache:
     """The programs a pipe has run, each with its validation."""
 
     def __init__(self) -> None:
-        self._validated: dict[tuple[tuple[Action, ...], ...], Simulation] = {}
+        self._validated: dict[tuple[tuple[tuple[type, str], ...], ...], Simulation] = {}
         self._built_in: dict[tuple[str, int], list[Program]] = {}
 
     def programs(self, schedule: Schedule, m: int, stages: int) -> tuple[list[Program], Simulation]:
@@ -49,7 +49,9 @@ class ProgramCache:
             # A list each (a schedule of one's own may give iterators, read once), and a
             # program's text parsed as Programs takes it.
             programs = [parse_program(p) for p in schedule.programs(m, stages)]
-        actions = tuple(tuple(program) for program in programs)
+        # By type and text: an action is a dataclass, and Action(0, "F", 1.0) or
+        # Action(0, "F", True) equals Action(0, "F", 1), which validation refuses.
+        actions = tuple(tuple((type(a), str(a)) for a in program) for program in programs)
         simulation = self._validated.get(actions)
         if simulation is None:
             simulation = self._validated[actions] = validate(programs, m, stages)

@@ -37,6 +37,7 @@ __all__ = [
     "Schedule",
     "ZeroBubbleH1",
     "ZeroBubbleMemory",
+    "forwards_in_order",
     "resolve_schedule",
 ]
 
@@ -204,8 +205,6 @@ class Programs(Schedule):
 
     def __init__(self, programs: Sequence[str | Sequence[str | Action]]) -> None:
         self._programs = [parse_program(p) for p in programs]
-        stages = {a.stage for program in self._programs for a in program}
-        self._stages = 1 + max(stages, default=-1)
 
     def workers(self, stages: int) -> int:
         return len(self._programs)
@@ -284,6 +283,12 @@ _BY_NAME: dict[str, Callable[[], Schedule]] = {
     "zb-h1": ZeroBubbleH1,
     "zb-h1-peak": partial(ZeroBubbleH1, memory="peak"),
 }
+
+
+def forwards_in_order(schedule: Schedule) -> bool:
+    """Whether ``schedule`` is a built-in one, whose programs run each stage's forwards in
+    micro-batch order (not ``Programs`` nor a schedule of one's own: they may not)."""
+    return type(schedule) in (GPipe, OneFOneB, ZeroBubbleH1, Interleaved1F1B)
 
 
 def resolve_schedule(schedule: str | Schedule) -> Schedule:

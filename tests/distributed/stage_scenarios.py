@@ -738,6 +738,17 @@ def bad_arguments_are_refused_by_every_process_before_any_work() -> None:
     F.mse_loss(plain(x), y).backward()
     assert_grads_equal(pipe, plain, "the step after refused ones")
     pipe.close()
+    # Forwards out of micro-batch order, where the last stage's BatchNorm would take its
+    # updates in that order: refused there, in the agreement, so by every process.
+    norm = nn.BatchNorm1d(WIDTH).double()
+    layers = nn.Sequential(*blocks(2 * world() - 1, seed=14), norm)
+    ordered = DistributedPipe(layers, [2] * world(), chunks=2)
+    reordered = Programs([f"{s}F1 {s}F0 {s}B0 {s}B1" for s in range(world())])
+    refused = "micro-batch 1 before" if last else f"rank {world() - 1} of the pipeline"
+    expect_error(Exception, lambda: ordered.step(x, y, F.mse_loss, schedule=reordered), refused)
+    assert all(p.grad is None for p in ordered.parameters()), "a refused step computed something"
+    assert not (last and norm.num_batches_tracked.item()), "the refused step updated statistics"
+    ordered.close()
 
 
 class Scores(nn.Module):
