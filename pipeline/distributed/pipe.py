@@ -67,8 +67,8 @@ from pipeline.runtime.partitions import starts_in_place
 from pipeline.runtime.process_group import collective_device, resolve_group
 from pipeline.runtime.router_loss import ASKED, RouterTally, asked
 from pipeline.skip.layout import SkipLayout, inspect_skip_layout
-from pipeline.step.actions import Program, parse_program
-from pipeline.step.cache import described_by_repr
+from pipeline.step.actions import Program
+from pipeline.step.cache import described_by_repr, programs_of
 from pipeline.step.losses import LossDivisor
 from pipeline.step.mail import Message
 from pipeline.step.reports import DistributedStepReport
@@ -430,9 +430,8 @@ class DistributedPipe(PipeBase):
         """``_refuse_reordered_updates`` for this process's stages, inside the agreement: on
         the programs for ``chunks`` micro-batches, which the processes compare."""
         if not forwards_in_order(schedule):
-            programs = schedule.programs(self.chunks, len(self.balance))
-            parsed = [parse_program(program) for program in programs]
-            self._refuse_reordered_updates(schedule, parsed, self.local_stages)
+            programs = programs_of(schedule, self.chunks, len(self.balance))
+            self._refuse_reordered_updates(schedule, programs, self.local_stages)
 
     def _router_here(
         self, call: StepCall | EvaluateCall, batches: list[Batch], schedule: Schedule | None
@@ -594,7 +593,7 @@ class DistributedPipe(PipeBase):
         """
         if described_by_repr(schedule):
             return repr(schedule)
-        programs = schedule.programs(self.chunks, len(self.balance))
+        programs = programs_of(schedule, self.chunks, len(self.balance))
         text = "\n".join(" ".join(map(str, program)) for program in programs)
         return f"{schedule!r} (programs for {self.chunks} micro-batches: #{fingerprint(text):x})"
 

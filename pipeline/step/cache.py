@@ -11,6 +11,8 @@ step to the next; any other schedule is asked at every step.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from pipeline.step.actions import Program, parse_program
 from pipeline.step.schedules import (
     GPipe,
@@ -20,9 +22,9 @@ from pipeline.step.schedules import (
     Schedule,
     ZeroBubbleH1,
 )
-from pipeline.step.simulate import Simulation, validate
+from pipeline.step.simulate import ProgramError, Simulation, validate
 
-__all__ = ["ProgramCache", "described_by_repr"]
+__all__ = ["ProgramCache", "described_by_repr", "programs_of"]
 
 # The schedules whose programs for (m, stages) depend on nothing but their
 # repr: exactly these classes, not their subclasses, which may add to them.
@@ -32,6 +34,18 @@ _DESCRIBED_BY_REPR = (GPipe, OneFOneB, ZeroBubbleH1, Interleaved1F1B, Programs)
 def described_by_repr(schedule: Schedule) -> bool:
     """Whether ``schedule``'s programs depend on nothing but its ``repr`` (a built-in one)."""
     return type(schedule) in _DESCRIBED_BY_REPR
+
+
+def programs_of(schedule: Schedule, m: int, stages: int) -> list[Program]:
+    """``schedule``'s programs for ``m`` micro-batches: a list each (a schedule of one's own
+    may give iterators, read once), and a program's text parsed as ``Programs`` takes it."""
+    given = schedule.programs(m, stages)
+    if isinstance(given, str) or not isinstance(given, Iterable):
+        raise ProgramError(
+            f"{schedule!r}.programs({m}, {stages}) returned {given!r}: return one program per "
+            "worker, each a list of actions or their text ('0F0 0B0')"
+        )
+    return [parse_program(program) for program in given]
 
 
 class ProgramCache:
@@ -46,9 +60,7 @@ class ProgramCache:
         key = (repr(schedule), m) if described_by_repr(schedule) else None
         programs = self._built_in.get(key) if key is not None else None
         if programs is None:
-            # A list each (a schedule of one's own may give iterators, read once), and a
-            # program's text parsed as Programs takes it.
-            programs = [parse_program(p) for p in schedule.programs(m, stages)]
+            programs = programs_of(schedule, m, stages)
         # By type and text: an action is a dataclass, and Action(0, "F", 1.0) or
         # Action(0, "F", True) equals Action(0, "F", 1), which validation refuses.
         actions = tuple(tuple((type(a), str(a)) for a in program) for program in programs)

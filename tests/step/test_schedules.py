@@ -156,6 +156,14 @@ class Given(Schedule):
         return self.given
 
 
+def test_a_schedule_giving_no_programs_is_refused_naming_it() -> None:
+    pipe = Pipe(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), [1, 1], devices=["cpu"] * 2)
+    x = torch.randn(4, 2)
+    for given in (None, "0F0 0B0"):
+        with pytest.raises(ProgramError, match=f"returned {given!r}: return one program per"):
+            pipe.step(x, x, F.mse_loss, schedule=Given(given))  # type: ignore[arg-type]
+
+
 def test_programs_given_as_iterators_or_texts_run_as_lists_do() -> None:
     # Iterators were read once, by the first check: the next saw no action at all.
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
