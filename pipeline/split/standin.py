@@ -12,15 +12,19 @@ it runs once for real instead, outside the capture's fake mode::
     stand-ins (2, 6, 16), (2, 1, 6, 6)               real tensors, made up
          | the block's forward, on copies of its state
     real outputs (2, 6, 16)
-         | each size that an input size also had: that input's symbol
+         | again, each symbol moved to a size nothing had
+    stand-ins (3, 7, 16)  ->  real outputs (3, 7, 16)
+         | each size that moved with an input size: that input's symbol
     fake outputs (s0, s1, 16)                        what the graph continues with
 
 The stand-ins hold made-up values (normal floats, zero integers, true
 booleans), and the block runs on copies of its parameters and buffers
 (random ones for a model on ``meta``), under a forked random state: the
-model and the random streams are as they were after it. Where two input
-sizes were equal in the example, an output size is taken to be the first of
-them, and a size no input had stays fixed; both are assumptions, and every
+model and the random streams are as they were after it. The second run
+tells apart sizes equal in the example (a batch of 16 beside a hidden size
+of 16); symbols that the block needs equal move together, and an output
+size follows the first input size that moved as it did. A size that did
+not move, or moved with none, stays fixed. These are assumptions, and every
 real call checks its output's shapes against them (``BlockCall._check``), so
 a block whose output shape follows another size, or its values, is refused
 at that call, never run on.
@@ -66,31 +70,131 @@ def real_run(
     """
     if not tensors:
         raise ValueError("a block's real run stands in for its tensor arguments; it took none")
+    inputs = [*(size for tensor in tensors for size in tensor.shape), *sizes]
+    output, written, shapes = _run(module, state, arguments, tensors, sizes, {})
+    symbols = {symbol: _hint_of(symbol, size) for size in inputs for symbol in _free_symbols(size)}
+    told = _told_apart(module, state, arguments, tensors, sizes, shapes, symbols, inputs)
+    # Made from a fake input, so in the capture's fake mode, on the inputs' device.
+    fakes = [
+        tensors[0].new_empty([told(k, d, size) for d, size in enumerate(shape)], dtype=dtype)
+        for k, (shape, dtype) in enumerate(shapes)
+    ]
+    return output, fakes, written
+
+
+def _run(
+    module: nn.Module,
+    state: dict[str, Tensor],
+    arguments: Any,
+    tensors: Sequence[Tensor],
+    sizes: Sequence[Any],
+    moved: dict[Any, int],
+) -> tuple[Any, list[int], list[tuple[list[int], torch.dtype]]]:
+    """The block on stand-ins whose symbolic sizes are the example's, but for those ``moved``:
+    its output, which inputs it wrote into, and its output tensors' shapes and dtypes."""
     devices = sorted({t.device for t in tensors if t.device.type == "cuda"}, key=str)
     with unset_fake_temporarily(), torch.random.fork_rng(devices=devices), torch.no_grad():
-        stand_ins = [_stand_in(tensor) for tensor in tensors]
-        hints = [_hint(size) for size in sizes]
+        stand_ins = [_stand_in(tensor, moved) for tensor in tensors]
+        values = [_value(size, moved) for size in sizes]
         with _holding(module, _copies(state, stand_ins)):
-            args, kwargs = arguments(stand_ins, hints)
+            args, kwargs = arguments(stand_ins, values)
             versions = [t._version for t in stand_ins]
             output = module.forward(*args, **kwargs)
         # A write into an input, or into a view of it, counts on the input's version.
         written = [i for i, t in enumerate(stand_ins) if t._version != versions[i]]
-    outputs = [leaf for leaf in torch.utils._pytree.tree_leaves(output) if isinstance(leaf, Tensor)]
+    leaves = torch.utils._pytree.tree_leaves(output)
+    shapes = [(list(leaf.shape), leaf.dtype) for leaf in leaves if isinstance(leaf, Tensor)]
+    return output, written, shapes
+
+
+def _told_apart(
+    module: nn.Module,
+    state: dict[str, Tensor],
+    arguments: Any,
+    tensors: Sequence[Tensor],
+    sizes: Sequence[Any],
+    shapes: list[tuple[list[int], torch.dtype]],
+    symbols: dict[Any, int],
+    inputs: list[Any],
+) -> Any:
+    """Which input size each output size follows, told apart by a second run on other sizes.
+
+    An output size equal to an input's symbolic size in the example may
+    follow it, or another size that happens to be equal (a batch of 16
+    beside a hidden size of 16). So the block runs again with every symbol
+    moved to a value nothing had: a size that moves with one follows it.
+    Symbols equal in the example move apart first; if the block then fails
+    (its code needs them equal, as a cache position's length and the
+    sequence's), together. Returns ``told(k, d, size)``: dim ``d`` of output
+    ``k``, ``size`` in the example, as the input size it follows, or fixed.
+    """
+    outputs = {size for shape, _ in shapes for size in shape}
+    if not outputs & set(symbols.values()):
+        return lambda k, d, size: size
+    taken = {size for size in inputs if isinstance(size, int)} | outputs | set(symbols.values())
+    failures = []
+    for moves in (_moved(symbols, taken, together=False), _moved(symbols, taken, together=True)):
+        try:
+            _, _, again = _run(module, state, arguments, tensors, sizes, moves)
+        except Exception as error:
+            failures.append(error)
+            continue
+        pairs = [(size, _hint(size), _value(size, moves)) for size in inputs]
+
+        def told(k: int, d: int, size: int, again: list[Any] = again, pairs: Any = pairs) -> Any:
+            moved = again[k][0][d]
+            follows = [x for x, before, after in pairs if (before, after) == (size, moved)]
+            return follows[0] if follows and moved != size else size
+
+        return told
     known, shared = _sizes_by_hint(tensors, sizes)
-    alike = sorted({size for real in outputs for size in real.shape if size in shared})
+    alike = sorted(size for shape, _ in shapes for size in shape if size in shared)
     if alike:
         raise ValueError(
             f"its output has a size of {alike[0]}, which several of its inputs' sizes had in the "
-            "example (a batch of 8 sequences of 8), so split cannot tell which one it follows: "
-            "split on an example whose sizes differ (a batch of 4 sequences of 8)"
+            f"example, and it failed on stand-ins of other sizes ({failures[-1]}), so split "
+            "cannot tell which of those sizes it follows: split on an example where its "
+            f"inputs' sizes differ from each other (none of them {alike[0]})"
         )
-    # Made from a fake input, so in the capture's fake mode, on the inputs' device.
-    fakes = [
-        tensors[0].new_empty([known.get(size, size) for size in real.shape], dtype=real.dtype)
-        for real in outputs
-    ]
-    return output, fakes, written
+    return lambda k, d, size: known.get(size, size)
+
+
+def _moved(symbols: dict[Any, int], taken: set[int], together: bool) -> dict[Any, int]:
+    """A value for each symbol that no size had: apart, or the same for symbols that were equal."""
+    moved: dict[Any, int] = {}
+    chosen: dict[int, int] = {}
+    used = set(taken)
+    for symbol, hint in symbols.items():
+        if together and hint in chosen:
+            moved[symbol] = chosen[hint]
+            continue
+        value = hint + 1
+        while value in used:
+            value += 1
+        used.add(value)
+        moved[symbol] = chosen[hint] = value
+    return moved
+
+
+def _free_symbols(size: Any) -> list[Any]:
+    """The symbols a (symbolic) size is made of; none for a fixed one."""
+    if isinstance(size, torch.SymInt):
+        return sorted(size.node.expr.free_symbols, key=str)
+    return []
+
+
+def _value(size: Any, moved: dict[Any, int]) -> int:
+    """A (symbolic) size with its symbols ``moved``; the example's value for the others."""
+    if isinstance(size, torch.SymInt) and moved:
+        expr = size.node.expr
+        return int(expr.xreplace({s: moved.get(s, _hint_of(s, size)) for s in expr.free_symbols}))
+    return _hint(size)
+
+
+def _hint_of(symbol: Any, size: torch.SymInt) -> int:
+    """The example's value of ``symbol``, one of ``size``'s."""
+    hint = size.node.shape_env.var_to_val[symbol]
+    return int(hint)
 
 
 def _hint(size: Any) -> int:
@@ -102,8 +206,8 @@ def _hint(size: Any) -> int:
     return int(size)
 
 
-def _stand_in(fake: Tensor) -> Tensor:
-    shape = [_hint(size) for size in fake.shape]
+def _stand_in(fake: Tensor, moved: dict[Any, int]) -> Tensor:
+    shape = [_value(size, moved) for size in fake.shape]
     device = torch.device("cpu") if fake.device.type == "meta" else fake.device
     if fake.dtype.is_floating_point or fake.dtype.is_complex:
         return torch.randn(shape, dtype=fake.dtype, device=device)

@@ -167,17 +167,72 @@ class Scaled(nn.Module):
         return x * int((x > 0).sum())
 
 
-def test_a_stand_in_run_on_an_example_of_equal_sizes_is_refused_at_the_split() -> None:
-    # A batch of 4 rows of 4: the run on stand-ins could not tell which size its
-    # output followed, took the batch for both, and refused every other batch size
-    # at the call, saying the block's shapes depend on values.
+@pytest.mark.parametrize("embed", ["identity", "linear"])
+def test_a_stand_in_run_tells_apart_sizes_equal_in_the_example(embed: str) -> None:
+    # A batch of 4 rows of 4 (the rows' width a size of the capture, or fixed by a
+    # Linear): the run on stand-ins could not tell which size its output followed. It
+    # refused the first example; the second fixed its output's width to the batch's
+    # symbol, and every other batch size was refused at the call, saying the model's code
+    # fixed it (a Mixtral whose batch equals its hidden size). A second run on moved
+    # sizes tells them apart.
     model = Stack(Scaled)
+    if embed == "identity":
+        model.embed = nn.Identity()
+    seq = pipeline.split(model, (torch.randn(4, 4),))
+    for rows in (2, 4, 7):
+        x = torch.randn(rows, 4)
+        torch.testing.assert_close(seq(x), model(x))
+    if embed == "identity":
+        x = torch.randn(3, 6)
+        torch.testing.assert_close(seq(x), model(x))
+
+
+class Positioned(nn.Module):
+    """Adds positions, which the code needs as long as the rows: apart, the run fails."""
+
+    def forward(self, x: Tensor, positions: Tensor) -> Tensor:
+        return x * int((x > 0).sum()) + positions
+
+
+class PositionedStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Positioned() for _ in range(2))
+
+    def forward(self, x: Tensor, positions: Tensor) -> Tensor:
+        for block in self.blocks:
+            x = block(x, positions)
+        return x
+
+
+def test_sizes_a_stand_in_run_needs_equal_are_moved_together() -> None:
+    # Rows of 6 and 6 positions, two sizes of the capture (a Mixtral given cache_position):
+    # refused at the split, whatever the example, since moved apart the block fails.
+    model = PositionedStack()
+    seq = pipeline.split(model, (torch.randn(4, 6), torch.arange(6.0)))
+    x, positions = torch.randn(3, 5), torch.arange(5.0)
+    torch.testing.assert_close(seq(x, positions), model(x, positions))
+
+
+class OfTheExample(nn.Module):
+    """Runs only on the example's sizes: no second run can tell its sizes apart."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        count = int((x > 0).sum())  # the capture's fake run stops here
+        if x.shape != (4, 4):
+            raise ValueError("only 4 x 4")
+        return x * count
+
+
+def test_sizes_no_second_run_can_tell_apart_are_refused_with_the_examples_figures() -> None:
+    model = Stack(OfTheExample)
     model.embed = nn.Identity()
-    with pytest.raises(SplitError, match="split on an example whose sizes differ"):
+    with pytest.raises(SplitError) as error:
         pipeline.split(model, (torch.randn(4, 4),))
-    seq = pipeline.split(model, (torch.randn(4, 5),))
-    x = torch.randn(2, 5)
-    torch.testing.assert_close(seq(x), model(x))
+    message = str(error.value)
+    assert "its output has a size of 4, which several of its inputs' sizes had" in message
+    assert "failed on stand-ins of other sizes (only 4 x 4)" in message
+    assert "(none of them 4)" in message
 
 
 class Counts(nn.Module):
