@@ -5,7 +5,7 @@ A capture learns what a block returns by running it on fake tensors
 there: Mixture-of-Experts routing (``for expert in experts_hit:``) asks which
 experts the router chose, and fake tensors have no values. What such a
 block returns (structure, dtypes, shapes) does not depend on the routing, so
-it runs once for real instead, outside the capture's fake mode::
+it runs for real instead, outside the capture's fake mode::
 
     fake inputs (s0, s1, 16), (s0, 1, s1, s1)        the capture's symbols
          | hints: the example's sizes
