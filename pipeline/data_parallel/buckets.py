@@ -172,14 +172,20 @@ class GradBucket:
         """Whether every parameter's gradient has been loaded since the last reset."""
         return self._pending == 0
 
-    def reset(self) -> None:
+    def reset(self, abandoned: bool = False) -> None:
         """Forget the last iteration: no gradient loaded, no all-reduce in flight.
 
         An all-reduce the last iteration left in flight (its backward failed
         after launching it, on every replica alike) is waited for first: left
         to run, it would write its average into the bucket while the next
         iteration fills it (the next averages were wrong by up to 0.18).
+        ``abandoned``: the last iteration's backward did so. Where ``.grad`` is
+        the bucket (``as_view``), that all-reduce wrote its average into it,
+        maybe after the caller zeroed it (``zero_grad(set_to_none=False)``):
+        the bucket is zeroed, as the caller left it (the retried step's
+        gradients were 4.9e-2 off).
         """
+        launched = self._work is not None
         if self._work is not None and not self._work.is_completed():
             try:
                 self._work.wait()
@@ -190,6 +196,9 @@ class GradBucket:
                     "the replicas' backwards failed at different points; a replica whose "
                     "step fails must stop every replica"
                 ) from error
+        if abandoned and launched and self._as_view:
+            with torch.no_grad():
+                self.flat.zero_()
         self._pending = len(self.params)
         self._work = None
 

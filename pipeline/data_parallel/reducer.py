@@ -171,6 +171,9 @@ class Reducer:
             self._partition_members.setdefault(spec.partition, []).extend(spec.indices)
 
     def _start_iteration(self) -> None:
+        # A backward that launched all-reduces and never finished (it failed, alike on
+        # every replica) left them writing into the buckets, after it raised.
+        abandoned = not self._reduced and any(bucket.launched for bucket in self._buckets)
         self._iteration += 1
         self._reduced = False
         self._callback_queued = False
@@ -179,7 +182,7 @@ class Reducer:
         self._missing = []
         self._next_launch = 0
         for bucket in self._buckets:
-            bucket.reset()
+            bucket.reset(abandoned)
 
     def _on_output_grad(self, iteration: int, grad: torch.Tensor) -> None:
         # The output's gradient is the first thing the outer backward computes,

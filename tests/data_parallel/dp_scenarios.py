@@ -474,6 +474,54 @@ def gradient_as_bucket_view() -> None:
         full_opt.step()
 
 
+class WaitsInBackward(torch.autograd.Function):
+    """On rank 1, while armed, its backward waits for rank 0 at a barrier of ``group``."""
+
+    group: dist.ProcessGroup | None = None
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        if WaitsInBackward.group is not None and rank() == 1:
+            dist.barrier(group=WaitsInBackward.group)
+        return grad
+
+
+class Waits(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return cast(torch.Tensor, WaitsInBackward.apply(x))
+
+
+@scenario
+def a_backward_failing_alike_with_bucket_views_leaves_the_next_averages_right() -> None:
+    # Rank 0's backward launched the later partition's all-reduce, failed, and returned;
+    # rank 1 joined that all-reduce only once rank 0 had zeroed its gradients (a retry
+    # loop's zero_grad(set_to_none=False)), so the average landed in rank 0's .grad, the
+    # bucket's views, after; the retried step added to it, 4.9e-2 off, silently.
+    side = dist.new_group(backend="gloo")
+    model = mlp(seed=7)
+    model.insert(1, ArmedToFail())
+    model.insert(3, Waits())
+    pipe = Pipe(model, [3, 8], devices=["cpu"] * 2, chunks=1)
+    dp = DataParallel(pipe, gradient_as_bucket_view=True, bucket_cap_mb=1)
+    plain = copy.deepcopy(model)
+    x, y = global_batch(0)
+    model[1].armed, WaitsInBackward.group = True, side
+    expect_error(BackwardFailedError, lambda: dp.step(shard(x), shard(y), F.mse_loss))
+    model[1].armed, WaitsInBackward.group = False, None
+    dp.zero_grad(set_to_none=False)
+    if rank() == 0:
+        dist.barrier(group=side)  # rank 1 joins the all-reduce now, after this zero_grad
+    dp.step(shard(x), shard(y), F.mse_loss)
+    F.mse_loss(plain(x), y).backward()
+    for (name, p), q in zip(pipe.named_parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+    dist.destroy_process_group(side)
+
+
 @scenario
 def mismatched_replicas_raise() -> None:
     out_features = 4 if rank() == 0 else 5

@@ -21,6 +21,7 @@ SHARED = [
     "a_parameter_unfrozen_or_replaced_after_wrapping_is_refused",
     "hooks_on_the_wrapper_are_refused_by_step",
     "a_backward_failing_on_every_replica_leaves_the_next_averages_right",
+    "a_backward_failing_alike_with_bucket_views_leaves_the_next_averages_right",
     "a_second_backward_through_one_forward_is_refused",
     "a_replica_that_fails_a_step_and_goes_on_is_caught_at_the_next_average",
     "sgd_keeps_replicas_identical",
