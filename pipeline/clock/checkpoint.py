@@ -62,20 +62,28 @@ class Checkpointing:
             # Random draws are replayed by the task's own seeds; and the whole
             # partition runs again (no early stop), so that recomputation is
             # one predictable replay of the forward.
-            output = torch.utils.checkpoint.checkpoint(
-                self._run,
-                *batch.leaves,
-                use_reentrant=False,
-                preserve_rng_state=False,
-                early_stop=False,
-            )
+            try:
+                output = torch.utils.checkpoint.checkpoint(
+                    self._run,
+                    *batch.leaves,
+                    use_reentrant=False,
+                    preserve_rng_state=False,
+                    early_stop=False,
+                )
+            except _StoppedError as stopped:
+                raise stopped.error from None
             self.forward_done = True
         return Batch(output)
 
     def _run(self, *leaves: Any) -> Value:
         if not self.forward_done:
             with own_checkpoint():
-                return self._call(leaves)
+                try:
+                    return self._call(leaves)
+                except StopIteration as error:
+                    # torch's checkpoint runs the forward inside a generator, which would
+                    # make it "RuntimeError: generator raised StopIteration" (PEP 479).
+                    raise _StoppedError(error) from error
         with self.recomputation.replaying():
             return self._call(leaves)
 
@@ -84,3 +92,11 @@ class Checkpointing:
         if self.protect_inputs:
             batch = protected(batch)
         return self.function(batch.value)
+
+
+class _StoppedError(Exception):
+    """A layer's StopIteration, carried through torch's checkpoint to be raised as it was."""
+
+    def __init__(self, error: StopIteration) -> None:
+        super().__init__(str(error))
+        self.error = error
