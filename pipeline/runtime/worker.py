@@ -25,6 +25,7 @@ still touches the model when the call has raised.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 from collections.abc import Callable, Sequence
@@ -48,6 +49,9 @@ __all__ = [
 Task = Callable[[], Any]
 Threads: TypeAlias = Literal["auto", "partition", "device"]
 THREADS = ("auto", "partition", "device")
+
+# How long the caller sleeps between two looks for an interrupt that is no signal.
+_WAKE_S = 0.05
 
 
 def check_threads(threads: Any) -> Threads:
@@ -147,7 +151,10 @@ class Replies:
                         # merely run to their end.
                         stopping = True
                         interrupted()
-                    self._arrivals.get()
+                    with contextlib.suppress(queue.Empty):
+                        # A wait with a timeout: an interrupt that is no signal
+                        # (_thread.interrupt_main, a debugger's) is seen between two.
+                        self._arrivals.get(timeout=_WAKE_S)
                 break
             except BaseException as exception:
                 interrupts.append(exception)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import _thread
 import gc
 import random
 import signal
@@ -373,6 +374,19 @@ class CtrlC(threading.Thread):
         )
 
 
+class InterruptMain(CtrlC):
+    """Interrupts as ``_thread.interrupt_main`` does (a debugger, a watchdog): no signal, so
+    no blocked wait wakes for it; the main thread sees it when it next runs Python."""
+
+    def _press(self) -> None:
+        _thread.interrupt_main()
+        assert self.sigints.handled.acquire(timeout=30), "the main thread never saw it"
+        wait_until(
+            lambda: self.raised.is_set() or main_thread_waits_for_answers(),
+            "the main thread raised or went back to waiting",
+        )
+
+
 def interrupted(
     call: Callable[[], object],
     gate: Gate,
@@ -413,6 +427,7 @@ def interrupted_step(
     path: str,
     again_after: threading.Event | None = None,
     threads: str = "auto",
+    press: type[CtrlC] = CtrlC,
 ) -> None:
     """A step interrupted while partition 1 is held in backward leaves nothing in ``.grad``
     after ``zero_grad``, and the next step's gradients are a clean step's."""
@@ -427,7 +442,7 @@ def interrupted_step(
     raised = interrupted(
         lambda: pipe.step(STEP_X, STEP_Y, nn.functional.mse_loss, schedule=schedule),
         gate,
-        CtrlC(gate, sigints, again_after),
+        press(gate, sigints, again_after),
         when_raised=lambda: pipe.zero_grad(set_to_none=True),
     )
     assert [p.grad for p in pipe.parameters()] == [None] * 5
@@ -456,6 +471,14 @@ def test_ctrl_c_in_a_step_of_stages_sharing_a_thread_raises_after_the_action_und
     sigints: Sigints, schedule: str
 ) -> None:
     interrupted_step(sigints, schedule, "weight", threads="device")
+
+
+def test_an_interrupt_that_is_no_signal_raises_after_the_action_under_way(
+    sigints: Sigints,
+) -> None:
+    # The caller slept on its workers' answers without a timeout: the step ran all its
+    # actions, then raised.
+    interrupted_step(sigints, "1f1b", "weight", press=InterruptMain)
 
 
 def test_a_second_ctrl_c_does_not_make_step_return_early(
