@@ -293,6 +293,7 @@ class Pipe(PipeBase):
         router = self._router_tally(call, batches, programs)
         by_worker = programs_by_worker(programs, self._thread_of)
         hooks = list(self._completion_hooks.values())
+        self.last_step = None  # a step that fails midway reports nothing, not the last one's
         run = self._step_run(
             call,
             loss_reduction,

@@ -313,6 +313,7 @@ class DistributedPipe(PipeBase):
         last = len(self.balance) - 1 in self.local_stages
         chosen, reduction, micro_batches, router = self._agreed_step(call)
         programs, simulation = self._programs(chosen, len(micro_batches.rows))
+        self.last_step = None  # a step that fails midway reports nothing, not the last one's
         run = self._step_run(
             call,
             reduction,

@@ -198,3 +198,29 @@ def test_repr_is_one_line_and_the_table_has_a_row_per_partition() -> None:
         "idle", "peak", "mb", "activations",
     ]  # fmt: skip
     assert [line.split()[0] for line in lines[2:]] == ["0", "1", "2"]
+
+
+class FailsWhenArmed(nn.Module):
+    armed = False
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.armed:
+            raise ValueError("armed")
+        return x
+
+
+def test_a_step_that_fails_midway_leaves_no_report_and_a_refused_one_the_last() -> None:
+    # A failed step left the last step's report in place, read as its own.
+    failing = FailsWhenArmed()
+    pipe = Pipe(nn.Sequential(block(), failing, block()), [2, 1], devices=["cpu"] * 2, chunks=2)
+    x = torch.randn(4, WIDTH)
+    pipe.step(x, x, F.mse_loss)
+    report = pipe.last_step
+    assert report is not None
+    with pytest.raises(TypeError, match="loss_fn must be callable"):
+        pipe.step(x, x, "mse")  # type: ignore[arg-type]
+    assert pipe.last_step is report
+    failing.armed = True
+    with pytest.raises(ValueError, match="armed"):
+        pipe.step(x, x, F.mse_loss)
+    assert pipe.last_step is None
