@@ -32,6 +32,7 @@ at that call, never run on.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -72,7 +73,7 @@ def real_run(
         raise ValueError("a block's real run stands in for its tensor arguments; it took none")
     inputs = [*(size for tensor in tensors for size in tensor.shape), *sizes]
     output, written, shapes = _run(module, state, arguments, tensors, sizes, {})
-    symbols = {symbol: _hint_of(symbol, size) for size in inputs for symbol in _free_symbols(size)}
+    symbols = {_symbol(size): _hint(size) for size in inputs if _symbol(size) is not None}
     told = _told_apart(module, state, arguments, tensors, sizes, shapes, symbols, inputs)
     # Made from a fake input, so in the capture's fake mode, on the inputs' device.
     fakes = [
@@ -139,6 +140,9 @@ def _told_apart(
         except Exception as error:
             failures.append(error)
             continue
+        if [len(shape) for shape, _ in again] != [len(shape) for shape, _ in shapes]:
+            failures.append(ValueError("its outputs were others on other sizes"))
+            continue
         pairs = [(size, _hint(size), _value(size, moves)) for size in inputs]
 
         def told(k: int, d: int, size: int, again: list[Any] = again, pairs: Any = pairs) -> Any:
@@ -160,7 +164,11 @@ def _told_apart(
 
 
 def _moved(symbols: dict[Any, int], taken: set[int], together: bool) -> dict[Any, int]:
-    """A value for each symbol that no size had: apart, or the same for symbols that were equal."""
+    """A value for each symbol that no size had: apart, or the same for symbols that were equal.
+
+    Smaller than the example's where one is free (a sequence longer than the
+    example's may pass a model's largest), else larger.
+    """
     moved: dict[Any, int] = {}
     chosen: dict[int, int] = {}
     used = set(taken)
@@ -168,33 +176,28 @@ def _moved(symbols: dict[Any, int], taken: set[int], together: bool) -> dict[Any
         if together and hint in chosen:
             moved[symbol] = chosen[hint]
             continue
-        value = hint + 1
-        while value in used:
-            value += 1
+        free = itertools.chain(range(hint - 1, 1, -1), itertools.count(hint + 1))
+        value = next(v for v in free if v not in used)
         used.add(value)
         moved[symbol] = chosen[hint] = value
     return moved
 
 
-def _free_symbols(size: Any) -> list[Any]:
-    """The symbols a (symbolic) size is made of; none for a fixed one."""
-    if isinstance(size, torch.SymInt):
-        return sorted(size.node.expr.free_symbols, key=str)
-    return []
+def _symbol(size: Any) -> Any:
+    """The symbol a size is, if it is one alone (not fixed, nor made of several)."""
+    if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol:
+        return size.node.expr
+    return None
 
 
 def _value(size: Any, moved: dict[Any, int]) -> int:
-    """A (symbolic) size with its symbols ``moved``; the example's value for the others."""
+    """A (symbolic) size with its symbols ``moved``: the example's value where one of them
+    is not (a size made of a symbol that is no input's size alone)."""
     if isinstance(size, torch.SymInt) and moved:
         expr = size.node.expr
-        return int(expr.xreplace({s: moved.get(s, _hint_of(s, size)) for s in expr.free_symbols}))
+        if expr.free_symbols <= moved.keys():
+            return int(expr.subs(moved))
     return _hint(size)
-
-
-def _hint_of(symbol: Any, size: torch.SymInt) -> int:
-    """The example's value of ``symbol``, one of ``size``'s."""
-    hint = size.node.shape_env.var_to_val[symbol]
-    return int(hint)
 
 
 def _hint(size: Any) -> int:
