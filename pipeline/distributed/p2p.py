@@ -154,6 +154,13 @@ class P2PTransport:
             peer: dist.get_group_rank(wires[0], dist.get_global_rank(group, peer))
             for peer in self.peers
         }
+        # How messages name a process: its rank in the pipeline, and in the job where the
+        # pipeline is a subgroup (a pp x dp grid's pipeline of ranks 2 and 3).
+        self._named = {
+            rank: f"rank {rank}" + (f" (job rank {job})" if job != rank else "")
+            for rank in {self.me, *self.peers}
+            for job in [dist.get_global_rank(group, rank)]
+        }
         self.devices = devices
         self.timeout = timeout
         self.max_message_bytes = max_message_bytes
@@ -254,7 +261,9 @@ class P2PTransport:
             return
 
         def where() -> str:
-            return f"{describe(key)} that stage {source} sends to stage {target} (rank {peer})"
+            return (
+                f"{describe(key)} that stage {source} sends to stage {target} ({self._named[peer]})"
+            )
 
         with self._gone_lock:
             gone = self._gone.get(peer)
@@ -267,7 +276,7 @@ class P2PTransport:
 
     def receive(self, key: Hashable, source: int, target: int) -> Message:
         peer = self.owner[source]
-        where = "this process" if peer == self.me else f"rank {peer}"
+        where = "this process" if peer == self.me else self._named[peer]
         waiting_for = f"{describe(key)} from stage {source} ({where})"
         try:
             message = self._mailboxes.take(self.step, key, waiting_for, sender=peer)
@@ -297,7 +306,7 @@ class P2PTransport:
         # Else this process's own failure, or a wait that failed on a peer that closed or
         # died: the peers beyond it would not hear of it otherwise, and wait their timeout.
         summary = " ".join(
-            [f"rank {self.me} failed: {type(reason).__name__}: {reason}", *_notes(reason)]
+            [f"{self._named[self.me]} failed: {type(reason).__name__}: {reason}", *_notes(reason)]
         )
         self._tell_peers(self.step, summary, but=None)
 
@@ -391,7 +400,9 @@ class P2PTransport:
                 try:
                     self._wait_for_sends(self.timeout, [peer])
                 except RuntimeError as error:
-                    raise PeerError(f"a send to rank {peer} did not complete: {error}") from error
+                    raise PeerError(
+                        f"a send to {self._named[peer]} did not complete: {error}"
+                    ) from error
             # Framed whole, on the wire, before its first part goes: a part that failed
             # after the envelope had left would leave the peer reading what comes next
             # (an abort) as its bytes.
@@ -444,8 +455,8 @@ class P2PTransport:
                     # wait for more from it and a send to it fail, and the
                     # next step is refused (check_peers).
                     reason = (
-                        f"rank {peer} closed its pipeline (its script ended or raised, or it "
-                        "called close())"
+                        f"{self._named[peer]} closed its pipeline (its script ended or raised, "
+                        "or it called close())"
                     )
                     self._gone_because(peer, reason, left=True)
                     self._mailboxes.stopped(peer, PeerError(reason))
@@ -464,11 +475,11 @@ class P2PTransport:
         except MalformedMessageError as error:
             self._leave(
                 peer,
-                f"rank {peer} sent a malformed message ({error}), so this process stopped "
+                f"{self._named[peer]} sent a malformed message ({error}), so this process stopped "
                 "listening to it (a peer of another version, or not a pipeline process)",
             )
         except Exception as error:
-            self._leave(peer, f"lost the connection to rank {peer}: {error}", left=True)
+            self._leave(peer, f"lost the connection to {self._named[peer]}: {error}", left=True)
 
     def _leave(self, peer: int, reason: str, left: bool = False) -> None:
         """``peer`` broke (``left``) or misbehaved: every wait, now and later, fails with

@@ -1570,6 +1570,20 @@ def a_pipeline_refused_in_a_grid_stops_every_pipeline() -> None:
     expect_error(
         ValueError, lambda: DistributedPipe(blocks(4), balance, group=pp_group), *fragments
     )
+    # A failure names the failed process by its rank in the pipeline and in the job.
+    model = blocks(4)
+    model.append(RaiseOnRank(on_rank=3, error=KeyError("bad batch")))
+    pipe = DistributedPipe(model, [2, 3], chunks=2, group=pp_group)
+    x, y = batch()
+    if rank() == 2:
+        expect_error(
+            RuntimeError, lambda: pipe.step(x, y, F.mse_loss), "rank 1 (job rank 3) failed"
+        )
+    elif rank() == 3:
+        expect_error(KeyError, lambda: pipe.step(x, y, F.mse_loss), "bad batch")
+    else:
+        pipe.step(x, y, F.mse_loss)
+    pipe.close()
 
 
 class Twice(nn.Module):
