@@ -326,26 +326,7 @@ class DistributedPipe(PipeBase):
             at_end=self._ties.parameters(),
             router=router,
         )
-        with (
-            self._stranding_on_failure(),
-            self._one_pass(micro_batches.batches),
-            run.holding_hooks(),
-            run.routing(),
-        ):
-            self._transport.begin_step()
-            try:
-                run.run_here(programs[self.rank])
-                self._transport.end_step()
-                if self._ties.found:  # no process enters the tied sums if one failed
-                    self._step_ended(DONE_KEYS)
-                run.finish(self._ties.sum_over_holders)
-                self._step_ended(END_KEYS)
-            except BaseException as error:
-                self._transport.abort(error)  # the others, at the step's end, stop waiting
-                raise
-        for j in sorted(self._ties.stages):
-            for hook in self._completion_hooks.values():
-                hook(j)
+        self._run_step(run, programs[self.rank], micro_batches)
         loss = run.with_router_loss(run.loss().to(self.device))
         self.last_step = DistributedStepReport(
             chosen,
@@ -358,6 +339,30 @@ class DistributedPipe(PipeBase):
         if not call.return_outputs:
             return loss
         return loss, gather(run.outputs, micro_batches.rows) if last else None
+
+    def _run_step(self, run: StepRun, program: Program, micro_batches: MicroBatches) -> None:
+        """Run this process's ``program`` of the step, its end agreed with the others; then
+        the completion hooks of the stages whose tied weights were summed at the end."""
+        with (
+            self._stranding_on_failure(),
+            self._one_pass(micro_batches.batches),
+            run.holding_hooks(),
+            run.routing(),
+        ):
+            self._transport.begin_step()
+            try:
+                run.run_here(program)
+                self._transport.end_step()
+                if self._ties.found:  # no process enters the tied sums if one failed
+                    self._step_ended(DONE_KEYS)
+                run.finish(self._ties.sum_over_holders)
+                self._step_ended(END_KEYS)
+            except BaseException as error:
+                self._transport.abort(error)  # the others, at the step's end, stop waiting
+                raise
+        for j in sorted(self._ties.stages):
+            for hook in self._completion_hooks.values():
+                hook(j)
 
     def _programs(self, schedule: Schedule, m: int) -> tuple[list[Program], Simulation]:
         """The schedule's programs, each to run in the process of its number: refused, on
