@@ -266,7 +266,10 @@ def _real_forward(
     assert _active.states is not None
     module = _eager(record.module)
     try:
-        return real_run(module, _active.states[module], record.arguments, tensors, sizes)
+        # Untraced: a run that fails in a submodule (the second, on moved sizes, may) would
+        # leave the module call on the tracer's stack.
+        with _untraced_module_calls():
+            return real_run(module, _active.states[module], record.arguments, tensors, sizes)
     except Exception as failure:
         raise _data_dependent(record, error, failure) from failure
 

@@ -214,6 +214,30 @@ def test_sizes_a_stand_in_run_needs_equal_are_moved_together() -> None:
     torch.testing.assert_close(seq(x, positions), model(x, positions))
 
 
+class ScaledLinear(nn.Module):
+    """A Linear scaled by a count of its inputs: fails on stand-ins of another width."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        count = int((x > 0).sum())  # the capture's fake run stops here, before the Linear
+        return self.linear(x) * (count % 3 + 1)
+
+
+def test_a_second_run_failing_in_a_submodule_leaves_the_capture_as_it_was() -> None:
+    # Fed the model's input, whose width is a size of the capture: moved, the block's
+    # Linear failed, inside torch.export's tracking of module calls, and the capture
+    # failed after ("Unexpected key ...linear@2") where one run had split it.
+    torch.manual_seed(0)
+    model = Stack(ScaledLinear)
+    model.embed = nn.Identity()
+    seq = pipeline.split(model, (torch.randn(3, 5, 4),))
+    x = torch.randn(2, 7, 4)
+    torch.testing.assert_close(seq(x), model(x))
+
+
 class OfTheExample(nn.Module):
     """Runs only on the example's sizes: no second run can tell its sizes apart."""
 
