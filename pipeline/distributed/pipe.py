@@ -313,6 +313,7 @@ class DistributedPipe(PipeBase):
         last = len(self.balance) - 1 in self.local_stages
         chosen, reduction, micro_batches, router = self._agreed_step(call)
         programs, simulation = self._programs(chosen, len(micro_batches.rows))
+        self._refuse_reordered_forwards(chosen, programs)
         self.last_step = None  # a step that fails midway reports nothing, not the last one's
         run = self._step_run(
             call,
@@ -418,7 +419,6 @@ class DistributedPipe(PipeBase):
         try:
             chosen, reduction = self._check_step(call)
             choice = self._step_choice(chosen, reduction, call)
-            self._refuse_reordered_forwards(chosen)
             batches = self._scatter(self._input_of(call.input, call.kwargs), "input", needed=first)
             targets = self._scatter(call.target, "target", needed=last)
             self._check_token_loss(batches, reduction, call.loss_divisor)
@@ -432,12 +432,26 @@ class DistributedPipe(PipeBase):
         assert chosen is not None and reduction is not None, "else every process raised"
         return chosen, reduction, MicroBatches(batches, targets, rows), router
 
-    def _refuse_reordered_forwards(self, schedule: Schedule) -> None:
-        """``_refuse_reordered_updates`` for this process's stages, inside the agreement: on
-        the programs for ``chunks`` micro-batches, which the processes compare."""
-        if not forwards_in_order(schedule):
-            programs = programs_of(schedule, self.chunks, len(self.balance))
+    def _refuse_reordered_forwards(self, schedule: Schedule, programs: list[Program]) -> None:
+        """``_refuse_reordered_updates`` for this process's stages, on the step's programs,
+        heard by every process (one more agreement, for a schedule of one's own only)."""
+        if forwards_in_order(schedule):
+            return
+        refusal: Exception | None = None
+        try:
             self._refuse_reordered_updates(schedule, programs, self.local_stages)
+        except ProgramError as error:
+            refusal = error
+        try:
+            rows = gather_rows([int(refusal is not None)], self.group)
+        except RuntimeError as error:
+            raise self._transport.explain("the step's agreement", error) from error
+        refusal = refusal or refusal_elsewhere(
+            rows, "of the pipeline refused this step's programs", "no process ran anything"
+        )
+        refusal = told_over(sharding_groups(self.partitions, self.local_stages), refusal)
+        if refusal is not None:
+            raise refusal
 
     def _router_here(
         self, call: StepCall | EvaluateCall, batches: list[Batch], schedule: Schedule | None

@@ -740,15 +740,35 @@ def bad_arguments_are_refused_by_every_process_before_any_work() -> None:
     pipe.close()
     # Forwards out of micro-batch order, where the last stage's BatchNorm would take its
     # updates in that order: refused there, in the agreement, so by every process.
+    # Checked on the step's own programs: a schedule reordering them only for fewer
+    # micro-batches than chunks (a batch of 4 rows in 2) passed, checked for chunks.
     norm = nn.BatchNorm1d(WIDTH).double()
     layers = nn.Sequential(*blocks(2 * world() - 1, seed=14), norm)
-    ordered = DistributedPipe(layers, [2] * world(), chunks=2)
-    reordered = Programs([f"{s}F1 {s}F0 {s}B0 {s}B1" for s in range(world())])
-    refused = "micro-batch 1 before" if last else f"rank {world() - 1} of the pipeline"
-    expect_error(Exception, lambda: ordered.step(x, y, F.mse_loss, schedule=reordered), refused)
-    assert all(p.grad is None for p in ordered.parameters()), "a refused step computed something"
-    assert not (last and norm.num_batches_tracked.item()), "the refused step updated statistics"
+    ordered = DistributedPipe(layers, [2] * world(), chunks=3)
+    refused = "runs the forward of micro-batch" if last else f"rank {world() - 1} of the pipeline"
+    for schedule, rows in ((Programs(reordered_programs(3)), 10), (ReorderedWhenFewer(), 4)):
+        expect_error(Exception, partial(ordered.step, x[:rows], y[:rows], F.mse_loss,
+                                        schedule=schedule), refused)  # fmt: skip
+        assert all(p.grad is None for p in ordered.parameters()), "a refused step computed"
+        assert not (last and norm.num_batches_tracked.item()), "a refused step updated statistics"
     ordered.close()
+
+
+def reordered_programs(m: int) -> list[str]:
+    """Programs running each stage's forwards in reverse micro-batch order."""
+    return [
+        " ".join([*(f"{s}F{i}" for i in reversed(range(m))), *(f"{s}B{i}" for i in range(m))])
+        for s in range(world())
+    ]
+
+
+class ReorderedWhenFewer(Schedule):
+    """GPipe's programs for 3 micro-batches; for fewer, each stage's forwards reversed."""
+
+    def programs(self, m: int, stages: int) -> Any:
+        if m >= 3:
+            return GPipe().programs(m, stages)
+        return reordered_programs(m)  # as texts, which a schedule may give
 
 
 class Scores(nn.Module):
