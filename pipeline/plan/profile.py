@@ -208,7 +208,9 @@ def saved_storages(
     from balance.layerwise import tensors_in
     from balance.profile import own_random_state
 
-    layers = copy.deepcopy(model).to(device).train()
+    # Each layer in its own mode, as the pipe runs it: a BatchNorm left in eval mode (frozen
+    # for fine-tuning) saves less, and changes no buffer.
+    layers = copy.deepcopy(model).to(device)
     excluded = {t.untyped_storage().data_ptr() for t in [*layers.parameters(), *layers.buffers()]}
     buffers = {
         b.untyped_storage().data_ptr(): b.untyped_storage().nbytes() for b in layers.buffers()

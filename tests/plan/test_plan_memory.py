@@ -96,6 +96,31 @@ def test_a_recomputation_saves_copies_of_the_buffers_its_layers_change(
     assert check.measured_activations == check.predicted_activations
 
 
+@pytest.mark.parametrize("mode", ["never", "always"])
+def test_a_layer_is_profiled_in_its_own_mode(mode: str) -> None:
+    # BatchNorm frozen in eval mode, as for fine-tuning: the profile set the whole model
+    # training, so its batch statistics (and, recomputed, its running statistics' copies)
+    # were predicted saved (1024 against 512 bytes measured on stage 0).
+    x, y = batch()
+    model = nn.Sequential(
+        nn.Linear(WIDTH, 8),
+        nn.BatchNorm1d(8),
+        nn.Tanh(),
+        nn.Linear(8, WIDTH),
+        nn.BatchNorm1d(WIDTH),
+    ).double()
+    model[1].eval()
+    model[4].eval()
+    plan = pipeline.plan(
+        model, x, y, F.mse_loss, devices=["cpu"] * 2, batch_size=len(x), memory_limit=2**30,
+        chunks=[4], schedules=["gpipe"], checkpoints=[mode], repeats=1,
+    )  # fmt: skip
+    pipe = plan.pipe()
+    pipe.step(x, y, F.mse_loss, schedule=plan.schedule, measure_memory=True)
+    check = plan.check(pipe)
+    assert check.measured_activations == check.predicted_activations
+
+
 def test_checkpointed_tasks_keep_their_received_inputs_beside_the_recomputation() -> None:
     # GPipe, always, 2 micro-batches: while micro-batch 1 recomputes on stage 1,
     # micro-batch 0 holds only its received input (the inputs term); micro-batch 1's
