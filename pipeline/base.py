@@ -162,8 +162,11 @@ class PipeBase(nn.Module, ABC):
         self._validated = ProgramCache()
         self._evaluations = 0
         self._registered = _registered(self)
-        # A wrapper's checks, and what it does once they pass (``checked_before_step``).
-        self._step_checks: list[tuple[Callable[[], None], Callable[[], None] | None]] = []
+        # A wrapper's checks, what it does once they pass, and the replicas it tells a
+        # refusal over (``checked_before_step``).
+        self._step_checks: list[
+            tuple[Callable[[], None], Callable[[], None] | None, dist.ProcessGroup | None]
+        ] = []
 
     # Inputs
 
@@ -384,7 +387,10 @@ class PipeBase(nn.Module, ABC):
 
     @contextmanager
     def checked_before_step(
-        self, check: Callable[[], None], ready: Callable[[], None] | None = None
+        self,
+        check: Callable[[], None],
+        ready: Callable[[], None] | None = None,
+        replicas: dist.ProcessGroup | None = None,
     ) -> Iterator[None]:
         """Within the block, each ``step`` runs ``check`` among its own checks, before any
         work, and ``ready`` (if given) once they all passed, as its work begins.
@@ -392,16 +398,23 @@ class PipeBase(nn.Module, ABC):
         For a wrapper's checks (``DataParallel``'s): a ``DistributedPipe``
         runs them inside the step's agreement, so that a refusal in one
         process fails every process of the pipeline at once, where one raised
-        before the step would leave the others waiting for it. What the
-        wrapper changes for the step (``DataParallel`` broadcasts rank 0's
-        buffers) is ``ready``: a refused step changes nothing.
+        before the step would leave the others waiting for it; and tells its
+        refusal over ``replicas`` (the replicas of this process's stages), so
+        that the other pipelines of a grid refuse too, where they would wait
+        for this one in their collectives. What the wrapper changes for the
+        step (``DataParallel`` broadcasts rank 0's buffers) is ``ready``: a
+        refused step changes nothing.
         """
-        entry = (check, ready)
+        entry = (check, ready, replicas)
         self._step_checks.append(entry)
         try:
             yield
         finally:
             self._step_checks.remove(entry)
+
+    def _replica_groups(self) -> list[dist.ProcessGroup]:
+        """The groups of the replicas of this process's stages that a wrapper steps over."""
+        return [group for _, _, group in self._step_checks if group is not None]
 
     def _refuse_own_hooks(self, what: str) -> None:
         """Refuse ``step`` or ``evaluate`` of a pipe with hooks of its own: they run around
@@ -433,7 +446,7 @@ class PipeBase(nn.Module, ABC):
                 f"(torch.no_grad() or inference mode); {self._EVALUATE}"
             )
         self._refuse_own_hooks("step")
-        for check, _ in self._step_checks:
+        for check, _, _ in self._step_checks:
             check()
         refuse_cached_parametrizations(self, f"{self._NAME}.step")
         reduction = self._check_loss(loss_fn, loss_reduction, loss_divisor)
@@ -554,7 +567,7 @@ class PipeBase(nn.Module, ABC):
         ``stages_by_worker[w]`` lists the stages worker ``w`` runs: which generators
         each thread owns follows (``pipeline/runtime/ownership.py``).
         """
-        for _, ready in self._step_checks:
+        for _, ready, _ in self._step_checks:
             if ready is not None:
                 ready()
         if call.grad_scaler is not None:

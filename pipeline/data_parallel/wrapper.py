@@ -25,10 +25,13 @@ class ChecksBeforeSteps(Protocol):
     over a pipeline of processes inside the step's agreement (``PipeBase.checked_before_step``)."""
 
     def checked_before_step(
-        self, check: Callable[[], None], ready: Callable[[], None] | None = None
+        self,
+        check: Callable[[], None],
+        ready: Callable[[], None] | None = None,
+        replicas: dist.ProcessGroup | None = None,
     ) -> AbstractContextManager[None]:
         """Within the block, each step runs ``check`` among its own checks, then ``ready``
-        once they all passed."""
+        once they all passed; a refusal is told over ``replicas``."""
         ...
 
 
@@ -161,7 +164,9 @@ class DataParallel(nn.Module):
         if self._sync:
             self._synced_buffers = list(self.module.buffers())
             if isinstance(self.module, ChecksBeforeSteps):
-                checked = self.module.checked_before_step(self._check_parameters, broadcast)
+                checked = self.module.checked_before_step(
+                    self._check_parameters, broadcast, self.process_group
+                )
                 broadcast = None
             else:
                 self._check_parameters()

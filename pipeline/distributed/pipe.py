@@ -341,6 +341,14 @@ class DistributedPipe(PipeBase):
             return loss
         return loss, gather(run.outputs, micro_batches.rows) if last else None
 
+    def _told_to_other_pipelines(self, refusal: Exception | None) -> Exception | None:
+        """``refusal``, or one heard from the pipelines that shard this process's stages with
+        it, or replicate them (``DataParallel`` over this pipe): else they would wait for
+        it in their collectives, or meet its next call's."""
+        refusal = told_over(sharding_groups(self.partitions, self.local_stages), refusal)
+        replicas = "another pipeline that replicates these stages (DataParallel)"
+        return told_over(self._replica_groups(), refusal, replicas)
+
     def _run_step(self, run: StepRun, program: Program, micro_batches: MicroBatches) -> None:
         """Run this process's ``program`` of the step, its end agreed with the others; then
         the completion hooks of the stages whose tied weights were summed at the end."""
@@ -449,7 +457,7 @@ class DistributedPipe(PipeBase):
         refusal = refusal or refusal_elsewhere(
             rows, "of the pipeline refused this step's programs", "no process ran anything"
         )
-        refusal = told_over(sharding_groups(self.partitions, self.local_stages), refusal)
+        refusal = self._told_to_other_pipelines(refusal)
         if refusal is not None:
             raise refusal
 
@@ -646,7 +654,7 @@ class DistributedPipe(PipeBase):
             refusal = error
         else:
             refusal = None
-        refusal = told_over(sharding_groups(self.partitions, self.local_stages), refusal)
+        refusal = self._told_to_other_pipelines(refusal)
         if refusal is not None:
             raise refusal
         return agreed

@@ -165,8 +165,14 @@ def sharding_groups(
     return [found[ranks] for ranks in sorted(found, key=lambda ranks: (len(ranks), ranks))]
 
 
-def told_over(groups: Sequence[dist.ProcessGroup], error: Exception | None) -> Exception | None:
-    """``error``, or one saying that a process of ``groups`` refused (each a collective).
+_SHARDING = "another pipeline that shards these stages with this one (FSDP2, tensor parallelism)"
+
+
+def told_over(
+    groups: Sequence[dist.ProcessGroup], error: Exception | None, who: str = _SHARDING
+) -> Exception | None:
+    """``error``, or one saying that a process of ``groups`` (of ``who``) refused (each
+    group a collective).
 
     A round over every group (in one order: no two processes wait for each
     other), two where there are several: a mesh of pipelines sharded over
@@ -178,8 +184,7 @@ def told_over(groups: Sequence[dist.ProcessGroup], error: Exception | None) -> E
             heard = any(row[0] for row in gather_rows([int(heard)], group)) or heard
     if error is None and heard:
         return RuntimeError(
-            "a process of another pipeline that shards these stages with this one (FSDP2, "
-            "tensor parallelism) refused this call (its error says why): no process ran anything"
+            f"a process of {who} refused this call (its error says why): no process ran anything"
         )
     return error
 

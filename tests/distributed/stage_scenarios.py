@@ -1574,6 +1574,22 @@ def a_pp_by_dp_grid_equals_single_process_training_on_the_full_batch() -> None:
     else:
         assert_grads_equal(paramless, plain, "after a stage without parameters")
     paramless.close()
+    # A step refused in one pipeline (rank 3's target of another batch size) is refused
+    # by the other too, at once: its processes waited for rank 2's and 3's in their
+    # buffer broadcasts and all-reduces until the group's timeout.
+    pipe = DistributedPipe(blocks(4, seed=4), [2, 2], group=pp_group, chunks=2, timeout=60)
+    model = DataParallel(pipe, process_group=dp_group)
+    rows = 3 if rank() == 3 else 4
+    started = time.monotonic()
+    refused = "batch size" if replica == 1 else "another pipeline that replicates these stages"
+    expect_error(Exception, lambda: model.step(x[:4], y[:rows], F.mse_loss), refused)
+    assert time.monotonic() - started < 30, "the refusal took the timeout to reach this process"
+    assert all(p.grad is None for p in pipe.parameters()), "a refused step computed something"
+    model.step(x[replica * 4 : replica * 4 + 4], y[replica * 4 : replica * 4 + 4], F.mse_loss)
+    plain = blocks(4, seed=4)
+    F.mse_loss(plain(x), y).backward()
+    assert_grads_equal(pipe, plain, "the step after one refused in one pipeline")
+    pipe.close()
 
 
 @scenario
