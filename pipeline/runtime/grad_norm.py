@@ -15,12 +15,15 @@ so every process gets the plain model's norm and scales by the same factor.
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Iterable
 from typing import cast
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from pipeline.runtime.agreement import camps, gather_rows, ranks_text
 
 __all__ = ["clip_grad_norm", "total_norm"]
 
@@ -76,6 +79,8 @@ def clip_grad_norm(
     the norm counts: a weight tied across processes is counted at one of its
     holders and scaled at every one.
     """
+    if group is not None:
+        _check_alike(max_norm, norm_type, error_if_nonfinite, group)
     grads = [p.grad for p in counted if p.grad is not None]
     norm = total_norm(grads, norm_type, group, device)
     if error_if_nonfinite and not torch.isfinite(norm):
@@ -97,6 +102,24 @@ def clip_grad_norm(
     for g in scaled:
         widest = torch.promote_types(widest, g.dtype)
     return norm.to(widest)
+
+
+def _check_alike(
+    max_norm: float, norm_type: float, error_if_nonfinite: bool, group: dist.ProcessGroup
+) -> None:
+    """Refuse, on every process, arguments that differ between the processes: each would
+    scale by its own factor (or reduce the norm with another collective)."""
+    mine = (float(max_norm), float(norm_type), bool(error_if_nonfinite))
+    row = [*(struct.unpack("<q", struct.pack("<d", value))[0] for value in mine[:2]), mine[2]]
+    rows = gather_rows(row, group)
+    alike = camps([hash(tuple(theirs)) for theirs in rows])
+    if len(alike) > 1:
+        raise ValueError(
+            f"clip_grad_norm_ was called with different arguments by the processes of the "
+            f"pipeline: {ranks_text(alike)} differ (this process: max_norm={mine[0]}, "
+            f"norm_type={mine[1]}, error_if_nonfinite={mine[2]}); nothing was clipped: call "
+            "it with the same arguments on every process"
+        )
 
 
 def _whole_norm(grad: Tensor, p: float) -> Tensor:

@@ -422,6 +422,23 @@ def clip_grad_norm_clips_by_the_whole_models_norm_counting_tied_weights_once() -
         norm = pipe.clip_grad_norm_(0.05, norm_type)
         torch.testing.assert_close(norm, expected, msg=str(norm_type))
         pipe.close()
+    # Arguments that differ between the processes: each clipped by its own factor (or
+    # reduced its norm with another collective), silently. Refused on every process.
+    pipe = DistributedPipe(blocks(2 * world()), [2] * world(), chunks=2)
+    x, y = batch()
+    pipe.step(x, y, F.mse_loss)
+    before = [p.grad.clone() for p in pipe.parameters() if p.grad is not None]
+    for max_norm, norm_type in ((0.05 if rank() else 0.02, 2.0), (0.05, 2.0 if rank() else 1.0)):
+        expect_error(
+            ValueError,
+            lambda: pipe.clip_grad_norm_(max_norm, norm_type),  # noqa: B023
+            "clip_grad_norm_ was called with different arguments",
+            "ranks [0] and ranks",
+            "nothing was clipped",
+        )
+    after = [p.grad for p in pipe.parameters() if p.grad is not None]
+    assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True)), "clipped"
+    pipe.close()
 
 
 def step_in_backward(model: nn.Module) -> dict[int, list[Tensor]]:
