@@ -116,22 +116,30 @@ def test_three_stage_processes_with_skips_over_the_middle_one(group_runner: Grou
     check(group_runner(names, script=STAGES, world_size=3, wall_timeout_s=150), names)
 
 
-def test_four_stage_processes(group_runner: GroupRunner) -> None:
-    names = [
-        "every_schedule_and_mode_equals_the_plain_model",
-        "skips_go_straight_to_non_adjacent_processes",
-        "the_loss_comes_down_with_the_last_gradients_in_its_dtype_and_no_collective",
-    ]
-    check(group_runner(names, script=STAGES, world_size=4, wall_timeout_s=150), names)
+FOUR_STAGES = [
+    "every_schedule_and_mode_equals_the_plain_model",
+    "skips_go_straight_to_non_adjacent_processes",
+    "the_loss_comes_down_with_the_last_gradients_in_its_dtype_and_no_collective",
+]
+GRID = [
+    "a_pipeline_refused_in_a_grid_stops_every_pipeline",
+    "a_pp_by_dp_grid_equals_single_process_training_on_the_full_batch",
+    "a_grid_saves_and_another_grid_four_stages_a_pipe_and_the_plain_model_resume",
+]
 
 
-def test_a_pp_2_by_dp_2_grid(group_runner: GroupRunner) -> None:
-    names = [
-        "a_pipeline_refused_in_a_grid_stops_every_pipeline",
-        "a_pp_by_dp_grid_equals_single_process_training_on_the_full_batch",
-        "a_grid_saves_and_another_grid_four_stages_a_pipe_and_the_plain_model_resume",
-    ]
-    check(group_runner(names, script=STAGES, world_size=4, wall_timeout_s=150), names)
+@pytest.fixture(scope="module")
+def four_processes(group_runner: GroupRunner) -> Outcomes:
+    # One group of four for both tests: starting processes costs more than a scenario.
+    return group_runner(FOUR_STAGES + GRID, script=STAGES, world_size=4, wall_timeout_s=240)
+
+
+def test_four_stage_processes(four_processes: Outcomes) -> None:
+    check(four_processes, FOUR_STAGES)
+
+
+def test_a_pp_2_by_dp_2_grid(four_processes: Outcomes) -> None:
+    check(four_processes, GRID)
 
 
 @pytest.mark.parametrize(
