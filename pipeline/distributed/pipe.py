@@ -442,7 +442,9 @@ class DistributedPipe(PipeBase):
 
     def _refuse_reordered_forwards(self, schedule: Schedule, programs: list[Program]) -> None:
         """``_refuse_reordered_updates`` for this process's stages, on the step's programs,
-        heard by every process (one more agreement, for a schedule of one's own only)."""
+        heard by every process of the pipeline (one more agreement, for a schedule of one's
+        own only: the other pipelines of a grid, whose schedules may be built-in, are not
+        asked; running the same programs on the same model, they refuse alike)."""
         if forwards_in_order(schedule):
             return
         refusal: Exception | None = None
@@ -457,7 +459,6 @@ class DistributedPipe(PipeBase):
         refusal = refusal or refusal_elsewhere(
             rows, "of the pipeline refused this step's programs", "no process ran anything"
         )
-        refusal = self._told_to_other_pipelines(refusal)
         if refusal is not None:
             raise refusal
 
