@@ -6,7 +6,12 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
+
+import pipeline
+from pipeline import Pipe
+from pipeline.plan.result import Plan, PlanCheck
 
 ROWS, WIDTH = 32, 16
 
@@ -32,3 +37,19 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def planned_step(
+    model: nn.Sequential, schedule: str, mode: str, devices: int = 2
+) -> tuple[Plan, Pipe, PlanCheck]:
+    """The plan of ``model`` for one schedule and checkpoint mode on ``devices`` CPU
+    partitions (4 micro-batches of ``batch()``), its pipe after one step measuring memory,
+    and the plan's check of that step."""
+    x, y = batch()
+    plan = pipeline.plan(
+        model, x, y, F.mse_loss, devices=["cpu"] * devices, batch_size=len(x),
+        memory_limit=2**30, chunks=[4], schedules=[schedule], checkpoints=[mode], repeats=1,
+    )  # fmt: skip
+    pipe = plan.pipe()
+    pipe.step(x, y, F.mse_loss, schedule=plan.schedule, measure_memory=True)
+    return plan, pipe, plan.check(pipe)

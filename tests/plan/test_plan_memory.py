@@ -9,7 +9,7 @@ from torch import nn
 import pipeline
 from pipeline.plan.memory import HeldPeaks, MicroBatchBytes, held_peaks
 from pipeline.step.actions import parse_program
-from tests.plan.plan_models import WIDTH, batch, gelu_mlp, one_thread
+from tests.plan.plan_models import WIDTH, batch, gelu_mlp, one_thread, planned_step
 
 pytestmark = pytest.mark.usefixtures(one_thread.__name__)
 
@@ -21,14 +21,7 @@ MODES = ["never", "except_last", "always"]
 def test_predicted_activations_equal_the_measured_peak_of_each_stage(
     schedule: str, mode: str
 ) -> None:
-    x, y = batch()
-    plan = pipeline.plan(
-        gelu_mlp(), x, y, F.mse_loss, devices=["cpu"] * 3, batch_size=len(x),
-        memory_limit=2**30, chunks=[4], schedules=[schedule], checkpoints=[mode], repeats=1,
-    )  # fmt: skip
-    pipe = plan.pipe()
-    pipe.step(x, y, F.mse_loss, schedule=plan.schedule, measure_memory=True)
-    check = plan.check(pipe)
+    *_, check = planned_step(gelu_mlp(), schedule, mode, devices=3)
     assert check.measured_activations == check.predicted_activations
     assert all(bytes_ > 0 for bytes_ in check.predicted_activations)
 
@@ -36,17 +29,10 @@ def test_predicted_activations_equal_the_measured_peak_of_each_stage(
 def test_a_stage_after_frozen_layers_has_no_input_gradient_to_let_go_of() -> None:
     # Its I has no input path, as stage 0's: the model took it for a received
     # input requiring grad and predicted 1160 bytes where the step held 1296.
-    x, y = batch()
     model = gelu_mlp()
     for layer in list(model)[:-1]:
         layer.requires_grad_(False)
-    plan = pipeline.plan(
-        model, x, y, F.mse_loss, devices=["cpu"] * 2, batch_size=len(x), memory_limit=2**30,
-        chunks=[4], schedules=["zb-h1-peak"], checkpoints=["never"], repeats=1,
-    )  # fmt: skip
-    pipe = plan.pipe()
-    pipe.step(x, y, F.mse_loss, schedule=plan.schedule, measure_memory=True)
-    check = plan.check(pipe)
+    *_, check = planned_step(model, "zb-h1-peak", "never")
     assert check.measured_activations == check.predicted_activations
 
 
@@ -55,15 +41,8 @@ def test_buffers_a_layer_saves_are_model_state_not_activations() -> None:
     # micro-batch: the meter counted them once, the model once per micro-batch
     # held (3072 bytes predicted, 2304 measured). Neither counts them now; the
     # stage's parameters term holds them.
-    x, y = batch()
     model = nn.Sequential(nn.Linear(WIDTH, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, WIDTH))
-    plan = pipeline.plan(
-        model.double(), x, y, F.mse_loss, devices=["cpu"] * 2, batch_size=len(x),
-        memory_limit=2**30, chunks=[4], schedules=["gpipe"], checkpoints=["never"], repeats=1,
-    )  # fmt: skip
-    pipe = plan.pipe()
-    pipe.step(x, y, F.mse_loss, schedule=plan.schedule, measure_memory=True)
-    check = plan.check(pipe)
+    plan, _, check = planned_step(model.double(), "gpipe", "never")
     assert check.measured_activations == check.predicted_activations
     state = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     assert sum(stage.parameters for stage in plan.chosen.memory) == state
@@ -81,18 +60,11 @@ def test_a_recomputation_saves_copies_of_the_buffers_its_layers_change(
     # backward saves: 128 bytes a micro-batch for 8 features, which the model left out.
     # A BatchNorm in every layer pair, the last one on top of its stage's last weight:
     # every cut has one in each stage, one of them above the stage's topmost anchor.
-    x, y = batch()
     model = nn.Sequential(
         nn.Linear(WIDTH, 8), nn.BatchNorm1d(8), nn.Linear(8, WIDTH), nn.BatchNorm1d(WIDTH),
         nn.Linear(WIDTH, WIDTH), nn.BatchNorm1d(WIDTH),
     )  # fmt: skip
-    plan = pipeline.plan(
-        model.double(), x, y, F.mse_loss, devices=["cpu"] * 2, batch_size=len(x),
-        memory_limit=2**30, chunks=[4], schedules=[schedule], checkpoints=[mode], repeats=1,
-    )  # fmt: skip
-    pipe = plan.pipe()
-    pipe.step(x, y, F.mse_loss, schedule=plan.schedule, measure_memory=True)
-    check = plan.check(pipe)
+    *_, check = planned_step(model.double(), schedule, mode)
     assert check.measured_activations == check.predicted_activations
 
 
@@ -101,7 +73,6 @@ def test_a_layer_is_profiled_in_its_own_mode(mode: str) -> None:
     # BatchNorm frozen in eval mode, as for fine-tuning: the profile set the whole model
     # training, so its batch statistics (and, recomputed, its running statistics' copies)
     # were predicted saved (1024 against 512 bytes measured on stage 0).
-    x, y = batch()
     model = nn.Sequential(
         nn.Linear(WIDTH, 8),
         nn.BatchNorm1d(8),
@@ -111,13 +82,7 @@ def test_a_layer_is_profiled_in_its_own_mode(mode: str) -> None:
     ).double()
     model[1].eval()
     model[4].eval()
-    plan = pipeline.plan(
-        model, x, y, F.mse_loss, devices=["cpu"] * 2, batch_size=len(x), memory_limit=2**30,
-        chunks=[4], schedules=["gpipe"], checkpoints=[mode], repeats=1,
-    )  # fmt: skip
-    pipe = plan.pipe()
-    pipe.step(x, y, F.mse_loss, schedule=plan.schedule, measure_memory=True)
-    check = plan.check(pipe)
+    *_, check = planned_step(model, "gpipe", mode)
     assert check.measured_activations == check.predicted_activations
 
 

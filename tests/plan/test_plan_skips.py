@@ -12,10 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-import pipeline
 from pipeline.skip import pop, skippable, stash
 from tests.helpers import grads
-from tests.plan.plan_models import WIDTH, batch, one_thread
+from tests.plan.plan_models import WIDTH, batch, one_thread, planned_step
 
 pytestmark = pytest.mark.usefixtures(one_thread.__name__)
 
@@ -67,15 +66,9 @@ def test_a_last_layer_without_weights_is_not_where_i_keeps_the_graph_from(schedu
 def check_planned(model: nn.Sequential, schedule: str, mode: str) -> None:
     """The plan's pipe: its measured activations the predicted ones, its gradients the
     plain model's."""
-    x, y = batch()
-    plan = pipeline.plan(
-        copy.deepcopy(model), x, y, F.mse_loss, devices=["cpu"] * 2, batch_size=len(x),
-        memory_limit=2**30, chunks=[4], schedules=[schedule], checkpoints=[mode], repeats=1,
-    )  # fmt: skip
-    pipe = plan.pipe()
-    pipe.step(x, y, F.mse_loss, schedule=plan.schedule, measure_memory=True)
-    check = plan.check(pipe)
+    _, pipe, check = planned_step(copy.deepcopy(model), schedule, mode)
     assert check.measured_activations == check.predicted_activations
+    x, y = batch()
     F.mse_loss(model(x), y).backward()
     for name, expected in grads(model).items():
         torch.testing.assert_close(grads(pipe)[name], expected, rtol=0, atol=1e-12)
