@@ -33,8 +33,9 @@ at that call, never run on.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import torch
@@ -45,6 +46,9 @@ __all__ = ["real_run", "state_of"]
 
 # What a stand-in holds: values that make no code fail (no NaN, valid indices, a full mask).
 _FILL = {torch.bool: True}
+
+# A run's output tensors: each one's shape and dtype.
+_Shapes = list[tuple[list[int], torch.dtype]]
 
 
 def state_of(module: nn.Module) -> dict[str, Tensor]:
@@ -72,9 +76,10 @@ def real_run(
     if not tensors:
         raise ValueError("a block's real run stands in for its tensor arguments; it took none")
     inputs = [*(size for tensor in tensors for size in tensor.shape), *sizes]
-    output, written, shapes = _run(module, state, arguments, tensors, sizes, {})
+    run = partial(_run, module, state, arguments, tensors, sizes)
+    output, written, shapes = run({})
     symbols = {_symbol(size): _hint(size) for size in inputs if _symbol(size) is not None}
-    told = _told_apart(module, state, arguments, tensors, sizes, shapes, symbols, inputs)
+    told = _told_apart(run, shapes, symbols, inputs, (tensors, sizes))
     # Made from a fake input, so in the capture's fake mode, on the inputs' device.
     fakes = [
         tensors[0].new_empty([told(k, d, size) for d, size in enumerate(shape)], dtype=dtype)
@@ -90,7 +95,7 @@ def _run(
     tensors: Sequence[Tensor],
     sizes: Sequence[Any],
     moved: dict[Any, int],
-) -> tuple[Any, list[int], list[tuple[list[int], torch.dtype]]]:
+) -> tuple[Any, list[int], _Shapes]:
     """The block on stand-ins whose symbolic sizes are the example's, but for those ``moved``:
     its output, which inputs it wrote into, and its output tensors' shapes and dtypes."""
     devices = sorted({t.device for t in tensors if t.device.type == "cuda"}, key=str)
@@ -109,14 +114,11 @@ def _run(
 
 
 def _told_apart(
-    module: nn.Module,
-    state: dict[str, Tensor],
-    arguments: Any,
-    tensors: Sequence[Tensor],
-    sizes: Sequence[Any],
-    shapes: list[tuple[list[int], torch.dtype]],
+    run: Callable[[dict[Any, int]], tuple[Any, list[int], _Shapes]],
+    shapes: _Shapes,
     symbols: dict[Any, int],
     inputs: list[Any],
+    example: tuple[Sequence[Tensor], Sequence[Any]],
 ) -> Any:
     """Which input size each output size follows, told apart by a second run on other sizes.
 
@@ -136,7 +138,7 @@ def _told_apart(
     failures = []
     for moves in (_moved(symbols, taken, together=False), _moved(symbols, taken, together=True)):
         try:
-            _, _, again = _run(module, state, arguments, tensors, sizes, moves)
+            _, _, again = run(moves)
         except Exception as error:
             failures.append(error)
             continue
@@ -151,7 +153,7 @@ def _told_apart(
             return follows[0] if follows and moved != size else size
 
         return told
-    known, shared = _sizes_by_hint(tensors, sizes)
+    known, shared = _sizes_by_hint(*example)
     alike = sorted(size for shape, _ in shapes for size in shape if size in shared)
     if alike:
         raise ValueError(
