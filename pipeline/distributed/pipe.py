@@ -446,7 +446,7 @@ class DistributedPipe(PipeBase):
         own only: the other pipelines of a grid, whose schedules may be built-in, are not
         asked; running the same programs on the same model, they refuse alike)."""
         if forwards_in_order(schedule):
-            return
+            return  # nothing to check, so nothing to agree on
         refusal: Exception | None = None
         try:
             self._refuse_reordered_updates(schedule, programs, self.local_stages)
