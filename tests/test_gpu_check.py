@@ -52,12 +52,16 @@ def test_the_cpu_dry_run_times_checks_and_reports_every_part(
     assert list(results["copy_streams"]["times"]) == ["copy streams", "compute streams"]
     assert results["compiled"]["frames_compiled"] > 0
     assert results["compiled"]["backend"] == "aot_eager"
+    planned = results["plan_memory"]["configurations"]
+    assert len(planned) == 8 and all(row["predicted_bytes"] > 0 for row in planned)
+    assert all(row["measured_bytes"] is None for row in planned)  # no allocator peak on the CPU
     assert "tests" not in results  # the pytest steps are the CPU suite's on the CPU
     markdown = table.read_text()
     assert markdown in done.stdout  # printed too
     assert "| check | result | figures |" in markdown
     for name in [*steps, "copy streams", "compiled pipe(x)", "frames compiled"]:
         assert f"{name} |" in markdown, name
+    assert markdown.count("not measured: no allocator peak off CUDA |") == 8
 
 
 def test_a_failing_part_is_a_failed_row_and_leaves_the_others() -> None:
@@ -79,9 +83,17 @@ def test_a_failing_part_is_a_failed_row_and_leaves_the_others() -> None:
         "copy_streams": {"skipped": "one GPU"},
         "compiled": {"backend": "inductor", "frames_compiled": 3,
                      "times": {"eager pipe(x)": {"ms": 2.0, "speedup": 1.0}}},
+        "plan_memory": {"configurations": [
+            {"configuration": "1f1b, 2 chunks, never, balance [5, 4]", "error": 0.03,
+             "predicted_bytes": 100 * 2**20, "measured_bytes": 103 * 2**20,
+             "optimizer_step_bytes": 110 * 2**20}]},
     }  # fmt: skip
     table = gpu_check.markdown(results)
     assert "| step | FAILED | AssertionError: gradients differ |" in table
     assert "| pipe(x) over two GPUs | not measured | one GPU |" in table
     assert "| inductor: eager pipe(x) | 2.00 ms | 1.00x eager |" in table
+    assert (
+        "| plan memory: 1f1b, 2 chunks, never, balance [5, 4] | predicted 100.00 MiB | "
+        "step 103.00 MiB (+3.0%), optimizer.step 110.00 MiB |"
+    ) in table
     assert table.startswith("GPU check on H100")

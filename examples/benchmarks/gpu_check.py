@@ -20,6 +20,11 @@ On a machine with CUDA it:
    library has no switch: the driver's stream maker is patched here);
 5. compiles each layer with inductor inside the partitions: frames
    compiled, gradients equal to the eager plain model's, time against eager;
+6. plans an MLP on two partitions sharing cuda:0 (``pipeline.plan``) and
+   steps the configurations it weighed with AdamW: the CUDA allocator's
+   peak during a step against the plan's bytes for the device (within
+   ``PLAN_MEMORY_TOLERANCE``), and the optimizer step's own peak, which
+   the plan leaves out;
 
 then writes every figure to one JSON file and a markdown table to paste into
 docs/benchmarks.md. Every candidate runs once per round after a warm-up
@@ -27,8 +32,9 @@ round, in turn, synchronised: times are medians, ratios medians of the
 rounds' ratios (``pipe_common.py``). About 4 minutes on one H100.
 
 Without CUDA it says so and exits 0. ``--device cpu --quick`` runs steps
-4 and 5 on the CPU with small sizes (the pytest steps are left to the CPU
-suite), so this script's code runs in every CI run.
+4 to 6 on the CPU with small sizes (the pytest steps are left to the CPU
+suite; 6 predicts but cannot measure there, with no allocator peak), so
+this script's code runs in every CI run.
 
 Run: python examples/benchmarks/gpu_check.py [--out gpu_check.json] [--markdown gpu_check.md]
 """
@@ -78,6 +84,11 @@ RECOMPUTING = "pipe(x), checkpoint='except_last' (the default)"
 # largest gradient apart, not bit for bit: the bound, as a share of each
 # parameter's largest |gradient|. (The device tier compares in float64.)
 GRADIENT_TOLERANCE = 1e-5
+# The plan's bytes for a device against the allocator's peak during a step:
+# the bound of issue 29 (the allocator rounds and caches; the plan counts tensors).
+PLAN_MEMORY_TOLERANCE = 0.10
+PLANNED_CONFIGURATIONS = 8
+PARTS = ("steps", "copy_streams", "compiled", "plan_memory")
 
 
 def parse_args() -> argparse.Namespace:
@@ -385,6 +396,80 @@ def check_compiled(device: torch.device, quick: bool, rounds: int) -> dict[str, 
 # The report
 
 
+def allocated(device: torch.device) -> int:
+    """Bytes the CUDA allocator hands out now (0 off CUDA)."""
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+
+
+def peak_during(device: torch.device, run: Callable[[], object]) -> int | None:
+    """The allocator's peak bytes while ``run()`` runs; None off CUDA, where none is kept."""
+    if device.type != "cuda":
+        run()
+        return None
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    run()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device)
+
+
+def check_plan_memory(device: torch.device, quick: bool) -> dict[str, Any]:
+    """The plan's peak per device against the allocator's, over the configurations it weighed."""
+    width, blocks, rows = (16, 4, 16) if quick else (1024, 8, 512)
+    torch.manual_seed(0)
+    layers = [nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(blocks)]
+    model = nn.Sequential(*layers, nn.Linear(width, 8)).to(device)
+    x, y = torch.randn(rows, width, device=device), torch.randn(rows, 8, device=device)
+    plan = pipeline.plan(
+        copy.deepcopy(model), x, y, F.mse_loss, devices=[device] * 2, batch_size=rows,
+        memory_limit=2**40, chunks=[2, 4], optimizer_bytes_per_param=8, repeats=1,
+    )  # fmt: skip
+    rows_out: list[dict[str, Any]] = []
+    for candidate in [plan.chosen, *plan.candidates][:PLANNED_CONFIGURATIONS]:
+        rows_out.append(_measure_candidate(model, candidate, x, y, device))
+    errors = [r["error"] for r in rows_out if r["error"] is not None]
+    outside = [
+        r for r in rows_out if r["error"] is not None and abs(r["error"]) > PLAN_MEMORY_TOLERANCE
+    ]
+    if outside:
+        raise AssertionError(
+            f"the plan's peak is off by more than {PLAN_MEMORY_TOLERANCE:.0%}: {outside}"
+        )
+    return {
+        "model": f"{blocks} x (Linear({width}) + GELU) + Linear({width}, 8), {rows} rows, AdamW",
+        "configurations": rows_out,
+        "error_range": [min(errors), max(errors)] if errors else None,
+    }
+
+
+def _measure_candidate(
+    model: nn.Sequential, candidate: Any, x: Tensor, y: Tensor, device: torch.device
+) -> dict[str, Any]:
+    """One configuration built anew and stepped twice with AdamW: the second step's peaks,
+    above what was allocated before it was built (its gradients and state exist by then)."""
+    outside = allocated(device)
+    pipe = pipeline.Pipe(
+        copy.deepcopy(model), list(candidate.balance), devices=list(candidate.devices),
+        chunks=candidate.chunks, checkpoint=candidate.checkpoint,
+    )  # fmt: skip
+    optimizer = torch.optim.AdamW(pipe.parameters())
+    peaks: list[int | None] = []
+    for _ in range(2):
+        optimizer.zero_grad(set_to_none=False)
+        step = peak_during(device, lambda: pipe.step(x, y, F.mse_loss, schedule=candidate.schedule))
+        peaks = [step, peak_during(device, optimizer.step)]
+    pipe.close()
+    predicted = sum(candidate.device_bytes.values())
+    step_bytes, optimizer_bytes = (None if p is None else p - outside for p in peaks)
+    return {
+        "configuration": candidate.describe(),
+        "predicted_bytes": predicted,
+        "measured_bytes": step_bytes,
+        "error": None if step_bytes is None else round(step_bytes / predicted - 1, 4),
+        "optimizer_step_bytes": optimizer_bytes,
+    }
+
+
 def guarded(run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     """``run()``'s figures, or its error: one failing part leaves the others' figures."""
     try:
@@ -430,7 +515,26 @@ def markdown(results: dict[str, Any]) -> str:
     lines += time_rows(f"pipe(x) over {over}", copies, "copies on the compute streams")
     compiled = results["compiled"]
     lines += time_rows(compiled.get("backend", "compiled"), compiled, "eager")
+    lines += plan_memory_rows(results["plan_memory"])
     return "\n".join(lines) + "\n"
+
+
+def plan_memory_rows(part: dict[str, Any]) -> list[str]:
+    """A row per configuration planned: predicted, measured, and the optimizer step's peak."""
+    if "error" in part:
+        return [f"| plan memory | FAILED | {part['error'].splitlines()[0]} |"]
+    rows = []
+    for row in part["configurations"]:
+        predicted = f"predicted {row['predicted_bytes'] / 2**20:.2f} MiB"
+        if row["measured_bytes"] is None:
+            figures = "not measured: no allocator peak off CUDA"
+        else:
+            figures = (
+                f"step {row['measured_bytes'] / 2**20:.2f} MiB ({row['error']:+.1%}), "
+                f"optimizer.step {row['optimizer_step_bytes'] / 2**20:.2f} MiB"
+            )
+        rows.append(f"| plan memory: {row['configuration']} | {predicted} | {figures} |")
+    return rows
 
 
 def main() -> int:
@@ -454,6 +558,7 @@ def main() -> int:
     results["steps"] = guarded(lambda: time_steps(device, args.quick, rounds))
     results["copy_streams"] = guarded(lambda: copy_streams(device, args.quick, rounds))
     results["compiled"] = guarded(lambda: check_compiled(device, args.quick, rounds))
+    results["plan_memory"] = guarded(lambda: check_plan_memory(device, args.quick))
     results["total_s"] = round(time.perf_counter() - start, 1)
     args.out.write_text(json.dumps(results, indent=1))
     table = markdown(results)
@@ -461,7 +566,7 @@ def main() -> int:
     print(table)
     print(f"wrote {args.out} and {args.markdown}")
     failed = [name for name, step in results.get("tests", {}).items() if not step["ok"]]
-    failed += [name for name in ("steps", "copy_streams", "compiled") if "error" in results[name]]
+    failed += [name for name in PARTS if "error" in results[name]]
     return 1 if failed else 0
 
 
