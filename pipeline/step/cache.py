@@ -2,7 +2,8 @@
 
 A step asks its schedule for the programs of ``m`` micro-batches and runs
 them only once ``simulate.validate`` has accepted them. The validation is
-kept for the next steps under the programs' own actions, so two schedules
+kept for the next steps under the programs' own actions (and ``m`` and the
+stage count, for which they were valid), so two schedules
 that happen to print alike (a schedule of one's own without a ``__repr__``)
 still run their own programs. Only the built-in schedules, whose ``repr``
 names everything their programs depend on, also keep their programs from one
@@ -52,7 +53,9 @@ class ProgramCache:
     """The programs a pipe has run, each with its validation."""
 
     def __init__(self) -> None:
-        self._validated: dict[tuple[tuple[tuple[type, str], ...], ...], Simulation] = {}
+        self._validated: dict[
+            tuple[int, int, tuple[tuple[tuple[type, str], ...], ...]], Simulation
+        ] = {}
         self._built_in: dict[tuple[str, int], list[Program]] = {}
 
     def programs(self, schedule: Schedule, m: int, stages: int) -> tuple[list[Program], Simulation]:
@@ -62,11 +65,12 @@ class ProgramCache:
         if programs is None:
             programs = programs_of(schedule, m, stages)
         # By type and text: an action is a dataclass, and Action(0, "F", 1.0) or
-        # Action(0, "F", True) equals Action(0, "F", 1), which validation refuses.
+        # Action(0, "F", True) equals Action(0, "F", 1), which validation refuses. With m
+        # and stages: programs valid for 2 micro-batches are not for 4.
         actions = tuple(tuple((type(a), str(a)) for a in program) for program in programs)
-        simulation = self._validated.get(actions)
+        simulation = self._validated.get((m, stages, actions))
         if simulation is None:
-            simulation = self._validated[actions] = validate(programs, m, stages)
+            simulation = self._validated[m, stages, actions] = validate(programs, m, stages)
         if key is not None:
             self._built_in[key] = programs
         return programs, simulation

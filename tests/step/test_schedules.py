@@ -105,6 +105,22 @@ def test_programs_of_ones_own_run_and_bad_ones_are_refused_before_any_work() -> 
         with pytest.raises(ProgramError, match="which is not an action"):
             pipe.step(x, y, F.mse_loss, schedule=Given(twin))
         assert calls == [] and all(p.grad is None for p in model.parameters()), odd
+    # Valid for 2 micro-batches, validated at a step of 2: a step of 1 micro-batch (one row)
+    # ran them unvalidated (IndexError after .grad was written); a program for 1 at a step of
+    # 2 too (KeyError).
+    two = Programs(["0F0 0F1 0B0 0B1", "1F0 1B0 1F1 1B1"])
+    one = Programs(["0F0 0B0", "1F0 1B0"])
+    x1, y1 = torch.randn(1, 2), torch.randn(1, 2)
+    for (valid_x, valid_y, ran), (other_x, other_y), message in [
+        ((x, y, two), (x1, y1), "names stage 0 or micro-batch 1, but there are 2 stages and 1"),
+        ((x1, y1, one), (x, y), "found stage 0, micro-batch 1: none"),
+    ]:
+        pipe.step(valid_x, valid_y, F.mse_loss, schedule=ran)
+        model.zero_grad(set_to_none=True)
+        calls.clear()
+        with pytest.raises(ProgramError, match=message):
+            pipe.step(other_x, other_y, F.mse_loss, schedule=ran)
+        assert calls == [] and all(p.grad is None for p in model.parameters()), message
 
 
 @pytest.mark.parametrize("variant", ["batch_norm", "spectral_norm", "deferred", "eval", "none"])
