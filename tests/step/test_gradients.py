@@ -208,6 +208,32 @@ def test_module_backward_hooks_fire_per_micro_batch_as_with_the_pipe_call(schedu
 
 
 @pytest.mark.parametrize("schedule", FLAT)
+def test_a_module_between_two_uses_of_a_layer_is_hooked_twice_only_under_zero_bubble(
+    schedule: str,
+) -> None:
+    # As docs/schedules.md says: W walks the input path from the upper use of the shared
+    # layer down to the lower one, so the hook of the module between fires again, with the
+    # same gradients; the gradients themselves are the plain model's.
+    x, y = data()
+    torch.manual_seed(0)
+    shared = nn.Linear(WIDTH, WIDTH)
+    middle = [shared, nn.Tanh(), nn.Linear(WIDTH, WIDTH), nn.Tanh(), shared]
+    base = nn.Sequential(nn.Linear(WIDTH, WIDTH), *middle).double()  # a stage with an input path
+    plain, model = copy.deepcopy(base), copy.deepcopy(base)
+    seen: dict[str, list[tuple[Tensor, ...]]] = {"plain": [], schedule: []}
+    for name, layers in (("plain", plain), (schedule, model)):
+        layers[3].register_full_backward_hook(
+            lambda _, inputs, outputs, name=name: seen[name].append((*inputs, *outputs))
+        )
+    F.mse_loss(plain(x), y).backward()
+    cpu_pipe(model, [1, 5], "never", chunks=1).step(x, y, F.mse_loss, schedule=schedule)
+    assert len(seen[schedule]) == (2 if schedule == "zb-h1" else 1) and len(seen["plain"]) == 1
+    for fired in seen[schedule]:
+        assert_same(list(fired), list(seen["plain"][0]), "the hook's gradients")
+    assert_same(grads(model), grads(plain), "the model")
+
+
+@pytest.mark.parametrize("schedule", FLAT)
 def test_the_callers_graph_gets_one_backward_per_step(schedule: str) -> None:
     x, y = data()
     torch.manual_seed(4)
