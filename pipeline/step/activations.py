@@ -13,7 +13,9 @@ was dropped)::
 Parameters are not activations and are left out (FSDP2's gathered ones
 too, and views of them), and so are the caller's input and target, of
 which the micro-batches are views (the step keeps no copy of them): what
-is counted is what the step itself keeps. The count is the same on CPU and
+is counted is what the step itself keeps. torch does not check a tensor
+saved under hooks for writes in place before its backward; the meter
+does, raising torch's error where torch would. The count is the same on CPU and
 CUDA: bytes autograd holds, not what the allocator reserved (its caches,
 its rounding, the workspace of kernels); a view counts its whole storage.
 It costs a few microseconds per saved tensor, so it is off by
@@ -54,10 +56,12 @@ class ActivationMeter:
         return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
 
     def _pack(self, tensor: Tensor) -> Any:
+        if _is_parameter(tensor):
+            return tensor
         storage = tensor.untyped_storage()
         key = storage.data_ptr()
-        if key in self._excluded or _is_parameter(tensor):
-            return tensor
+        if key in self._excluded:
+            return _Saved(tensor)
         with self._lock:
             entry = self._live.setdefault(key, [storage.nbytes(), 0])
             if entry[1] == 0:
@@ -81,12 +85,18 @@ class ActivationMeter:
 
 
 class _Saved:
-    """A counted saved tensor: its collection tells the meter autograd let it go."""
+    """A saved tensor with its version when saved; a counted one's collection tells the meter
+    autograd let it go.
 
-    __slots__ = ("__weakref__", "tensor")
+    torch checks that a saved tensor was not modified in place before its backward only
+    for tensors saved without hooks; under the meter's, ``_unpack`` checks in its stead.
+    """
+
+    __slots__ = ("__weakref__", "tensor", "version")
 
     def __init__(self, tensor: Tensor) -> None:
         self.tensor = tensor
+        self.version = tensor._version
 
 
 def _storage_key(tensor: Tensor) -> int | None:
@@ -107,4 +117,14 @@ def _is_parameter(tensor: Tensor) -> bool:
 
 
 def _unpack(saved: Any) -> Tensor:
-    return saved.tensor if isinstance(saved, _Saved) else saved
+    if not isinstance(saved, _Saved):
+        return saved  # type: ignore[no-any-return]
+    tensor = saved.tensor
+    if tensor._version != saved.version:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an "
+            f"inplace operation: [{tensor.type()} {list(tensor.shape)}] is at version "
+            f"{tensor._version}; expected version {saved.version} instead (checked by "
+            "measure_memory=True's meter, as torch checks a step that does not measure)"
+        )
+    return tensor

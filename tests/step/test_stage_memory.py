@@ -36,6 +36,31 @@ def batch() -> tuple[Tensor, Tensor]:
     return tuple(torch.randn(ROWS * M, WIDTH, dtype=torch.double, generator=gen) for _ in range(2))  # type: ignore[return-value]
 
 
+class _DoubledInPlace(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return x.mul_(2)
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "except_last"])
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_a_write_in_place_into_a_saved_tensor_is_refused_when_measuring_too(
+    schedule: str, checkpoint: str
+) -> None:
+    # Tanh saves its output, which the next layer doubles in place: torch's backward refuses,
+    # but it does not check tensors saved under hooks, and the meter's are such: measured,
+    # the step ran and gave gradients of the overwritten output (1.0 off), silently.
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(WIDTH, WIDTH), nn.Tanh(), _DoubledInPlace(), nn.Linear(WIDTH, WIDTH)
+    )
+    x, y = batch()
+    for measure in (False, True):
+        pipe = Pipe(copy.deepcopy(model).double(), [3, 1], devices=["cpu"] * 2, chunks=2,
+                    checkpoint=checkpoint)  # type: ignore[arg-type]  # fmt: skip
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            pipe.step(x, y, F.mse_loss, schedule=SCHEDULES[schedule](), measure_memory=measure)
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
 def test_each_stage_saves_at_most_its_micro_batches_in_flight_times_one_micro_batch(
     schedule: str,
