@@ -248,12 +248,12 @@ BROADCAST_CAP_BYTES = 250 * 2**20
 
 @torch.no_grad()
 def broadcast_from_rank0(
-    tensors: Sequence[torch.Tensor], group: dist.ProcessGroup, what: str
+    tensors: Sequence[torch.Tensor], group: dist.ProcessGroup, what: str, who: str = "DataParallel"
 ) -> None:
     """Overwrite `tensors` in place with rank 0's values, one flat message per bucket.
 
-    `what` names the tensors in the error raised when the collective fails or
-    times out (for example "parameters and buffers").
+    `what` names the tensors, and `who` the caller, in the error raised when the
+    collective fails or times out (for example "parameters and buffers").
     """
     specs = assign_buckets(
         tensors,
@@ -268,7 +268,7 @@ def broadcast_from_rank0(
             dist.broadcast(flat, group=group, group_src=0)
         except RuntimeError as error:
             raise RuntimeError(
-                f"DataParallel: broadcast of {what} from rank 0 failed or timed out "
+                f"{who}: broadcast of {what} from rank 0 failed or timed out "
                 f"on rank {dist.get_rank(group)}: {error}"
             ) from error
         if dist.get_rank(group) == 0:

@@ -48,6 +48,7 @@ from pipeline.distributed.sharded import (
     local_ties,
     sharding_groups,
     sharding_kind,
+    share_first_replicas_buffers,
     told_over,
 )
 from pipeline.distributed.stage_arguments import check_alone, disagreement
@@ -328,6 +329,7 @@ class DistributedPipe(PipeBase):
             router=router,
         )
         self._run_step(run, programs[self.rank], micro_batches)
+        share_first_replicas_buffers(self.partitions, self.local_stages)
         loss = run.with_router_loss(run.loss().to(self.device))
         self.last_step = DistributedStepReport(
             chosen,

@@ -24,6 +24,13 @@ not make equal to the plain model:
   a sharded stage: FSDP2's gathering and reduction follow module calls;
 - a torch whose FSDP2 lacks what the step reads of it.
 
+FSDP2 shards parameters, not buffers: each replica of a stage keeps whole
+buffers, and a layer that updates its own in training (BatchNorm's running
+statistics) updates them from its replica's share of the batch, so the
+replicas' statistics drift apart. After each step, ``share_first_replicas_buffers``
+gives them the first replica's, as ``DataParallel``'s ``broadcast_buffers``
+does (``docs/distributed_pipe.md``).
+
 Sharded stages run collectives with other pipelines' processes (FSDP2's
 over "dp", tensor parallelism's over "tp"), which the pipeline's own
 agreement does not reach. So a refusal in one process is told over those
@@ -37,20 +44,30 @@ meet them, and are refused (``DistributedPipe``'s ``_refuse_if_stranded``).
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch.distributed as dist
 from torch import nn
 
+from pipeline.data_parallel.replicas import broadcast_from_rank0
 from pipeline.runtime.agreement import gather_rows
+from pipeline.runtime.buffers import updated_in_forward
 from pipeline.runtime.layers import modules_only_read
 from pipeline.runtime.lazy import instance_of
 from pipeline.step.sharded import fsdp_units, missing_internals
 
 if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import FSDPModule
 
-__all__ = ["check_sharding", "local_ties", "sharding_groups", "sharding_kind", "told_over"]
+__all__ = [
+    "check_sharding",
+    "local_ties",
+    "sharding_groups",
+    "sharding_kind",
+    "share_first_replicas_buffers",
+    "told_over",
+]
 
 _RECIPE = (
     "shard each stage on its own: fully_shard(layer, mesh=mesh['dp']) for the layers of "
@@ -166,6 +183,45 @@ def sharding_groups(
 
 
 _SHARDING = "another pipeline that shards these stages with this one (FSDP2, tensor parallelism)"
+
+
+def share_first_replicas_buffers(partitions: Sequence[nn.Module], stages: Iterable[int]) -> None:
+    """Give the buffers that layers of this process's FSDP2-sharded stages update in training
+    (``updated_in_forward``) the values of the stages' first replica, on every replica.
+
+    Over each dimension of the units' mesh, last first, from the rank first
+    in it: a replica then holds, at each dimension, what the first held once
+    the later dimensions were done, so every one ends with the first's. The
+    buffers are chosen by the layers' kinds, not their modes, so that every
+    replica takes part alike.
+    """
+    for s in stages:
+        units = fsdp_units(partitions[s])
+        buffers = {
+            id(b): b
+            for m in partitions[s].modules()
+            if updated_in_forward(m) is not None
+            for b in m.buffers(recurse=False)
+        }
+        if not units or not buffers:
+            continue
+        for mesh in _meshes(units):
+            for dim in reversed(range(mesh.ndim)):
+                broadcast_from_rank0(
+                    list(buffers.values()), mesh.get_group(dim), f"stage {s}'s buffers",
+                    who="DistributedPipe",
+                )  # fmt: skip
+
+
+def _meshes(units: Iterable[FSDPModule]) -> list[DeviceMesh]:
+    """The meshes the units' parameters are sharded over, each once, in one order for all."""
+    found: dict[tuple[int, ...], DeviceMesh] = {}
+    for unit in units:
+        for param in cast(nn.Module, unit).parameters():
+            mesh = getattr(param, "device_mesh", None)
+            if mesh is not None:
+                found.setdefault(tuple(mesh.mesh.flatten().tolist()), mesh)
+    return [found[ranks] for ranks in sorted(found)]
 
 
 def told_over(

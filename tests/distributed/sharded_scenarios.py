@@ -364,6 +364,50 @@ def dropout_under_fsdp_is_the_unsharded_pipes() -> None:
 
 
 @scenario
+def batch_norm_statistics_of_fsdp_stages_are_the_first_replicas_on_every_replica() -> None:
+    # FSDP2 leaves buffers whole on each replica, which updated them from its own rows: the
+    # replicas' running statistics drifted apart (0.34 apart after a step), silently. Each
+    # replica now holds the first's after a step, as DataParallel's broadcast_buffers gives:
+    # the statistics of an unsharded pipe that every replica steps on the first's rows.
+    hsdp = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("replicate", "shard", "pp"))
+    for mesh, over, replica in [
+        (fsdp_mesh(), ("dp",), "dp"),
+        (hsdp, ("replicate", "shard"), "replicate"),  # over each of its two dimensions
+    ]:
+        rows = slice(
+            mesh[replica].get_local_rank() * ROWS, (mesh[replica].get_local_rank() + 1) * ROWS
+        )
+        _first_replicas_statistics(mesh["pp"].get_group(), mesh[over], rows)
+
+
+def _first_replicas_statistics(group: dist.ProcessGroup, shards: DeviceMesh, rows: slice) -> None:
+    first = slice(0, ROWS)
+    torch.manual_seed(0)
+    layers = [nn.Linear(WIDTH, WIDTH), nn.BatchNorm1d(WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH)]
+    model = nn.Sequential(*layers, nn.BatchNorm1d(WIDTH)).double()
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2 * ROWS, WIDTH, generator=gen, dtype=torch.double)
+    y = torch.randn(2 * ROWS, WIDTH, generator=gen, dtype=torch.double)
+    for deferred in (False, True):
+        sharded, unsharded = (
+            DistributedPipe(copy.deepcopy(model), [3, 2], chunks=4, group=group,
+                            deferred_batch_norm=deferred)
+            for _ in range(2)
+        )  # fmt: skip
+        for s in sharded.local_stages:
+            fully_shard(sharded.partitions[s], mesh=shards)
+        for schedule in ("1f1b", "zb-h1"):
+            sharded.step(x[rows], y[rows], F.mse_loss, schedule=schedule)
+            unsharded.step(x[first], y[first], F.mse_loss, schedule=schedule)
+            expected = dict(unsharded.named_buffers())
+            for name, buffer in sharded.named_buffers():
+                what = f"deferred={deferred}, {schedule}: {name}"
+                torch.testing.assert_close(buffer, expected[name], rtol=0, atol=0, msg=what)
+        sharded.close()
+        unsharded.close()
+
+
+@scenario
 def tensor_parallel_stages_equal_the_plain_model() -> None:
     mesh = tp_mesh()
     model = mlps(4)

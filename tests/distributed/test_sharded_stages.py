@@ -24,6 +24,7 @@ NAMES = [
     "nested_fsdp_units_equal_the_plain_model",
     "interleaved_fsdp_stages_equal_the_plain_model",
     "dropout_under_fsdp_is_the_unsharded_pipes",
+    "batch_norm_statistics_of_fsdp_stages_are_the_first_replicas_on_every_replica",
     "tensor_parallel_stages_equal_the_plain_model",
     "a_refusal_in_one_pipeline_is_heard_by_every_pipeline_sharding_its_stages",
     "hsdp_stages_all_reduce_once_per_step",
