@@ -30,7 +30,7 @@ from pipeline.arguments import (
     PipeArguments,
     check_checkpoint,
 )
-from pipeline.calls import EvaluateCall, MicroBatches, StepCall
+from pipeline.calls import EvaluateCall, MicroBatches, StepCall, check_flags
 from pipeline.runtime.batchnorm import DeferredBatchNorm, statistics_of_one_pass
 from pipeline.runtime.buffers import updating_layer
 from pipeline.runtime.evaluation import evaluating, evaluation_seed
@@ -433,13 +433,12 @@ class PipeBase(nn.Module, ABC):
                 "model's modules), or remove them first"
             )
 
-    def _check_step_arguments(
-        self, loss_fn: Any, loss_reduction: Any, loss_divisor: Any = None, grad_scaler: Any = None
-    ) -> LossReduction:
+    def _check_step_arguments(self, call: StepCall) -> LossReduction:
         """Refuse, before any work, a step that cannot compute the plain model's gradients.
 
         Returns the reduction the step weighs its micro-batches' losses by.
         """
+        check_flags(return_outputs=call.return_outputs, measure_memory=call.measure_memory)
         if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
             raise RuntimeError(
                 f"{self._NAME}.step computes gradients, but grad mode is off here "
@@ -449,8 +448,8 @@ class PipeBase(nn.Module, ABC):
         for check, _, _ in self._step_checks:
             check()
         refuse_cached_parametrizations(self, f"{self._NAME}.step")
-        reduction = self._check_loss(loss_fn, loss_reduction, loss_divisor)
-        check_grad_scaler(grad_scaler, self._runtime.devices[-1])
+        reduction = self._check_loss(call.loss_fn, call.loss_reduction, call.loss_divisor)
+        check_grad_scaler(call.grad_scaler, self._runtime.devices[-1])
         check_supported()
         return reduction
 
@@ -461,23 +460,22 @@ class PipeBase(nn.Module, ABC):
         check_divisor(loss_divisor, reduction)
         return reduction
 
-    def _check_evaluate_arguments(
-        self, target: Any, loss_fn: Any, loss_reduction: Any, loss_divisor: Any
-    ) -> LossReduction | None:
+    def _check_evaluate_arguments(self, call: EvaluateCall) -> LossReduction | None:
         """Refuse, before any work, an evaluation whose loss arguments do not fit together.
 
         Returns the reduction of its loss, or None without a ``loss_fn``.
         """
+        check_flags(return_outputs=call.return_outputs)
         self._check_open()
         self._refuse_own_hooks("evaluate")
-        if loss_fn is not None:
-            return self._check_loss(loss_fn, loss_reduction, loss_divisor)
+        if call.loss_fn is not None:
+            return self._check_loss(call.loss_fn, call.loss_reduction, call.loss_divisor)
         given = [
             name
             for name, value in (
-                ("a target", target),
-                ("loss_reduction", loss_reduction),
-                ("loss_divisor", loss_divisor),
+                ("a target", call.target),
+                ("loss_reduction", call.loss_reduction),
+                ("loss_divisor", call.loss_divisor),
             )
             if value is not None
         ]

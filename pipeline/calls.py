@@ -19,7 +19,7 @@ from pipeline.runtime.microbatch import Batch, Value
 from pipeline.step.losses import LossDivisor
 from pipeline.step.schedules import Schedule
 
-__all__ = ["EvaluateCall", "MicroBatches", "StepCall", "redocumented"]
+__all__ = ["EvaluateCall", "MicroBatches", "StepCall", "check_flags", "redocumented"]
 
 _Method = TypeVar("_Method", bound=Callable[..., Any])
 
@@ -60,6 +60,13 @@ class MicroBatches:
     batches: list[Batch]
     targets: list[Batch]
     rows: list[int]
+
+
+def check_flags(**flags: object) -> None:
+    """Refuse a flag given as anything but True or False (``"no"`` would read as True)."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {value!r}")
 
 
 def redocumented(method: _Method, doc: str) -> _Method:

@@ -222,9 +222,7 @@ class Pipe(PipeBase):
 
     def _train(self, call: StepCall) -> torch.Tensor | tuple[torch.Tensor, Value]:
         started = time.perf_counter()
-        reduction = self._check_step(
-            call.loss_fn, call.loss_reduction, call.loss_divisor, call.grad_scaler
-        )
+        reduction = self._check_step(call)
         chosen = resolve_schedule(call.schedule)
         warn_if_workers_unseen(stacklevel=3)  # _train, PipeBase.step, the caller
         value = self._input_of(call.input, call.kwargs)
@@ -239,9 +237,7 @@ class Pipe(PipeBase):
                 started,
             )
 
-    def _check_step(
-        self, loss_fn: Any, loss_reduction: Any, loss_divisor: Any, grad_scaler: Any
-    ) -> LossReduction:
+    def _check_step(self, call: StepCall) -> LossReduction:
         self._check_call("step")
         if torch._C._current_graph_task_id() != -1:
             raise RuntimeError(
@@ -249,7 +245,7 @@ class Pipe(PipeBase):
                 "Function's backward): its workers' backward would wait for the device thread "
                 "running this one; call it from ordinary code"
             )
-        return self._check_step_arguments(loss_fn, loss_reduction, loss_divisor, grad_scaler)
+        return self._check_step_arguments(call)
 
     def _check_call(self, method: str) -> None:
         if torch.compiler.is_compiling():
@@ -334,9 +330,7 @@ class Pipe(PipeBase):
 
     def _evaluate(self, call: EvaluateCall) -> Any:
         self._check_call("evaluate")
-        reduction = self._check_evaluate_arguments(
-            call.target, call.loss_fn, call.loss_reduction, call.loss_divisor
-        )
+        reduction = self._check_evaluate_arguments(call)
         if call.loss_fn is not None and call.target is None:
             raise TypeError("Pipe.evaluate got a loss_fn but no target: pass both, or neither")
         warn_if_workers_unseen(stacklevel=3)  # _evaluate, PipeBase.evaluate, the caller

@@ -564,9 +564,7 @@ class DistributedPipe(PipeBase):
         (As far as this process can tell: the agreement compares them.)
         """
         self._check_open()
-        reduction = self._check_step_arguments(
-            call.loss_fn, call.loss_reduction, call.loss_divisor, call.grad_scaler
-        )
+        reduction = self._check_step_arguments(call)
         self._check_scaler_agrees(call.grad_scaler)
         self._check_sharding()
         chosen = resolve_schedule(call.schedule)
@@ -802,9 +800,7 @@ class DistributedPipe(PipeBase):
         reduction: LossReduction | None = None
         router: RouterTally | None = None
         try:
-            reduction = self._check_evaluate_arguments(
-                call.target, call.loss_fn, call.loss_reduction, call.loss_divisor
-            )
+            reduction = self._check_evaluate_arguments(call)
             self._check_sharding()
             batches = self._scatter(self._input_of(call.input, call.kwargs), "input", needed=first)
             targets = self._scatter(call.target, "target", needed=last and with_loss)

@@ -1247,6 +1247,8 @@ def an_argument_refused_on_one_process_fails_every_process_within_seconds() -> N
         ("grad mode off", without_grad if odd else step, RuntimeError, "grad mode is off"),
         ("a loss_fn that is not callable", lambda: step(loss_fn="mse" if odd else F.mse_loss),
          TypeError, "loss_fn must be callable"),
+        ("a flag given as text", lambda: pipe.step(x, y, F.mse_loss, return_outputs="no" if odd
+         else False), TypeError, "return_outputs must be True or False"),
         ("a schedule of one worker", lambda: step(Interleaved1F1B(world()) if odd else "1f1b"),
          ValueError, "use a schedule with one worker per process"),
     ]  # fmt: skip

@@ -89,6 +89,14 @@ def test_step_is_refused_where_it_cannot_be_right() -> None:
         pipe.step(x, y, F.mse_loss, loss_reduction="max")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="loss_fn must be callable"):
         pipe.step(x, y, "mse")  # type: ignore[arg-type]
+    # A flag given as text read as True: "no" returned the outputs, measured memory.
+    with pytest.raises(TypeError, match="return_outputs must be True or False, got 'no'"):
+        pipe.step(x, y, F.mse_loss, return_outputs="no")  # type: ignore[call-overload]
+    with pytest.raises(TypeError, match="measure_memory must be True or False, got 1"):
+        pipe.step(x, y, F.mse_loss, measure_memory=1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="return_outputs must be True or False, got 'no'"):
+        pipe.evaluate(x, y, F.mse_loss, return_outputs="no")  # type: ignore[call-overload]
+    assert all(p.grad is None for p in pipe.parameters()) and pipe.last_step is None
     with pytest.raises(ValueError, match="schedule must be one of"):
         pipe.step(x, y, F.mse_loss, schedule="fast")
     with pytest.raises(TypeError, match="it must return a scalar tensor"):
