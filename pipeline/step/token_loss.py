@@ -86,31 +86,44 @@ class TokenLoss:
         if not isinstance(labels, Tensor) or labels.is_floating_point():
             return  # a regression's or multi-label loss: a mean over every row's values
         rows = [batch.rows() for batch in batches]
-        shifts = [self.shift] if self.shift is not None else [False, True]
+        # A forward computing its own loss may shift its labels or not, and may count only
+        # the tokens its attention mask keeps (ELECTRA's, BioGPT's token classification):
+        # every way it may count must be in proportion to the rows.
+        ways = [(self.shift, False)]
+        if self.shift is None:
+            ways = [(shift, masked) for shift in (False, True) for masked in (False, True)]
         # One read for every micro-batch's counts (a device sync on a GPU).
-        tokens = [self._tokens(call, shift) for shift in shifts for call in calls]
+        tokens = [self._tokens(call, *way) for way in ways for call in calls]
         read = [int(c) for c in torch.stack(tokens).tolist()]
         counts = [read[k : k + len(calls)] for k in range(0, len(read), len(calls))]
         wrong = [c for c in counts if not _in_proportion(c, rows)]
         if len(batches) == 1 or (reduction == "mean" and divisor is None and not wrong):
             return
         raise ValueError(
-            f"out.loss is the mean over each micro-batch's labels not ignored, but the step "
+            f"out.loss is the mean over each micro-batch's labels not ignored (and, where the "
+            "model's forward computes its own loss, maybe only those its attention mask keeps), "
+            "but the step "
             f"weighs the micro-batches {_weighing(reduction, divisor)}: the micro-batches of "
             f"{rows} rows hold {(wrong or counts)[0]} of them, so the step's loss and "
             f"gradients would not be the plain model's. {self._recipe()}. If loss_fn does not "
             "use out.loss, do not pass labels to the model"
         )
 
-    def _tokens(self, call: dict[str, Any], shift: bool) -> Tensor:
-        """The labels one micro-batch's loss counts, as the loss counts them."""
+    def _tokens(self, call: dict[str, Any], shift: bool | None, masked: bool) -> Tensor:
+        """The labels one micro-batch's loss counts, as the loss counts them (``masked``:
+        those its attention mask keeps too, where the mask is shaped as the labels)."""
         ignored = call.get("ignore_index", -100)
         shifted = call.get("shift_labels")
         if isinstance(shifted, Tensor):
             return shifted.ne(ignored).sum()
         labels: Tensor = call["labels"]
-        counted = labels[..., 1:] if shift and labels.dim() > 1 else labels
-        return counted.ne(ignored).sum()
+        counted = labels.ne(ignored)
+        mask = call.get("attention_mask")
+        if masked and isinstance(mask, Tensor) and mask.shape == labels.shape:
+            counted = counted & mask.ne(0)
+        if shift and labels.dim() > 1:
+            counted = counted[..., 1:]
+        return counted.sum()
 
     def _recipe(self) -> str:
         if not self.takes_count:

@@ -8,6 +8,7 @@ is refused before any work, with the recipe.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -274,3 +275,48 @@ def test_a_loss_of_labels_not_ignored_that_takes_no_count_is_checked_and_its_cou
         pipe.step(ids, labels, out_loss, kwargs={"labels": labels})
     assert all(p.grad is None for p in model.parameters())
     pipe.close()
+
+
+def _masked_loss_models() -> dict[str, Any]:
+    common = {"vocab_size": VOCAB, "hidden_size": 16, "intermediate_size": 32,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 32,
+              "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}  # fmt: skip
+    return {
+        # A BCE over the tokens the attention mask keeps.
+        "electra pretraining": lambda: transformers.ElectraForPreTraining(
+            transformers.ElectraConfig(embedding_size=8, **common)
+        ),
+        # torch.where(attention_mask, labels, -100), then a cross-entropy.
+        "biogpt token classification": lambda: transformers.BioGptForTokenClassification(
+            transformers.BioGptConfig(num_labels=3, use_cache=False, **common)
+        ),
+    }
+
+
+@pytest.mark.parametrize("name", ["electra pretraining", "biogpt token classification"])
+def test_a_loss_over_the_tokens_the_attention_mask_keeps_is_checked_by_that_count(
+    name: str,
+) -> None:
+    # Their forwards compute out.loss over the tokens the attention mask keeps; labels with no
+    # -100 looked in proportion to the rows, and uneven padding gave another loss and
+    # gradients than the plain model's (a gradient 73% off), silently.
+    torch.manual_seed(0)
+    model = _masked_loss_models()[name]().double()
+    model.config._attn_implementation = "eager"
+    plain = twin(model)
+    ids, labels = torch.randint(3, VOCAB, (8, 6)), torch.randint(0, 2, (8, 6))
+    mask = torch.ones(8, 6, dtype=torch.long)
+    seq = pipeline.split(model, (ids,), {"attention_mask": mask, "labels": labels})
+    uneven = mask.clone()
+    uneven[:4, 2:] = 0  # the first micro-batch mostly padding, the second none
+    with contextlib.closing(Pipe(seq, [2, len(seq) - 2], chunks=2)) as pipe:
+        with pytest.raises(ValueError, match="only those its attention mask keeps"):
+            pipe.step(ids, labels, out_loss, kwargs={"attention_mask": uneven, "labels": labels})
+        assert all(p.grad is None for p in model.parameters()), "refused before any work"
+        even = mask.clone()
+        even[::2, 4:] = 0  # two pads in every other row: each micro-batch keeps as many
+        loss = pipe.step(ids, labels, out_loss, kwargs={"attention_mask": even, "labels": labels})
+    expected = plain(ids, attention_mask=even, labels=labels).loss
+    expected.backward()
+    torch.testing.assert_close(loss, expected)
+    assert_same(gradients(model), gradients(plain))
