@@ -14,7 +14,7 @@ is recorded here:
   (``watch.py``) and refuses a call after a change;
 - an assignment or deletion, as ``Write`` with the line that made it:
   ``split`` refuses it before any piece exists; an attribute other than a
-  tensor is put back (torch.export puts parameters and buffers back).
+  parameter or buffer is put back (torch.export puts those back).
 
 The same holds for the attributes of the objects that modules hold and
 the captured code reads (transformers' ``config``: ``self.config.
@@ -24,9 +24,11 @@ them at every call, by their path (``config.output_hidden_states``).
 
 Blocks run as themselves, so what their own code reads and assigns is
 followed as in eager mode: their fake runs at capture are not recorded
-(``paused``). Recording swaps ``nn.Module.__getattribute__``,
-``__setattr__`` and ``__delattr__`` while any capture runs; only the
-capturing thread records, and only for the model's modules.
+(``paused``), but what they assign is put back all the same (a cache a
+block makes at its first call would otherwise stay on the model, fake).
+Recording swaps ``nn.Module.__getattribute__``, ``__setattr__`` and
+``__delattr__`` while any capture runs; only the capturing thread records,
+and only for the model's modules.
 """
 
 from __future__ import annotations
@@ -321,18 +323,31 @@ def _delete(module: nn.Module, attribute: str) -> None:
 
 
 def _note_write(module: nn.Module, attribute: str, value: Any) -> None:
-    recorded = _recorder(module, attribute)
+    recorded = _state.recorded
+    if recorded is None or attribute in _INTERNAL or module not in recorded.modules:
+        return
     caller = sys._getframe(2)
-    if recorded is None or caller.f_code.co_filename.startswith(_LIBRARIES):
+    if caller.f_code.co_filename.startswith(_LIBRARIES):
         return
     before = getattr(module, attribute, MISSING)
     if value is before:
         return  # ``self.calls += 1`` on a tensor: changed in place (checks.py), bound again
-    recorded.writes.append(Write(module, attribute, frame_location(caller)))
+    if not _state.paused:  # a block's own code assigns as it would in eager mode
+        recorded.writes.append(Write(module, attribute, frame_location(caller)))
     key = (id(module), attribute)
-    # torch.export puts parameters and buffers back itself (they are fake while it traces).
-    if key not in recorded.before and not isinstance(before, Tensor):
+    # torch.export puts parameters and buffers back itself (they are fake while it traces);
+    # a block's fake run made any other tensor it assigned fake (a cache made at its first
+    # call): the model keeps none of them.
+    if key not in recorded.before and not _registered(module, attribute, before):
         recorded.before[key] = (module, before)
+
+
+def _registered(module: nn.Module, attribute: str, before: Any) -> bool:
+    """Whether ``attribute`` of ``module`` is a parameter or a buffer (``before``: its value)."""
+    if not isinstance(before, Tensor):
+        return False
+    held = object.__getattribute__(module, "__dict__")
+    return attribute in held["_parameters"] or attribute in held["_buffers"]
 
 
 def _restore(module: nn.Module, attribute: str, value: Any) -> None:

@@ -229,6 +229,33 @@ def test_an_attribute_assigned_by_captured_code_is_refused_and_put_back() -> Non
     assert model.steps == 0
 
 
+class CachesATable(Block):
+    """A block that makes a tensor at its first call and keeps it (rope caches do)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if getattr(self, "table", None) is None:
+            self.table = torch.linspace(1.0, 2.0, 8, dtype=x.dtype)
+        return x + torch.tanh(self.linear(x)) * self.table
+
+
+def test_a_tensor_a_block_keeps_from_its_first_call_is_not_left_fake_on_the_model() -> None:
+    # Blocks run as themselves, their fake runs at split unrecorded: the table made in
+    # one stayed on the model as a fake tensor, and the model and the split model both
+    # returned fake tensors, with no error.
+    model = Model().double()
+    model.blocks = nn.ModuleList(CachesATable() for _ in range(3)).double()
+    made = copy.deepcopy(model)
+    x = torch.randn(4, 4, dtype=torch.float64)
+    made(x)  # a model called before: its block holds a real table, which stays
+    for kept in (model, made):
+        before = getattr(kept.blocks[1], "table", None)
+        plain = copy.deepcopy(kept)
+        seq = pipeline.split(kept, (x,))
+        assert getattr(kept.blocks[1], "table", None) is before
+        same_as_plain(seq, plain, x)
+        torch.testing.assert_close(kept(x), plain(x), rtol=0, atol=0)
+
+
 class Average(nn.Module):
     """A running mean of its input, rebound at each call: runs as itself when named in points."""
 
