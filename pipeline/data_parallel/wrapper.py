@@ -14,6 +14,7 @@ from torch.profiler import record_function
 from pipeline.data_parallel.buckets import SignalsPartitionBackward, partition_of_each
 from pipeline.data_parallel.reducer import Reducer
 from pipeline.data_parallel.replicas import broadcast_from_rank0, check_replicas_match
+from pipeline.runtime.buffers import updated_buffers
 from pipeline.runtime.module_hooks import call_hook_kinds
 from pipeline.runtime.process_group import resolve_group
 from pipeline.step.sharded import fsdp_units
@@ -180,6 +181,8 @@ class DataParallel(nn.Module):
             result = step(*args, **kwargs)
         if self._sync:
             self.reducer.finish_step()
+        if self._sync and self.broadcast_buffers:
+            self._share_updated_buffers()
         return result
 
     def __getstate__(self) -> dict[str, Any]:
@@ -248,6 +251,16 @@ class DataParallel(nn.Module):
         if self._synced_buffers:
             with record_function("dp.broadcast_buffers"):
                 broadcast_from_rank0(self._synced_buffers, self.process_group, "buffers")
+
+    def _share_updated_buffers(self) -> None:
+        """Rank 0's values of the buffers the step just updated from each replica's rows
+        (BatchNorm's statistics), on every replica: a checkpoint or an evaluation before the
+        next step sees one model, not a replica's own. (Not after a forward: its backward
+        reads the statistics BatchNorm saved, which a copy into them would change.)"""
+        updated = updated_buffers(self.module)
+        if updated:
+            with record_function("dp.broadcast_buffers"):
+                broadcast_from_rank0(updated, self.process_group, "updated buffers")
 
 
 def _first_changed(

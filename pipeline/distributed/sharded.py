@@ -51,7 +51,7 @@ from torch import nn
 
 from pipeline.data_parallel.replicas import broadcast_from_rank0
 from pipeline.runtime.agreement import gather_rows
-from pipeline.runtime.buffers import updated_in_forward
+from pipeline.runtime.buffers import updated_buffers
 from pipeline.runtime.layers import modules_only_read
 from pipeline.runtime.lazy import instance_of
 from pipeline.step.sharded import fsdp_units, missing_internals
@@ -187,30 +187,22 @@ _SHARDING = "another pipeline that shards these stages with this one (FSDP2, ten
 
 def share_first_replicas_buffers(partitions: Sequence[nn.Module], stages: Iterable[int]) -> None:
     """Give the buffers that layers of this process's FSDP2-sharded stages update in training
-    (``updated_in_forward``) the values of the stages' first replica, on every replica.
+    (``updated_buffers``) the values of the stages' first replica, on every replica.
 
     Over each dimension of the units' mesh, last first, from the rank first
     in it: a replica then holds, at each dimension, what the first held once
-    the later dimensions were done, so every one ends with the first's. The
-    buffers are chosen by the layers' kinds, not their modes, so that every
-    replica takes part alike.
+    the later dimensions were done, so every one ends with the first's.
     """
     for s in stages:
         units = fsdp_units(partitions[s])
-        buffers = {
-            id(b): b
-            for m in partitions[s].modules()
-            if updated_in_forward(m) is not None
-            for b in m.buffers(recurse=False)
-        }
+        buffers = updated_buffers(partitions[s])
         if not units or not buffers:
             continue
         for mesh in _meshes(units):
             for dim in reversed(range(mesh.ndim)):
                 broadcast_from_rank0(
-                    list(buffers.values()), mesh.get_group(dim), f"stage {s}'s buffers",
-                    who="DistributedPipe",
-                )  # fmt: skip
+                    buffers, mesh.get_group(dim), f"stage {s}'s buffers", who="DistributedPipe"
+                )
 
 
 def _meshes(units: Iterable[FSDPModule]) -> list[DeviceMesh]:

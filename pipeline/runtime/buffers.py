@@ -41,6 +41,7 @@ __all__ = [
     "PartitionBuffers",
     "check_shared_kept",
     "shared_buffers",
+    "updated_buffers",
     "updated_in_forward",
     "updating_layer",
 ]
@@ -66,6 +67,18 @@ def updated_in_forward(module: nn.Module) -> str | None:
     ):
         return "power-iteration vectors"
     return None
+
+
+def updated_buffers(module: nn.Module) -> list[Tensor]:
+    """The buffers of ``module``'s layers that update them in training (``updated_in_forward``),
+    each once; by the layers' kinds, not their modes, so that replicas choose alike."""
+    found = {
+        id(buffer): buffer
+        for layer in module.modules()
+        if updated_in_forward(layer) is not None
+        for buffer in layer.buffers(recurse=False)
+    }
+    return list(found.values())
 
 
 def updating_layer(partition: nn.Module) -> tuple[str, str] | None:

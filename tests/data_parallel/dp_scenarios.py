@@ -452,6 +452,28 @@ def buffers_broadcast() -> None:
 
 
 @scenario
+def statistics_a_step_updates_are_rank_0s_on_every_replica_after_it() -> None:
+    # Each replica's BatchNorm updated its statistics from its own rows, and they stayed
+    # apart until the next pass broadcast rank 0's: a checkpoint saved between steps kept
+    # one replica's (replica 1's, in a grid), and a resumed run went another way, silently.
+    x, y = global_batch(0)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.BatchNorm1d(WIDTH), nn.Tanh(),
+                          nn.Linear(WIDTH, 1))  # fmt: skip
+    for deferred in (False, True):
+        pipe = Pipe(copy.deepcopy(model), [2, 2], chunks=2, deferred_batch_norm=deferred)
+        first = Pipe(copy.deepcopy(model), [2, 2], chunks=2, deferred_batch_norm=deferred)
+        DataParallel(pipe).step(shard(x), shard(y), F.mse_loss)
+        first.step(shard(x, 0), shard(y, 0), F.mse_loss)  # rank 0's rows, on every rank
+        expected = dict(first.named_buffers())
+        for name, buffer in pipe.named_buffers():
+            what = f"deferred={deferred}: {name}"
+            torch.testing.assert_close(buffer, expected[name], rtol=0, atol=0, msg=what)
+        pipe.close()
+        first.close()
+
+
+@scenario
 def gradient_as_bucket_view() -> None:
     model = mlp(seed=6)
     full_batch = copy.deepcopy(model)

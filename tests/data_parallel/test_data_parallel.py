@@ -30,6 +30,7 @@ SHARED = [
     "no_sync_accumulates_locally",
     "unused_parameter_with_flag",
     "buffers_broadcast",
+    "statistics_a_step_updates_are_rank_0s_on_every_replica_after_it",
     "gradient_as_bucket_view",
     "mismatched_replicas_raise",
     "different_find_unused_parameters_raise",
