@@ -51,7 +51,7 @@ from torch import nn
 
 from pipeline.data_parallel.replicas import broadcast_from_rank0
 from pipeline.runtime.agreement import gather_rows
-from pipeline.runtime.buffers import updated_buffers
+from pipeline.runtime.buffers import updated_buffers, updated_in_forward
 from pipeline.runtime.layers import modules_only_read
 from pipeline.runtime.lazy import instance_of
 from pipeline.step.sharded import fsdp_units, missing_internals
@@ -143,6 +143,27 @@ def _check_units(partitions: Sequence[nn.Module], units: dict[int, list[FSDPModu
     _check_units_within_stages(partitions, units)
     _check_all_sharded(partitions, units)
     _check_none_only_read(partitions, units)
+    _check_updated_buffers_shared(partitions, units)
+
+
+def _check_updated_buffers_shared(
+    partitions: Sequence[nn.Module], units: dict[int, list[FSDPModule]]
+) -> None:
+    """A stage whose layers update buffers in training has units that tell its replicas'
+    mesh: their parameters' (``share_first_replicas_buffers`` broadcasts over it)."""
+    for s, found in units.items():
+        training = any(
+            m.training and updated_in_forward(m) is not None for m in partitions[s].modules()
+        )
+        if found and training and not _meshes(found):
+            raise ValueError(
+                f"stage {s} has layers that update buffers in training (BatchNorm's running "
+                "statistics), which each replica updates from its own rows, and FSDP2 units "
+                "that hold no parameter: nothing tells over which mesh its replicas lie, to "
+                "give them the first replica's statistics after a step, and they would drift "
+                "apart. Give the stage a unit with a parameter (BatchNorm's own affine "
+                "parameters will do), or keep those layers in eval mode"
+            )
 
 
 def _check_units_within_stages(

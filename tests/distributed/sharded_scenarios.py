@@ -544,6 +544,21 @@ def sharding_a_step_would_get_wrong_is_refused_by_every_process() -> None:
     else:
         expect_error(ValueError, interleaved, "rank 0 of the pipeline refused")
     pipe.close()
+    # BatchNorm's statistics in a stage whose units hold no parameter: no mesh to give its
+    # replicas the first's over (they drifted 0.11 apart, silently); in eval mode, taken.
+    torch.manual_seed(0)
+    norm = nn.BatchNorm1d(WIDTH, affine=False)
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), norm, nn.Tanh()).double()
+    for training in (True, False):
+        pipe = DistributedPipe(copy.deepcopy(model).train(training), [2, 2], chunks=4, group=group)
+        shard_layers(pipe, mesh["dp"])
+        if not training:
+            step(pipe)()
+        elif 1 in pipe.local_stages:
+            expect_error(ValueError, step(pipe), "FSDP2 units that hold no parameter")
+        else:
+            expect_error(ValueError, step(pipe), "rank 1 of the pipeline refused")
+        pipe.close()
     # A torch whose FSDP2 lacks what the step reads.
     pipe = DistributedPipe(blocks(2), [1, 1], chunks=4, group=group)
     shard_layers(pipe, mesh["dp"])
