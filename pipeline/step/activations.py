@@ -13,7 +13,8 @@ was dropped)::
 Parameters are not activations and are left out (FSDP2's gathered ones
 too, and views of them), and so are the caller's input and target, of
 which the micro-batches are views (the step keeps no copy of them): what
-is counted is what the step itself keeps. torch does not check a tensor
+is counted is what the step itself keeps. A DTensor counts its shard, a
+sparse tensor its indices and values. torch does not check a tensor
 saved under hooks for writes in place before its backward; the meter
 does, raising torch's error where torch would. The count is the same on CPU and
 CUDA: bytes autograd holds, not what the allocator reserved (its caches,
@@ -56,32 +57,32 @@ class ActivationMeter:
         return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
 
     def _pack(self, tensor: Tensor) -> Any:
-        if _is_parameter(tensor):
-            return tensor
-        storage = tensor.untyped_storage()
-        key = storage.data_ptr()
-        if key in self._excluded:
-            return _Saved(tensor)
+        keys = [] if _is_parameter(tensor) else _storages(tensor)
+        keys = [(key, size) for key, size in keys if key not in self._excluded]
+        if not keys:
+            return _Saved(tensor)  # checked, not counted
         with self._lock:
-            entry = self._live.setdefault(key, [storage.nbytes(), 0])
-            if entry[1] == 0:
-                self.current += entry[0]
-                self.peak = max(self.peak, self.current)
-            entry[1] += 1
+            for key, size in keys:
+                entry = self._live.setdefault(key, [size, 0])
+                if entry[1] == 0:
+                    self.current += entry[0]
+                    self.peak = max(self.peak, self.current)
+                entry[1] += 1
         # Detached: a tensor an op saves as its own output has that op's node as
         # its grad_fn, and node -> packed -> tensor -> node is a cycle that only a
         # backward freeing the graph breaks (zb-h1's W keeps it: it never would).
         saved = _Saved(tensor.detach())
-        weakref.finalize(saved, self._release, key)
+        weakref.finalize(saved, self._release, [key for key, _ in keys])
         return saved
 
-    def _release(self, key: int) -> None:
+    def _release(self, keys: list[int]) -> None:
         with self._lock:
-            entry = self._live[key]
-            entry[1] -= 1
-            if entry[1] == 0:
-                self.current -= entry[0]
-                del self._live[key]
+            for key in keys:
+                entry = self._live[key]
+                entry[1] -= 1
+                if entry[1] == 0:
+                    self.current -= entry[0]
+                    del self._live[key]
 
 
 class _Saved:
@@ -102,12 +103,32 @@ class _Saved:
 def _storage_key(tensor: Tensor) -> int | None:
     """The address of ``tensor``'s storage (a DTensor's: its shard's); None where it has
     none to give (an FSDP2 parameter's unsharded storage, freed at its reshard)."""
+    found = _storages(tensor)
+    return found[0][0] if found else None
+
+
+def _storages(tensor: Tensor) -> list[tuple[int, int]]:
+    """The storages holding ``tensor``'s data, as (address, bytes): a DTensor's shard's, a
+    sparse tensor's indices' and values'; none where it has none to give (an FSDP2
+    parameter's unsharded storage, freed at its reshard)."""
     if instance_of(tensor, "torch.distributed.tensor", "DTensor"):
         tensor = tensor.to_local()  # type: ignore[attr-defined]
+    if tensor.layout == torch.sparse_coo:
+        parts = [tensor._indices(), tensor._values()]
+    elif tensor.layout in (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc):
+        compressed = tensor.layout in (torch.sparse_csr, torch.sparse_bsr)
+        indices = (
+            (tensor.crow_indices(), tensor.col_indices())
+            if compressed
+            else (tensor.ccol_indices(), tensor.row_indices())
+        )
+        parts = [*indices, tensor.values()]
+    else:
+        parts = [tensor]
     try:
-        return tensor.untyped_storage().data_ptr()
-    except RuntimeError:
-        return None
+        return [(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in parts]
+    except (RuntimeError, NotImplementedError):
+        return []
 
 
 def _is_parameter(tensor: Tensor) -> bool:
@@ -116,9 +137,7 @@ def _is_parameter(tensor: Tensor) -> bool:
     return isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter)
 
 
-def _unpack(saved: Any) -> Tensor:
-    if not isinstance(saved, _Saved):
-        return saved  # type: ignore[no-any-return]
+def _unpack(saved: _Saved) -> Tensor:
     tensor = saved.tensor
     if tensor._version != saved.version:
         raise RuntimeError(
