@@ -29,7 +29,7 @@ from __future__ import annotations
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -438,7 +438,10 @@ class DistributedPipe(PipeBase):
             refusal = error
             if isinstance(error, PeerError) and self._transport.alone():
                 raise  # no process is left to agree with
-        rows = self._agree(batches, targets, choice, refusal)
+        # The programs for the agreed micro-batch count are checked within the agreement:
+        # a pipeline whose replicas' batches split otherwise refuses before they run.
+        programs = None if chosen is None else lambda rows: self._programs(chosen, len(rows))
+        rows = self._agree(batches, targets, choice, refusal, programs=programs)
         assert chosen is not None and reduction is not None, "else every process raised"
         return chosen, reduction, MicroBatches(batches, targets, rows), router
 
@@ -633,14 +636,17 @@ class DistributedPipe(PipeBase):
         choice: str | None,
         refusal: Exception | None,
         with_target: bool = True,
+        programs: Callable[[list[int]], object] | None = None,
     ) -> list[int]:
         """The micro-batches' sizes, as stage 0's process split them, known to every process.
 
         Before any work: if a process refused its arguments, every process
         raises (that one its own error); so does every process if they chose
-        different schedules, or if the target and the input split differently;
-        with sharded stages, so do the other pipelines' processes that shard
-        them (``sharded.py``).
+        different schedules, if the target and the input split differently,
+        or if ``programs`` refuses the sizes (every process of the pipeline
+        alike: the schedule's programs for their count); with sharded stages
+        or replicas, so do the other pipelines' processes that shard or
+        replicate them (``sharded.py``, ``DataParallel``).
         """
         if choice is not None:
             choice += f", {self.chunks} chunks"
@@ -651,6 +657,8 @@ class DistributedPipe(PipeBase):
         agreed: list[int] = []
         try:
             agreed = self._agreed(rows, refusal, choice, with_target)
+            if programs is not None:
+                programs(agreed)
         except Exception as error:
             refusal = error
         else:

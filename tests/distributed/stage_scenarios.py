@@ -1604,6 +1604,18 @@ def a_pp_by_dp_grid_equals_single_process_training_on_the_full_batch() -> None:
     expect_error(Exception, lambda: model.step(x[:4], y[:rows], F.mse_loss), refused)
     assert time.monotonic() - started < 30, "the refusal took the timeout to reach this process"
     assert all(p.grad is None for p in pipe.parameters()), "a refused step computed something"
+    # Refused after the arguments passed: replica 0's 3 micro-batches, which interleaved's 2
+    # stages per process cannot take; replica 1 ran its step, then waited in its all-reduce.
+    interleaved = DistributedPipe(blocks(4, seed=4), [1, 1, 1, 1], group=pp_group, chunks=4)
+    replicated = DataParallel(interleaved, process_group=dp_group)
+    rows = 3 if replica == 0 else 4
+    started = time.monotonic()
+    refused = "multiple of" if replica == 0 else "another pipeline that replicates these stages"
+    expect_error(Exception, lambda: replicated.step(x[:rows], y[:rows], F.mse_loss,
+                                                   schedule="interleaved"), refused)  # fmt: skip
+    assert time.monotonic() - started < 30, "the refusal took the timeout to reach this process"
+    assert all(p.grad is None for p in interleaved.parameters()), "a refused step ran"
+    interleaved.close()
     model.step(x[replica * 4 : replica * 4 + 4], y[replica * 4 : replica * 4 + 4], F.mse_loss)
     plain = blocks(4, seed=4)
     F.mse_loss(plain(x), y).backward()
