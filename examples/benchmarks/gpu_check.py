@@ -426,7 +426,8 @@ def check_plan_memory(device: torch.device, quick: bool) -> dict[str, Any]:
         action_overhead=0.0, contention=1.0,  # times are not this part's: nothing measured for them
     )  # fmt: skip
     rows_out: list[dict[str, Any]] = []
-    for candidate in [plan.chosen, *plan.candidates][: 2 if quick else PLANNED_CONFIGURATIONS]:
+    weighed = [plan.chosen, *(c for c in plan.candidates if c is not plan.chosen)]
+    for candidate in weighed[: 2 if quick else PLANNED_CONFIGURATIONS]:
         rows_out.append(_measure_candidate(model, candidate, x, y, device))
     errors = [r["error"] for r in rows_out if r["error"] is not None]
     outside = [
