@@ -579,10 +579,11 @@ class DistributedPipe(PipeBase):
             )
         return chosen, reduction
 
-    def _check_sharding(self) -> None:
-        """Refuse stages sharded (FSDP2, tensor parallel) in a way a step would get wrong."""
-        stages = self.local_stages
-        check_sharding(self, self.partitions, stages, self._ties.parameters(), self._ties_here)
+    def _check_sharding(self, training: bool = True) -> None:
+        """Refuse stages sharded (FSDP2, tensor parallel) in a way a step (``training``) or an
+        evaluation would get wrong."""
+        stages, tied, here = self.local_stages, self._ties.parameters(), self._ties_here
+        check_sharding(self, self.partitions, stages, tied, here, training)
 
     def _check_scaler_agrees(self, grad_scaler: torch.amp.GradScaler | None) -> None:
         """Refuse a GradScaler that would let some stages step and others skip."""
@@ -809,7 +810,7 @@ class DistributedPipe(PipeBase):
         router: RouterTally | None = None
         try:
             reduction = self._check_evaluate_arguments(call)
-            self._check_sharding()
+            self._check_sharding(training=False)
             batches = self._scatter(self._input_of(call.input, call.kwargs), "input", needed=first)
             targets = self._scatter(call.target, "target", needed=last and with_loss)
             self._check_token_loss(batches, reduction, call.loss_divisor)

@@ -93,8 +93,10 @@ def check_sharding(
     stages: Iterable[int],
     tied: Iterable[nn.Parameter],
     ties_here: Sequence[Sequence[tuple[int, str]]] = (),
+    training: bool = True,
 ) -> None:
-    """Refuse a step or evaluation over stages sharded in a way it would get wrong."""
+    """Refuse a step (``training``) or evaluation over stages sharded in a way it would get
+    wrong."""
     stages = list(stages)
     if instance_of(pipe, "torch.distributed.fsdp", "FSDPModule"):
         raise ValueError(
@@ -105,6 +107,8 @@ def check_sharding(
     units = {s: fsdp_units(partitions[s]) for s in stages}
     if any(units.values()):
         _check_units(partitions, units)
+        if training:  # an evaluation runs in eval mode: it updates no buffer
+            _check_updated_buffers_shared(partitions, units)
     _check_ties_kept(partitions, stages, tied)
     _check_ties_here_kept(partitions, ties_here)
 
@@ -143,7 +147,6 @@ def _check_units(partitions: Sequence[nn.Module], units: dict[int, list[FSDPModu
     _check_units_within_stages(partitions, units)
     _check_all_sharded(partitions, units)
     _check_none_only_read(partitions, units)
-    _check_updated_buffers_shared(partitions, units)
 
 
 def _check_updated_buffers_shared(
