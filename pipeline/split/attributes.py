@@ -160,6 +160,7 @@ def recording(modules: dict[nn.Module, str]) -> Iterator[Recorded]:
     on leaving: the capture must not change the model.
     """
     recorded = Recorded(modules)
+    registered = {module: _registered_names(module) for module in modules}
     _install(+1)
     _state.recorded = recorded
     try:
@@ -173,6 +174,27 @@ def recording(modules: dict[nn.Module, str]) -> Iterator[Recorded]:
             _restore(module, attribute, value)
         for read, _ in held_changes(recorded):
             setattr(read.owner, read.attribute, read.value)
+        for module, names in registered.items():
+            _unregister_new(module, names)
+
+
+_REGISTRIES = ("_parameters", "_buffers", "_modules")
+
+
+def _registered_names(module: nn.Module) -> tuple[set[str], ...]:
+    """The names in ``module``'s parameters, buffers and submodules."""
+    held = object.__getattribute__(module, "__dict__")
+    return tuple(set(held[registry]) for registry in _REGISTRIES)
+
+
+def _unregister_new(module: nn.Module, before: tuple[set[str], ...]) -> None:
+    """Drop what the capture registered on ``module`` (``register_buffer`` at a block's first
+    call, in its fake run: the model would keep a fake tensor)."""
+    held = object.__getattribute__(module, "__dict__")
+    for registry, names in zip(_REGISTRIES, before, strict=True):
+        for name in set(held[registry]) - names:
+            del held[registry][name]
+            held.get("_non_persistent_buffers_set", set()).discard(name)
 
 
 def differs(value: Any, now: Any) -> bool:

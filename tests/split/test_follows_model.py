@@ -238,12 +238,24 @@ class CachesATable(Block):
         return x + torch.tanh(self.linear(x)) * self.table
 
 
-def test_a_tensor_a_block_keeps_from_its_first_call_is_not_left_fake_on_the_model() -> None:
+class RegistersATable(Block):
+    """A block that registers a buffer at its first call."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if "table" not in self._buffers:
+            self.register_buffer("table", torch.linspace(1.0, 2.0, 8, dtype=x.dtype))
+        return x + torch.tanh(self.linear(x)) * self.table
+
+
+@pytest.mark.parametrize("block", [CachesATable, RegistersATable])
+def test_a_tensor_a_block_keeps_from_its_first_call_is_not_left_fake_on_the_model(
+    block: type[nn.Module],
+) -> None:
     # Blocks run as themselves, their fake runs at split unrecorded: the table made in
     # one stayed on the model as a fake tensor, and the model and the split model both
-    # returned fake tensors, with no error.
+    # returned fake tensors, with no error (or failed at the first step, on a buffer).
     model = Model().double()
-    model.blocks = nn.ModuleList(CachesATable() for _ in range(3)).double()
+    model.blocks = nn.ModuleList(block() for _ in range(3)).double()
     made = copy.deepcopy(model)
     x = torch.randn(4, 4, dtype=torch.float64)
     made(x)  # a model called before: its block holds a real table, which stays
