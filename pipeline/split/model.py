@@ -55,6 +55,14 @@ class SplitModel(nn.Sequential):
             model, "loss_function"
         )
         self._router_loss = router_loss
+        config = getattr(model, "config", None)
+        self._encoder_decoder = bool(getattr(config, "is_encoder_decoder", False))
+
+    @property
+    def encoder_decoder(self) -> bool:
+        """Whether the model is an encoder-decoder (T5, BART: its ``attention_mask`` is the
+        encoder's, never its loss's)."""
+        return self._encoder_decoder
 
     @property
     def loss_name(self) -> str | None:

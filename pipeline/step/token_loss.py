@@ -49,11 +49,15 @@ class TokenLoss:
     """The loss a split transformers model computes from ``labels``: how its micro-batches'
     ``out.loss`` add up."""
 
-    def __init__(self, shift: bool | None, takes_count: bool, signature: Any) -> None:
+    def __init__(
+        self, shift: bool | None, takes_count: bool, signature: Any, masked: bool = False
+    ) -> None:
         # shift None: a forward computing its own loss (T5, BERT), which may or may not
-        # shift its labels; takes_count: whether a num_items_in_batch reaches its loss.
+        # shift its labels; takes_count: whether a num_items_in_batch reaches its loss;
+        # masked: whether that loss may count only the tokens its attention mask keeps.
         self.shift = shift
         self.takes_count = takes_count
+        self.masked = masked
         self._signature = signature
 
     @classmethod
@@ -65,7 +69,10 @@ class TokenLoss:
         name = module.loss_name
         shift = _SHIFTS.get(name or "", False if name is not None else None)
         takes_count = name in _SHIFTS and bool(getattr(module, "loss_takes_count", False))
-        return cls(shift, takes_count, signature)
+        # A forward computing its own loss may select tokens by the attention mask
+        # (ELECTRA's, BioGPT's token classification), unless that mask is an encoder's.
+        masked = shift is None and not getattr(module, "encoder_decoder", False)
+        return cls(shift, takes_count, signature, masked)
 
     def check(self, batches: list[Batch], reduction: LossReduction, divisor: Any) -> None:
         """Refuse, before any work, micro-batches whose ``out.loss`` would be weighed wrongly.
@@ -83,15 +90,22 @@ class TokenLoss:
             _check_summed(reduction, divisor)
             return
         labels = calls[0].get("labels")
-        if not isinstance(labels, Tensor) or labels.is_floating_point():
-            return  # a regression's or multi-label loss: a mean over every row's values
+        if not isinstance(labels, Tensor):
+            return
         rows = [batch.rows() for batch in batches]
         # A forward computing its own loss may shift its labels or not, and may count only
-        # the tokens its attention mask keeps (ELECTRA's, BioGPT's token classification):
-        # every way it may count must be in proportion to the rows.
+        # the tokens its attention mask keeps: every way it may count must be in
+        # proportion to the rows.
         ways = [(self.shift, False)]
         if self.shift is None:
-            ways = [(shift, masked) for shift in (False, True) for masked in (False, True)]
+            masks = (False, True) if self.masked else (False,)
+            ways = [(shift, masked) for shift in (False, True) for masked in masks]
+        if labels.is_floating_point():
+            # A regression's or multi-label loss: a mean over every row's values; or, in a
+            # forward of its own, maybe over those its attention mask keeps (ELECTRA's).
+            ways = [(False, True)] if self.masked else []
+            if not ways:
+                return
         # One read for every micro-batch's counts (a device sync on a GPU).
         tokens = [self._tokens(call, *way) for way in ways for call in calls]
         read = [int(c) for c in torch.stack(tokens).tolist()]

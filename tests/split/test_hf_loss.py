@@ -293,9 +293,16 @@ def _masked_loss_models() -> dict[str, Any]:
     }
 
 
-@pytest.mark.parametrize("name", ["electra pretraining", "biogpt token classification"])
+@pytest.mark.parametrize(
+    ("name", "dtype"),
+    [
+        ("electra pretraining", torch.long),
+        ("electra pretraining", torch.double),  # it takes its 0/1 labels as floats too
+        ("biogpt token classification", torch.long),
+    ],
+)
 def test_a_loss_over_the_tokens_the_attention_mask_keeps_is_checked_by_that_count(
-    name: str,
+    name: str, dtype: torch.dtype
 ) -> None:
     # Their forwards compute out.loss over the tokens the attention mask keeps; labels with no
     # -100 looked in proportion to the rows, and uneven padding gave another loss and
@@ -304,7 +311,7 @@ def test_a_loss_over_the_tokens_the_attention_mask_keeps_is_checked_by_that_coun
     model = _masked_loss_models()[name]().double()
     model.config._attn_implementation = "eager"
     plain = twin(model)
-    ids, labels = torch.randint(3, VOCAB, (8, 6)), torch.randint(0, 2, (8, 6))
+    ids, labels = torch.randint(3, VOCAB, (8, 6)), torch.randint(0, 2, (8, 6)).to(dtype)
     mask = torch.ones(8, 6, dtype=torch.long)
     seq = pipeline.split(model, (ids,), {"attention_mask": mask, "labels": labels})
     uneven = mask.clone()
@@ -317,6 +324,27 @@ def test_a_loss_over_the_tokens_the_attention_mask_keeps_is_checked_by_that_coun
         even[::2, 4:] = 0  # two pads in every other row: each micro-batch keeps as many
         loss = pipe.step(ids, labels, out_loss, kwargs={"attention_mask": even, "labels": labels})
     expected = plain(ids, attention_mask=even, labels=labels).loss
+    expected.backward()
+    torch.testing.assert_close(loss, expected)
+    assert_same(gradients(model), gradients(plain))
+
+
+def test_an_encoder_decoders_attention_mask_is_not_taken_for_its_losss() -> None:
+    # T5's attention_mask is its encoder's: its loss counts the decoder's labels alone.
+    # Shaped like the labels and padded unevenly, it was taken for the loss's and the
+    # step refused, where it gives the plain model's loss and gradients.
+    model = t5()
+    plain = twin(model)
+    torch.manual_seed(0)
+    ids, labels = torch.randint(3, VOCAB, (8, 6)), torch.randint(3, VOCAB, (8, 6))
+    labels[::2, 5:] = -100  # one ignored label in every other row: even across micro-batches
+    mask = torch.ones(8, 6, dtype=torch.long)
+    seq = pipeline.split(model, (ids,), {"attention_mask": mask, "labels": labels})
+    mask[:4, 3:] = 0  # the first micro-batch's sources short
+    kwargs = {"attention_mask": mask, "labels": labels}
+    with contextlib.closing(Pipe(seq, [3, len(seq) - 3], chunks=2)) as pipe:
+        loss = pipe.step(ids, labels, out_loss, kwargs=kwargs)
+    expected = plain(ids, **kwargs).loss
     expected.backward()
     torch.testing.assert_close(loss, expected)
     assert_same(gradients(model), gradients(plain))
