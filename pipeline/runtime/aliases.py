@@ -62,14 +62,21 @@ def sharing_groups(value: Value) -> list[frozenset[int]]:
 
 
 def _has_memory(leaf: object) -> bool:
-    """A dense tensor with memory of its own to share (not meta, not empty, not sparse)."""
-    return (
+    """A dense tensor with memory of its own to share (not meta, not empty, not sparse; not
+    a wrapper with no storage, such as the result of a collective not waited for yet)."""
+    if not (
         isinstance(leaf, Tensor)
         and leaf.layout == torch.strided
         and not leaf.is_nested
         and leaf.device.type != "meta"
         and leaf.numel() > 0
-    )
+    ):
+        return False
+    try:
+        leaf.untyped_storage().data_ptr()
+    except RuntimeError:
+        return False
+    return True
 
 
 def _span(tensor: Tensor) -> tuple[int, int, int]:

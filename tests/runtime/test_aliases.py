@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_map
 
 from pipeline import Pipe
+from pipeline.runtime.aliases import sharing_groups
 
 
 class Twice(nn.Module):
@@ -170,3 +173,31 @@ def test_tensors_sharing_memory_that_are_only_read_give_the_plain_models_results
     if engine != "evaluate":
         for name, p in plain.named_parameters():
             torch.testing.assert_close(pipe_model.get_parameter(name).grad, p.grad, msg=name)
+
+
+class _Wrapper(Tensor):
+    """A tensor wrapping another, with no storage of its own (as a collective's result not
+    waited for yet: tensor parallelism's AsyncCollectiveTensor)."""
+
+    inner: Tensor
+
+    @staticmethod
+    def __new__(cls, inner: Tensor) -> _Wrapper:
+        made = Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype)
+        made.inner = inner
+        return made  # type: ignore[no-any-return]
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        def unwrapped(value: Any) -> Any:
+            return value.inner if isinstance(value, _Wrapper) else value
+
+        return func(*tree_map(unwrapped, args), **tree_map(unwrapped, kwargs or {}))
+
+
+def test_outputs_without_storage_of_their_own_are_taken_to_share_nothing() -> None:
+    # A stage ending in a tensor-parallel layer sends a tuple holding such a tensor: reading
+    # its storage failed mid-step ("an invalid python storage"), and stranded the pipe.
+    wrapped = _Wrapper(torch.randn(3, 4))
+    plain = torch.randn(3, 4)
+    assert sharing_groups((wrapped, plain, plain[:, :2])) == [frozenset({1, 2})]
