@@ -27,6 +27,7 @@ from pipeline.plan.checks import (
     check_measures,
     check_placement,
     check_plan_arguments,
+    check_target_rows,
 )
 from pipeline.plan.contention import NO_CONTENTION, Contention, cpu_contention
 from pipeline.plan.links import Link, measure_link
@@ -183,6 +184,7 @@ def plan(
             optimizer_bytes_per_param,
             what="devices" if here is None else "processes",
         )
+        check_target_rows(target, size)
         if mesh is not None:
             refuse_unshardable(sequential)
         if pg is not None and dist.get_world_size(pg) != count:

@@ -9,6 +9,7 @@ from typing import TypeGuard, cast
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from pipeline.arguments import Device, resolve_devices
 from pipeline.runtime.microbatch import scatter
@@ -33,6 +34,18 @@ def default_chunks(batch_size: int) -> tuple[int, ...]:
     (1, 2, 4, 8)
     """
     return tuple(c for c in (1, 2, 4, 8, 16, 32) if batch_size % c == 0)
+
+
+def check_target_rows(target: object, batch_size: int) -> None:
+    """Refuse a target (holding tensors) whose rows are not the sample's: its micro-batches
+    would not be the input's."""
+    holds = any(isinstance(leaf, torch.Tensor) for leaf in tree_leaves(target))
+    split = scatter(target, 1) if holds else []
+    if split and split[0].rows() != batch_size:
+        raise ValueError(
+            f"batch_size={batch_size} but the target has {split[0].rows()} rows; pass the "
+            "target of the same mini-batch as the sample input, as pipe.step will take them"
+        )
 
 
 def check_plan_arguments(

@@ -57,6 +57,7 @@ from pipeline.plan.partition import fitting_balance
 from pipeline.plan.profile import LayerTimes, Saved
 from pipeline.plan.sharding import LayerCollectives, shard_stages, stage_collectives
 from pipeline.plan.timing import matching, predicted_seconds, stage_costs
+from pipeline.runtime.partitions import call_style_of
 from pipeline.step.schedules import resolve_schedule
 
 if TYPE_CHECKING:
@@ -155,9 +156,11 @@ class Placement:
 
         if self.group is None:
             devices = list(self.devices) * (len(balance) // len(self.devices))
-            return Pipe(model, balance, devices=devices, chunks=chunks, checkpoint="never")
+            return Pipe(model, balance, devices=devices, chunks=chunks, checkpoint="never",
+                        call_style=call_style_of(model))  # fmt: skip
         pipe = DistributedPipe(model, balance, group=self.group, device=self.devices[0],
-                               chunks=chunks, checkpoint="never")  # fmt: skip
+                               chunks=chunks, checkpoint="never",
+                               call_style=call_style_of(model))  # fmt: skip
         if self.shards is not None:
             shard_stages(pipe, self.shards)
         return pipe

@@ -26,6 +26,7 @@ from pipeline.plan.pace import Pace
 from pipeline.plan.search import Candidate
 from pipeline.plan.sharding import Sharding, shard_stages
 from pipeline.runtime.agreement import gather_rows
+from pipeline.runtime.partitions import call_style_of
 from pipeline.step.reports import DistributedStepReport, _bytes
 
 if TYPE_CHECKING:
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
 __all__ = ["Plan", "PlanCheck", "PlanError", "Processes", "choose"]
 
 # What plan.distributed() takes from the plan, and may not be given again.
-_PLANNED = ("balance", "chunks", "checkpoint", "group", "device")
+_PLANNED = ("balance", "chunks", "checkpoint", "group", "device", "call_style")
 
 RUNNER_UPS = 8
 
@@ -185,6 +186,7 @@ class Plan:
             devices=self.devices,
             chunks=self.chunks,
             checkpoint=self.checkpoint,  # type: ignore[arg-type]
+            call_style=call_style_of(self.model),
         )
 
     def distributed(self, **options: Any) -> DistributedPipe:
@@ -227,6 +229,7 @@ class Plan:
             device=self.processes.device,
             chunks=self.chunks,
             checkpoint=self.checkpoint,  # type: ignore[arg-type]
+            call_style=call_style_of(self.model),
             **options,
         )
         sharding = self.processes.sharding

@@ -17,7 +17,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -47,6 +47,7 @@ __all__ = [
     "PartitionCall",
     "PartitionRuntime",
     "PositionalSequential",
+    "call_style_of",
     "protected",
     "starts_in_place",
 ]
@@ -228,3 +229,9 @@ def starts_in_place(partition: nn.Sequential) -> bool:
     while isinstance(first, nn.Sequential) and len(first) > 0:
         first = first[0]
     return getattr(first, "inplace", False) is True
+
+
+def call_style_of(model: nn.Module) -> Literal["tuple", "positional"]:
+    """The call style a Pipe of ``model`` takes to run its layers as ``model`` does: a
+    ``PositionalSequential`` spreads a tuple into the next layer's arguments."""
+    return "positional" if isinstance(model, PositionalSequential) else "tuple"

@@ -168,6 +168,44 @@ def test_bad_arguments_are_refused_before_any_work(
         pipeline.plan(gelu_mlp(), x, y, F.mse_loss, **arguments)  # type: ignore[arg-type]
 
 
+def test_a_target_of_other_rows_than_the_sample_is_refused_before_any_work() -> None:
+    # It was profiled (the loss broadcast one row, or failed inside mse_loss), and the plan's
+    # pipe refused it at its first step.
+    x, y = batch()
+    for target in (y[:1], y[:8]):
+        with pytest.raises(ValueError, match=f"the target has {len(target)} rows"):
+            pipeline.plan(gelu_mlp(), x, target, F.mse_loss, devices=["cpu", "cpu"],
+                          batch_size=len(x), memory_limit=2**30)  # fmt: skip
+
+
+class _TwoOut(nn.Linear):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        return super().forward(x), torch.tanh(x)
+
+
+class _Join(nn.Module):
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a * b
+
+
+def test_a_positional_sequential_is_built_as_it_was_planned() -> None:
+    # Profiled spreading each tuple into the next layer's arguments, it was built with the
+    # default call style, which hands the tuple whole: the first step failed in a layer.
+    torch.manual_seed(0)
+    model = pipeline.PositionalSequential(_TwoOut(16, 16), _Join(), nn.Linear(16, 16)).double()
+    plain = copy.deepcopy(model)
+    x, y = batch()
+    plan = pipeline.plan(model, x, y, F.mse_loss, devices=["cpu", "cpu"], batch_size=len(x),
+                         memory_limit=2**30, chunks=[2], repeats=1)  # fmt: skip
+    pipe = plan.pipe()
+    assert pipe.call_style == "positional"
+    pipe.step(x, y, F.mse_loss, schedule=plan.schedule)
+    F.mse_loss(plain(x), y).backward()
+    for planned, expected in zip(pipe.parameters(), plain.parameters(), strict=True):
+        assert planned.grad is not None and expected.grad is not None
+        torch.testing.assert_close(planned.grad, expected.grad, rtol=0, atol=1e-12)
+
+
 def test_a_model_that_is_not_sequential_is_refused() -> None:
     x, y = batch()
     with pytest.raises(TypeError, match=r"pipeline.split\(model"):
