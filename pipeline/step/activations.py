@@ -14,9 +14,9 @@ Parameters are not activations and are left out (FSDP2's gathered ones
 too, and views of them), and so are the caller's input and target, of
 which the micro-batches are views (the step keeps no copy of them): what
 is counted is what the step itself keeps. A DTensor counts its shard, a
-sparse tensor its indices and values. torch does not check a tensor
-saved under hooks for writes in place before its backward; the meter
-does, raising torch's error where torch would. The count is the same on CPU and
+sparse tensor its indices and values. torch does not check a tensor saved
+under hooks for writes in place before its backward; the meter does,
+raising torch's error where torch would. The count is the same on CPU and
 CUDA: bytes autograd holds, not what the allocator reserved (its caches,
 its rounding, the workspace of kernels); a view counts its whole storage.
 It costs a few microseconds per saved tensor, so it is off by
