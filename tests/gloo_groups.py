@@ -249,6 +249,13 @@ def expect_error(kind: type[Exception], run: Callable[[], Any], *fragments: str)
     raise AssertionError(f"expected {kind.__name__} mentioning {fragments}")
 
 
+def assert_same_buffers(actual: torch.nn.Module, expected: torch.nn.Module, what: str) -> None:
+    """Every buffer of ``actual`` equal, bit for bit, to ``expected``'s of its name."""
+    reference = dict(expected.named_buffers())
+    for name, buffer in actual.named_buffers():
+        torch.testing.assert_close(buffer, reference[name], rtol=0, atol=0, msg=f"{what}: {name}")
+
+
 def _destroy_at_exit() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()

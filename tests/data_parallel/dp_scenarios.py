@@ -36,6 +36,7 @@ from pipeline.runtime.process_group import collective_device
 from tests import gloo_groups
 from tests.gloo_groups import (
     SimulatedCrashError,
+    assert_same_buffers,
     breaks_group,
     expect_error,
     main,
@@ -465,10 +466,7 @@ def statistics_a_step_updates_are_rank_0s_on_every_replica_after_it() -> None:
         first = Pipe(copy.deepcopy(model), [2, 2], chunks=2, deferred_batch_norm=deferred)
         DataParallel(pipe).step(shard(x), shard(y), F.mse_loss)
         first.step(shard(x, 0), shard(y, 0), F.mse_loss)  # rank 0's rows, on every rank
-        expected = dict(first.named_buffers())
-        for name, buffer in pipe.named_buffers():
-            what = f"deferred={deferred}: {name}"
-            torch.testing.assert_close(buffer, expected[name], rtol=0, atol=0, msg=what)
+        assert_same_buffers(pipe, first, f"deferred={deferred}")
         pipe.close()
         first.close()
 

@@ -49,7 +49,14 @@ from tests.distributed.checkpoint_scenarios import (
     train,
     uninterrupted,
 )
-from tests.gloo_groups import calls_counted, expect_error, main, rank, scenario
+from tests.gloo_groups import (
+    assert_same_buffers,
+    calls_counted,
+    expect_error,
+    main,
+    rank,
+    scenario,
+)
 
 WIDTH = 6
 ROWS = 8  # per step and replica: 4 micro-batches of 2 rows
@@ -401,10 +408,7 @@ def _first_replicas_statistics(group: dist.ProcessGroup, shards: DeviceMesh, row
         for schedule in ("1f1b", "zb-h1"):
             sharded.step(x[rows], y[rows], F.mse_loss, schedule=schedule)
             unsharded.step(x[first], y[first], F.mse_loss, schedule=schedule)
-            expected = dict(unsharded.named_buffers())
-            for name, buffer in sharded.named_buffers():
-                what = f"deferred={deferred}, {schedule}: {name}"
-                torch.testing.assert_close(buffer, expected[name], rtol=0, atol=0, msg=what)
+            assert_same_buffers(sharded, unsharded, f"deferred={deferred}, {schedule}")
         sharded.close()
         unsharded.close()
 
