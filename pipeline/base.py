@@ -712,9 +712,10 @@ class PipeBase(nn.Module, ABC):
         back-propagated through partition ``j``, so that gradients can be
         communicated while earlier partitions are still in backward. It runs
         on an autograd engine thread with ``pipe(x)``, on the thread running
-        the partition with ``step``. With ``pipe(x)``, partition 0 is
-        signalled only when the input requires grad (otherwise its end is the
-        end of backward). A partition sharing a parameter with another is
+        the partition with ``step``. With ``pipe(x)``, a partition is
+        signalled only when its inputs require grad: partition 0 when the
+        input does, a later one unless everything before it is frozen
+        (otherwise its end is the end of backward). A partition sharing a parameter with another is
         signalled once both have ended (with ``step``, on the worker of the
         one that ended last: in ZB-H1 the last partition can end after the
         first). A ``DistributedPipe`` signals only this process's

@@ -291,8 +291,14 @@ def _check_output(output: Batch, j: int) -> None:
 
 
 def _depend(before: Batch, after: Batch) -> None:
+    """Order ``before``'s backward after ``after``'s, on tensors that carry gradients.
+
+    An edge into a micro-batch none of whose tensors requires grad (behind
+    frozen partitions) would make it require grad, which the layers and
+    their hooks would see: there is no backward through it to order then.
+    """
     if not torch.is_grad_enabled():
         return  # fork and join draw no edge without grad; skip finding their carriers
-    a, b = before.first_differentiable(), after.first_differentiable()
+    a, b = _gradient_index(before), _gradient_index(after)
     if a is not None and b is not None:
         before[a], after[b] = depend(before[a], after[b])

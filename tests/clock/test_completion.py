@@ -105,6 +105,73 @@ def test_a_float_mask_before_the_activation_still_signals_every_partition() -> N
     signalled: list[int] = []
     pipe.register_partition_backward_hook(signalled.append)
     mask = (torch.rand(6, 4, generator=torch.Generator().manual_seed(0)) > 0.5).double()
+    masks: list[bool] = []
+    for layer in model:
+        layer.register_forward_pre_hook(lambda _, args: masks.append(args[0][0].requires_grad))
     _, out = pipe((mask, torch.randn(6, 4, dtype=torch.float64)))
     out.sum().backward()
     assert sorted(signalled) == [1, 2]  # partition 0's input needs no gradient
+    # The edges ordering the backwards ride on the activation: the mask needs no grad.
+    assert masks and not any(masks)
+
+
+class Reentrant(nn.Module):
+    """A layer under torch's reentrant checkpoint: its weight gets a gradient only from a
+    micro-batch whose input requires grad, so it sees what the plain model would."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.inputs_requiring_grad: list[bool] = []
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.inputs_requiring_grad.append(x.requires_grad)
+        out: Tensor = torch.utils.checkpoint.checkpoint(self.lin, x, use_reentrant=True)
+        return out
+
+
+def behind_a_frozen_layer() -> nn.Sequential:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), Reentrant(), nn.Tanh(), nn.Linear(6, 3))
+    model[0].requires_grad_(False)
+    return model.double()
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_inputs_behind_frozen_partitions_need_no_grad_as_in_the_plain_model(
+    checkpoint: str,
+) -> None:
+    # The edge ordering micro-batches' backwards made every input after the first
+    # require grad: the layer saw True 3 times of 4, and under reentrant checkpointing
+    # its weight got the gradients of those 3 micro-batches where the plain model's none.
+    x, y = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
+    plain = behind_a_frozen_layer()
+    for xi, yi in zip(x.chunk(4), y.chunk(4), strict=True):
+        (nn.functional.mse_loss(plain(xi), yi) / 4).backward()
+    model = behind_a_frozen_layer()
+    pipe = Pipe(model, [2, 3], devices=["cpu"] * 2, chunks=4, checkpoint=checkpoint)  # type: ignore[arg-type]
+    nn.functional.mse_loss(pipe(x), y).backward()
+    assert plain[2].inputs_requiring_grad == [False] * 4
+    # Checkpointed tasks run twice; every run saw what the plain model's did.
+    assert set(model[2].inputs_requiring_grad) == {False}
+    for (name, p), q in zip(plain.named_parameters(), model.parameters(), strict=True):
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_a_partition_behind_frozen_ones_is_signalled_by_step_not_by_a_backward() -> None:
+    # pipe(x): no gradient flows into partition 1's inputs to observe (as for partition 0
+    # when the input needs none); step knows when each partition's last backward ran.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3))
+    model[0].requires_grad_(False)
+    pipe = Pipe(model.double(), [2, 2, 1], devices=["cpu"] * 3, chunks=4, checkpoint="never")
+    signalled: list[int] = []
+    pipe.register_partition_backward_hook(signalled.append)
+    x, y = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
+    nn.functional.mse_loss(pipe(x), y).backward()
+    assert signalled == [2]
+    signalled.clear()
+    pipe.step(x, y, nn.functional.mse_loss)
+    assert sorted(signalled) == [0, 1, 2]
