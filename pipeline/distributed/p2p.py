@@ -324,7 +324,8 @@ class P2PTransport:
         self._mailboxes.check(self.step)
 
     def received(self) -> dict[tuple[int, str], int]:
-        """The messages of this step that came from other processes: {(rank, kind): count}."""
+        """The stages' messages of this step that came from other processes (not the
+        step's own sums and agreements): {(rank, kind): count}."""
         with self._received_lock:
             return dict(self._received.get(self.step, {}))
 
@@ -469,8 +470,9 @@ class P2PTransport:
                     if self._mailboxes.abort(key, _RelayedError(summary)):
                         self._tell_peers(key, summary, but=peer)
                     continue
-                with self._received_lock:
-                    self._received.setdefault(key[0], Counter())[peer, _kind(key[1])] += 1
+                if not _aside(key):  # the report counts the stages' messages
+                    with self._received_lock:
+                        self._received.setdefault(key[0], Counter())[peer, _kind(key[1])] += 1
                 self._mailboxes.put(key[0], key[1], message)
         except MalformedMessageError as error:
             self._leave(

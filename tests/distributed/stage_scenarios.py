@@ -15,7 +15,7 @@ import struct
 import sys
 import time
 import warnings
-from collections import namedtuple
+from collections import Counter, namedtuple
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
@@ -1134,7 +1134,16 @@ def last_step_reports_this_process_stages() -> None:
         s: report.simulation.peak_in_flight[s] for s in pipe.local_stages
     }
     assert all(p.peak_activation_bytes for p in report.partitions)
-    assert sum(report.received.values()) > 0
+    # Only the stages' messages: each stage's activations from the one before it and
+    # gradients from the one after, none of the step's own sums and agreements.
+    expected: Counter[tuple[int, str]] = Counter()
+    last = 2 * world() - 1
+    for stage in pipe.local_stages:
+        if stage > 0:
+            expected[(stage - 1) % world(), "act"] += 2 * world()
+        if stage < last:
+            expected[(stage + 1) % world(), "grad"] += 2 * world()
+    assert report.received == dict(expected)
     # The call holds the actions, and the agreement before them and the end's messages after.
     assert report.call_duration > report.duration > 0
     text = repr(report)
