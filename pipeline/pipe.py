@@ -50,7 +50,7 @@ from pipeline.step.reports import StepReport
 from pipeline.step.runner import StepRun, forward_programs, programs_by_worker
 from pipeline.step.schedules import Schedule, resolve_schedule
 from pipeline.step.sharded import fsdp_units
-from pipeline.step.simulate import Simulation
+from pipeline.step.simulate import Simulation, forward_idle
 from pipeline.trace.profiling import warn_if_workers_unseen
 from pipeline.trace.recording import begin_explicit_step
 
@@ -344,7 +344,8 @@ class Pipe(PipeBase):
             n = len(self.partitions)
             programs = forward_programs(len(batches), n, n)
             by_worker = programs_by_worker(programs, self._thread_of)
-            begin_explicit_step()
+            thread_of_program = _thread_of_program(len(programs), by_worker)
+            begin_explicit_step(forward_idle(programs, thread_of_program, n).stages)
             with self._evaluating(), self._runtime.watching(batches):
                 run = self._evaluation_run(
                     call,

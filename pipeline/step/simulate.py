@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from pipeline.step.actions import Action, Kind, Program
 
-__all__ = ["COSTS", "Idle", "ProgramError", "Simulation", "play", "validate"]
+__all__ = ["COSTS", "Idle", "ProgramError", "Simulation", "forward_idle", "play", "validate"]
 
 COSTS: dict[Kind, float] = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
 
@@ -101,19 +101,7 @@ class Simulation:
             groups.setdefault(worker_of_program[k], []).append(program)
         alone = len(groups) == 1
         merged = [list(self.thread_order(group, alone)) for group in groups.values()]
-        stages = len(self.peak_in_flight)
-        start, end = play(merged, stages)
-        makespan = max(end.values(), default=0.0)
-        if not makespan:
-            return Idle(0.0, 0.0)
-        busy_by_stage = [0.0] * stages
-        for action, ended in end.items():
-            busy_by_stage[action.stage] += ended - start[action]
-        busy = [sum(end[a] - start[a] for a in program) for program in merged]
-        return Idle(
-            workers=sum(1.0 - b / makespan for b in busy) / len(busy),
-            stages=sum(1.0 - b / makespan for b in busy_by_stage) / stages,
-        )
+        return _idle_of_merged(merged, len(self.peak_in_flight))
 
     def thread_order(self, programs: list[Program], alone: bool) -> Sequence[Action]:
         """The actions of ``programs``, all run by one thread, in an order it can follow.
@@ -129,6 +117,42 @@ class Simulation:
         if alone:
             return self.one_thread_order
         return sorted(itertools.chain.from_iterable(programs), key=self.start.__getitem__)
+
+
+def forward_idle(programs: list[Program], worker_of_program: Sequence[int], stages: int) -> Idle:
+    """The idle shares of forward-only ``programs`` (an evaluation's), with unit costs, when
+    worker ``worker_of_program[k]`` runs ``programs[k]``: a worker's actions in the order
+    they start when each program runs alone (a forward waits only for an earlier stage's).
+
+    >>> from pipeline.step.actions import parse_program
+    >>> programs = [parse_program("0F0 0F1"), parse_program("1F0 1F1")]
+    >>> round(forward_idle(programs, [0, 1], 2).stages, 6)  # GPipe's (n - 1) / (m + n - 1)
+    0.333333
+    >>> forward_idle(programs, [0, 0], 2)
+    Idle(workers=0.0, stages=0.5)
+    """
+    start, _ = play(programs, stages)
+    groups: dict[int, list[Action]] = {}
+    for k, program in enumerate(programs):
+        groups.setdefault(worker_of_program[k], []).extend(program)
+    merged = [sorted(group, key=start.__getitem__) for group in groups.values()]
+    return _idle_of_merged(merged, stages)
+
+
+def _idle_of_merged(merged: list[Program], stages: int) -> Idle:
+    """The idle shares of playing ``merged``, one program per worker, with unit costs."""
+    start, end = play(merged, stages)
+    makespan = max(end.values(), default=0.0)
+    if not makespan:
+        return Idle(0.0, 0.0)
+    busy_by_stage = [0.0] * stages
+    for action, ended in end.items():
+        busy_by_stage[action.stage] += ended - start[action]
+    busy = [sum(end[a] - start[a] for a in program) for program in merged]
+    return Idle(
+        workers=sum(1.0 - b / makespan for b in busy) / len(busy),
+        stages=sum(1.0 - b / makespan for b in busy_by_stage) / stages,
+    )
 
 
 def validate(programs: list[Program], m: int, stages: int) -> Simulation:

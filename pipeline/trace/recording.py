@@ -213,7 +213,7 @@ def span(kind: Kind, microbatch: int, partition: int) -> AbstractContextManager[
 def begin_explicit_step(schedule_bound: float | None = None) -> None:
     """Begin a step of ``Pipe.step`` in the trace recording now, with its simulated idle share.
 
-    An evaluation (``Pipe.evaluate``) begins one too, without a simulation.
+    An evaluation (``Pipe.evaluate``) begins one too, with its forwards' share.
     """
     if _active is not None:
         _active._begin_step(schedule_bound)

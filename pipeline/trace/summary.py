@@ -36,10 +36,12 @@ class Summary:
     ``window`` is the time from each step's first task to its last, summed
     over ``steps``; ``bubble_bound`` is GPipe's idle share (n-1)/(m+n-1) for
     ``microbatches`` (m) and ``partitions`` (n) equal tasks. For steps run
-    with an explicit schedule (``Pipe.step``), ``schedule_bound`` is that
-    schedule's own idle share per partition, simulated with unit costs on
-    the threads the steps ran on (``StepReport.simulated_idle.stages``). ``str()`` gives a
-    table::
+    with an explicit schedule (``Pipe.step``, ``Pipe.evaluate``),
+    ``schedule_bound`` is the mean of their programs' own idle shares per
+    partition, simulated with unit costs on the threads the steps ran on
+    (``StepReport.simulated_idle.stages``). ``mixed``: the steps were of both
+    kinds (``pipe(x)`` and explicit), so neither bound is theirs and the
+    table names none. ``str()`` gives a table::
 
         print(trace.summary())
     """
@@ -50,6 +52,7 @@ class Summary:
     partitions: list[PartitionSummary]
     bubble_bound: float
     schedule_bound: float | None = None
+    mixed: bool = False
 
     @property
     def idle_fraction(self) -> float:
@@ -73,20 +76,25 @@ class Summary:
             "  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)) for row in rows
         ]
         over = f"over all {self.steps} steps" if self.steps > 1 else "over the step"
-        foot = f"idle (bubble) fraction {over} {self.idle_fraction:.1%}; " + (
+        foot = f"idle (bubble) fraction {over} {self.idle_fraction:.1%}; " + self._bound(n)
+        return "\n".join([head, *table, foot])
+
+    def _bound(self, n: int) -> str:
+        if self.mixed:
+            return "steps of pipe(x) and of explicit schedules mixed: no one bound to compare"
+        if self.schedule_bound is not None:
+            return f"the schedule's simulated idle fraction {self.schedule_bound:.1%}"
+        return (
             f"GPipe bound (n-1)/(m+n-1) = ({n}-1)/({self.microbatches}+{n}-1) = "
             f"{self.bubble_bound:.1%}"
-            if self.schedule_bound is None
-            else f"the schedule's simulated idle fraction {self.schedule_bound:.1%}"
         )
-        return "\n".join([head, *table, foot])
 
 
 def summarize(events: Sequence[Event], schedule_bounds: Sequence[float] = ()) -> Summary:
     """Summarise ``events``; idle time is measured within each step's window.
 
     ``schedule_bounds`` are the simulated idle fractions of the explicit
-    schedules the steps ran, if any.
+    schedules the steps ran, if any: one per step when all were explicit.
 
     >>> s = summarize([Event("forward", 0, 0, 0, "t", 0.0, 1.0),
     ...                Event("forward", 0, 1, 0, "t", 1.0, 2.0)])
@@ -102,13 +110,15 @@ def summarize(events: Sequence[Event], schedule_bounds: Sequence[float] = ()) ->
     partitions = [
         _partition_summary(j, [e for e in events if e.partition == j], window) for j in range(n)
     ]
+    every_step = len(schedule_bounds) == len(windows)
     return Summary(
         steps=len(windows),
         microbatches=m,
         window=window,
         partitions=partitions,
         bubble_bound=bubble_fraction(m, n),
-        schedule_bound=sum(schedule_bounds) / len(schedule_bounds) if schedule_bounds else None,
+        schedule_bound=sum(schedule_bounds) / len(schedule_bounds) if every_step else None,
+        mixed=bool(schedule_bounds) and not every_step,
     )
 
 

@@ -224,3 +224,38 @@ def test_a_step_that_fails_midway_leaves_no_report_and_a_refused_one_the_last() 
     with pytest.raises(ValueError, match="armed"):
         pipe.step(x, x, F.mse_loss)
     assert pipe.last_step is None
+
+
+@pytest.mark.parametrize("threads", ["partition", "device"])
+def test_a_traces_bound_counts_each_evaluations_forwards_and_names_none_for_mixed_steps(
+    threads: str,
+) -> None:
+    # The bound was the training steps' mean, beside an idle share over every step,
+    # evaluations included; and a trace of pipe(x) and step calls compared the lot
+    # with the step's schedule.
+    n, m = 3, 4
+    pipe = Pipe(
+        nn.Sequential(*(block() for _ in range(n))),
+        [1] * n,
+        devices=["cpu"] * n,
+        chunks=m,
+        threads=threads,  # type: ignore[arg-type]
+    )
+    x = torch.randn(8, WIDTH)
+    with pipeline.trace() as t:
+        pipe.evaluate(x)
+    # A thread each: GPipe's forward bound; one thread: each stage a third of the work.
+    alone = (n - 1) / (m + n - 1) if threads == "partition" else 1 - 1 / n
+    assert t.summary().schedule_bound == pytest.approx(alone)
+    with pipeline.trace() as t:
+        pipe.step(x, x, F.mse_loss, schedule="1f1b")
+        pipe.evaluate(x)
+    assert pipe.last_step is not None
+    mean = (pipe.last_step.simulated_idle.stages + alone) / 2
+    assert t.summary().schedule_bound == pytest.approx(mean)
+    with pipeline.trace() as t:
+        pipe.step(x, x, F.mse_loss, schedule="1f1b")
+        pipe(x).sum().backward()  # type: ignore[union-attr]
+    summary = t.summary()
+    assert summary.mixed and summary.schedule_bound is None
+    assert "no one bound to compare" in str(summary)
