@@ -72,6 +72,8 @@ class Reducer:
         # Each synced forward's number, and whether its backward has averaged the gradients.
         self._iteration = 0
         self._reduced = False
+        # Why no step may follow (a failed step left all-reduces the others may lack).
+        self._out_of_step: str | None = None
         self._ready = [False] * len(self._params)
         self._ready_order: list[int] = []
         self._missing: list[int] = []
@@ -87,8 +89,37 @@ class Reducer:
         """The current buckets, in launch order."""
         return self._buckets
 
+    def prepare_for_forward(self) -> None:
+        """Begin a synced forward's step, before the module runs: a replica whose forward
+        raises has counted it all the same, so that ``_check_same_step`` sees it if the
+        replica goes on while the others average this step."""
+        with self._lock:
+            self._start_iteration()
+
+    def step_failed(self) -> None:
+        """A step (``Pipe.step``) raised on this replica: if its partitions had launched
+        all-reduces, no later step may run.
+
+        Its partitions end on threads of their own, so how far each got before
+        the failure stopped them is a matter of timing: the replicas, even all
+        failing alike, may have launched different all-reduces, and the next
+        step's would pair with another replica's leftovers (gloo aborts the
+        process on the sizes, or averages the wrong tensors where they agree).
+        """
+        with self._lock:
+            launched = [b.index for b in self._buckets if b.launched]
+            if launched and not self._reduced:
+                self._out_of_step = (
+                    f"DataParallel: an earlier step raised on this replica after its "
+                    f"partitions had launched the all-reduces of gradient buckets {launched}; "
+                    "the other replicas, stopped elsewhere, may have launched others, so the "
+                    "process group's collectives are out of step and no later step can be "
+                    "averaged safely. End the job (torchrun restarts it if asked to)"
+                )
+
     def prepare_for_backward(self, output: Any) -> None:
-        """Arm the reducer for the backward of `output`; called after every synced forward.
+        """Arm the reducer for the backward of `output`; called after every synced forward
+        (whose step ``prepare_for_forward`` began).
 
         The backward's end is known from a hook on the output's tensors: an
         output that holds none DataParallel can find, while parameters would
@@ -103,7 +134,8 @@ class Reducer:
                 "tensors ends, so a backward through others would leave each replica its own "
                 "gradients. Return the tensors in one of those containers"
             )
-        self.prepare_for_step()
+        with self._lock:
+            self._armed = True
         for tensor in outputs:
             tensor.register_hook(partial(self._on_output_grad, self._iteration))
         if self._find_unused and self._partitions is None:
@@ -170,7 +202,14 @@ class Reducer:
         for spec in specs:
             self._partition_members.setdefault(spec.partition, []).extend(spec.indices)
 
+    def check_in_step(self) -> None:
+        """Raise if an earlier step left this replica's collectives out of step
+        (``step_failed``)."""
+        if self._out_of_step is not None:
+            raise RuntimeError(self._out_of_step)
+
     def _start_iteration(self) -> None:
+        self.check_in_step()
         # A backward that launched all-reduces and never finished (it failed, alike on
         # every replica) left them writing into the buckets, after it raised.
         abandoned = not self._reduced and any(bucket.launched for bucket in self._buckets)

@@ -122,6 +122,8 @@ class DataParallel(nn.Module):
         records_graph = torch.is_grad_enabled()
         if records_graph and self._sync:
             self._check_parameters_and_buffers()
+        if records_graph and self._sync:
+            self.reducer.prepare_for_forward()
         if records_graph and self._sync and self.broadcast_buffers:
             self._broadcast_buffers()
         output = self.module(*args, **kwargs)
@@ -157,6 +159,8 @@ class DataParallel(nn.Module):
                 "calling it, so they would not run: register them on the layers, or remove them "
                 "first"
             )
+        if self._sync:
+            self.reducer.check_in_step()  # before any collective
         # Checked by the module's step, with its own checks: over a DistributedPipe a
         # refusal in one process then fails every process of the pipeline at once.
         # Its buffers are broadcast once they pass too: a refused step changes nothing.
@@ -177,8 +181,13 @@ class DataParallel(nn.Module):
             self.reducer.prepare_for_step()
         else:
             self.reducer.disarm()
-        with checked:
-            result = step(*args, **kwargs)
+        try:
+            with checked:
+                result = step(*args, **kwargs)
+        except BaseException:
+            if self._sync:
+                self.reducer.step_failed()
+            raise
         if self._sync:
             self.reducer.finish_step()
         if self._sync and self.broadcast_buffers:

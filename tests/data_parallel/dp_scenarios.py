@@ -530,16 +530,93 @@ def a_backward_failing_alike_with_bucket_views_leaves_the_next_averages_right() 
     plain = copy.deepcopy(model)
     x, y = global_batch(0)
     model[1].armed, WaitsInBackward.group = True, side
-    expect_error(BackwardFailedError, lambda: dp.step(shard(x), shard(y), F.mse_loss))
+    expect_error(BackwardFailedError, lambda: F.mse_loss(dp(shard(x)), shard(y)).backward())
     model[1].armed, WaitsInBackward.group = False, None
     dp.zero_grad(set_to_none=False)
     if rank() == 0:
         dist.barrier(group=side)  # rank 1 joins the all-reduce now, after this zero_grad
-    dp.step(shard(x), shard(y), F.mse_loss)
+    F.mse_loss(dp(shard(x)), shard(y)).backward()
     F.mse_loss(plain(x), y).backward()
     for (name, p), q in zip(pipe.named_parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, msg=name)
     dist.destroy_process_group(side)
+
+
+class FailsOnceLaunched(torch.autograd.Function):
+    """Its backward raises once ``reducer`` has launched an all-reduce (60 s at most)."""
+
+    reducer: Any = None
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        deadline = time.monotonic() + 60
+        while not any(b.launched for b in FailsOnceLaunched.reducer.buckets):
+            assert time.monotonic() < deadline, "the later partition launched nothing"
+            time.sleep(0.01)
+        raise BackwardFailedError("a backward that fails on every replica")
+
+
+class FailsLast(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return cast(torch.Tensor, FailsOnceLaunched.apply(x))
+
+
+@scenario
+def a_step_failing_after_its_partitions_launched_all_reduces_refuses_the_next() -> None:
+    # Partitions end on their own threads: replicas failing alike had launched different
+    # all-reduces (one had partition 1's, the other not yet), and the retried step's
+    # met the leftovers: gloo aborted the process on the sizes.
+    model = mlp(seed=5)
+    model.insert(1, FailsLast())
+    pipe = Pipe(model, [3, 7], devices=["cpu"] * 2, chunks=1)
+    dp = DataParallel(pipe)
+    FailsOnceLaunched.reducer = dp.reducer
+    x, y = global_batch(0)
+    expect_error(BackwardFailedError, lambda: dp.step(shard(x), shard(y), F.mse_loss))
+    for retry in (
+        lambda: dp.step(shard(x), shard(y), F.mse_loss),
+        lambda: dp(shard(x)),
+    ):
+        expect_error(RuntimeError, retry, "an earlier step raised on this replica", "End the job")
+    for bucket in dp.reducer.buckets:  # partition 1's, launched alike on both: paired
+        if bucket.launched:
+            bucket.wait()
+
+
+@scenario
+def a_replica_whose_forward_fails_and_goes_on_is_caught_at_the_next_average() -> None:
+    # The count of steps began after the forward: rank 1's forward raised, its next step
+    # then carried the count of rank 0's current one, and both returned averages of two
+    # steps (1.2 off), silently.
+    model = mlp(seed=0)
+    model.insert(1, RaisesOnRank1Once())
+    dp = DataParallel(Pipe(model, [5, 5], devices=["cpu"] * 2, chunks=2))
+    outcomes = []
+    for step in range(1 + rank()):
+        x, y = global_batch(step)
+        try:
+            F.mse_loss(dp(shard(x)), shard(y)).backward()
+            outcomes.append("averaged")
+        except ReplicaFailureError:
+            outcomes.append("failed")
+        except RuntimeError as error:
+            assert "averaged the gradients of different steps" in str(error), error
+            outcomes.append("refused")
+    assert outcomes == (["refused"] if rank() == 0 else ["failed", "refused"]), outcomes
+
+
+class RaisesOnRank1Once(nn.Module):
+    calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        RaisesOnRank1Once.calls += 1
+        if rank() == 1 and RaisesOnRank1Once.calls == 1:
+            raise ReplicaFailureError("a replica's own failure, in its forward")
+        return x
 
 
 @scenario

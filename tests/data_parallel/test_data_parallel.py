@@ -24,6 +24,8 @@ SHARED = [
     "a_backward_failing_alike_with_bucket_views_leaves_the_next_averages_right",
     "a_second_backward_through_one_forward_is_refused",
     "a_replica_that_fails_a_step_and_goes_on_is_caught_at_the_next_average",
+    "a_replica_whose_forward_fails_and_goes_on_is_caught_at_the_next_average",
+    "a_step_failing_after_its_partitions_launched_all_reduces_refuses_the_next",
     "sgd_keeps_replicas_identical",
     "buckets_rebuilt_in_ready_order",
     "trace_names_the_work",
