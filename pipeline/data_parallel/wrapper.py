@@ -256,6 +256,15 @@ class DataParallel(nn.Module):
                 "or wrap the model again"
             )
 
+    def share_rank0_buffers(self) -> None:
+        """Copy rank 0's buffers to every replica now (collective over the replicas): what
+        the next synced forward would do. ``save_checkpoint`` calls it, so that a
+        checkpoint taken after ``dp(x)`` and its backward, while each replica still holds
+        the statistics of its own rows, keeps what the next step would have used."""
+        if self.broadcast_buffers:
+            self._synced_buffers = list(self.module.buffers())
+            self._broadcast_buffers()
+
     def _broadcast_buffers(self) -> None:
         if self._synced_buffers:
             with record_function("dp.broadcast_buffers"):

@@ -109,6 +109,8 @@ def save_checkpoint(
     holder = _unwrapped(module)
     group = process_group if process_group is not None or not _distributed() else dist.group.WORLD
     check_everywhere("save_checkpoint", optimizer_outside(holder, optimizer), group, ValueError)
+    if isinstance(module, DataParallel):
+        module.share_rank0_buffers()  # DCP writes one replica's, whichever
     names = _Names(holder)
     model_state = _model_state(holder)
     check_shards_within(model_state, process_group, "save_checkpoint")

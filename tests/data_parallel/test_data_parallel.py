@@ -33,6 +33,7 @@ SHARED = [
     "unused_parameter_with_flag",
     "buffers_broadcast",
     "statistics_a_step_updates_are_rank_0s_on_every_replica_after_it",
+    "a_checkpoint_after_a_forward_and_backward_keeps_rank_0s_statistics",
     "gradient_as_bucket_view",
     "mismatched_replicas_raise",
     "different_find_unused_parameters_raise",
