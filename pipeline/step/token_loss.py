@@ -89,32 +89,22 @@ class TokenLoss:
                 raise ValueError(_IGNORED_COUNT)
             _check_summed(reduction, divisor)
             return
-        labels = calls[0].get("labels")
-        if not isinstance(labels, Tensor):
+        tokens = [self._tokens(call, *way) for way in self._ways(calls[0]) for call in calls]
+        for name, counted in _OTHER_TARGETS.items():
+            if isinstance(calls[0].get(name), Tensor):
+                tokens += [counted(call[name], call) for call in calls]
+        if not tokens:
             return
         rows = [batch.rows() for batch in batches]
-        # A forward computing its own loss may shift its labels or not, and may count only
-        # the tokens its attention mask keeps: every way it may count must be in
-        # proportion to the rows.
-        ways = [(self.shift, False)]
-        if self.shift is None:
-            masks = (False, True) if self.masked else (False,)
-            ways = [(shift, masked) for shift in (False, True) for masked in masks]
-        if labels.is_floating_point():
-            # A regression's or multi-label loss: a mean over every row's values; or, in a
-            # forward of its own, maybe over those its attention mask keeps (ELECTRA's).
-            ways = [(False, True)] if self.masked else []
-            if not ways:
-                return
         # One read for every micro-batch's counts (a device sync on a GPU).
-        tokens = [self._tokens(call, *way) for way in ways for call in calls]
         read = [int(c) for c in torch.stack(tokens).tolist()]
         counts = [read[k : k + len(calls)] for k in range(0, len(read), len(calls))]
         wrong = [c for c in counts if not _in_proportion(c, rows)]
         if len(batches) == 1 or (reduction == "mean" and divisor is None and not wrong):
             return
         raise ValueError(
-            f"out.loss is the mean over each micro-batch's labels not ignored (and, where the "
+            f"out.loss is the mean over each micro-batch's labels (or other targets: answer "
+            "positions, next-sentence labels) not ignored (and, where the "
             "model's forward computes its own loss, maybe only those its attention mask keeps), "
             "but the step "
             f"weighs the micro-batches {_weighing(reduction, divisor)}: the micro-batches of "
@@ -122,6 +112,23 @@ class TokenLoss:
             f"gradients would not be the plain model's. {self._recipe()}. If loss_fn does not "
             "use out.loss, do not pass labels to the model"
         )
+
+    def _ways(self, call: dict[str, Any]) -> list[tuple[bool | None, bool]]:
+        """Every way the loss may count ``labels`` (shifted or not, masked or not): each must
+        be in proportion to the rows; none without labels."""
+        labels = call.get("labels")
+        if not isinstance(labels, Tensor):
+            return []
+        if labels.is_floating_point():
+            # A regression's or multi-label loss: a mean over every row's values; or, in a
+            # forward of its own, maybe over those its attention mask keeps (ELECTRA's).
+            return [(False, True)] if self.masked else []
+        if self.shift is not None:
+            return [(self.shift, False)]
+        # A forward computing its own loss may shift its labels or not, and may count
+        # only the tokens its attention mask keeps.
+        masks = (False, True) if self.masked else (False,)
+        return [(shift, masked) for shift in (False, True) for masked in masks]
 
     def _tokens(self, call: dict[str, Any], shift: bool | None, masked: bool) -> Tensor:
         """The labels one micro-batch's loss counts, as the loss counts them (``masked``:
@@ -168,6 +175,30 @@ _IGNORED_COUNT = (
     + "; or leave the count out and weigh by rows (loss_reduction='mean') where every "
     "micro-batch holds labels not ignored in proportion to its rows"
 )
+
+
+def _answer_positions(positions: Tensor, call: dict[str, Any]) -> Tensor:
+    """The answer positions a question-answering loss counts: those inside the sequence
+    (one past it or beyond is its ignored index; a negative one is clamped to 0)."""
+    sequence = call.get("input_ids")
+    if not isinstance(sequence, Tensor):
+        sequence = call.get("inputs_embeds")
+    if not isinstance(sequence, Tensor) or sequence.dim() < 2:
+        return positions.new_tensor(positions.numel())  # every position counted
+    return positions.lt(sequence.shape[1]).sum()
+
+
+def _not_ignored(targets: Tensor, call: dict[str, Any]) -> Tensor:
+    return targets.ne(call.get("ignore_index", -100)).sum()
+
+
+# Targets besides labels that a transformers head's own loss averages over, leaving some
+# out (BERT's question answering, its next-sentence prediction), with what it counts.
+_OTHER_TARGETS = {
+    "start_positions": _answer_positions,
+    "end_positions": _answer_positions,
+    "next_sentence_label": _not_ignored,
+}
 
 
 def _in_proportion(counts: list[int], rows: list[int]) -> bool:

@@ -348,3 +348,45 @@ def test_an_encoder_decoders_attention_mask_is_not_taken_for_its_losss() -> None
     expected.backward()
     torch.testing.assert_close(loss, expected)
     assert_same(gradients(model), gradients(plain))
+
+
+def _bert_heads() -> dict[str, Any]:
+    config = transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    return {
+        "question answering": lambda: transformers.BertForQuestionAnswering(config),
+        "pretraining": lambda: transformers.BertForPreTraining(config),
+    }
+
+
+@pytest.mark.parametrize("name", ["question answering", "pretraining"])
+def test_targets_besides_labels_that_a_heads_loss_leaves_out_are_checked(name: str) -> None:
+    # Only labels were counted: an answer beyond the sequence (its loss's ignored index)
+    # or a next-sentence label of -100 in one micro-batch weighed the micro-batches' means
+    # by rows, and the loss and gradients went another way (0.085 off), silently.
+    torch.manual_seed(0)
+    model = _bert_heads()[name]().double()
+    plain = twin(model)
+    ids = torch.randint(1, VOCAB, (8, 6))
+    if name == "question answering":
+        start, end = torch.randint(0, 6, (8,)), torch.randint(0, 6, (8,))
+        uneven = {"start_positions": start.clone(), "end_positions": end.clone()}
+        uneven["start_positions"][0] = 6  # past the sequence: left out
+        even = {"start_positions": start, "end_positions": end.clone()}
+        even["end_positions"][[0, 4]] = -1  # clamped to 0: counted
+    else:
+        labels = torch.randint(1, VOCAB, (8, 6))
+        uneven = {"labels": labels, "next_sentence_label": torch.tensor([-100] + [1, 0] * 3 + [1])}
+        even = {"labels": labels, "next_sentence_label": torch.tensor([0, 1] * 4)}
+    seq = pipeline.split(model, (ids,), even)
+    with contextlib.closing(Pipe(seq, [2, len(seq) - 2], chunks=2)) as pipe:
+        with pytest.raises(ValueError, match=r"other targets.*hold \[3, 4\] of them"):
+            pipe.step(ids, ids, out_loss, kwargs=uneven)
+        assert all(p.grad is None for p in model.parameters()), "refused before any work"
+        loss = pipe.step(ids, ids, out_loss, kwargs=even)
+    expected = plain(ids, **even).loss
+    expected.backward()
+    torch.testing.assert_close(loss, expected)
+    assert_same(gradients(model), gradients(plain))
