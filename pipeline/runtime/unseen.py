@@ -8,15 +8,19 @@ carries over grad mode, autocast and the like, not these):
   forward-mode AD's dual level: the workers computed outside them, and the
   transform saw gradients of zero;
 - a ``TorchDispatchMode`` (``FlopCounterMode``, a mode of the user's): its
-  counts missed the partitions, its changes to values were not made;
+  counts missed the partitions, its changes to values were not made; and a
+  ``TorchFunctionMode`` of the user's alike (torch's own, such as
+  ``torch.device(...)`` entered as a context, pass);
 - ``saved_tensors_hooks`` (``save_on_cpu``, compression): never called, so
   nothing was offloaded and a hook that changes what is saved gave other
   gradients than the plain model's.
 
 Each is refused before any work. So is ``torch.func.functional_call`` of a
-Pipe that recomputes: recomputation runs in the backward, after the call
-has put the module's own parameters back, and would compute the gradient of
-other weights than the forward's. So is a step, or a recomputing call, under
+Pipe that recomputes, given plain tensors: recomputation runs in the
+backward, after the call has put the module's own parameters back, and
+would compute the gradient of other weights than the forward's (given
+``Parameter``s, or buffers only, the recomputation refuses it:
+``runtime/recompute.py``). So is a step, or a recomputing call, under
 ``torch.nn.utils.parametrize.cached()`` over parametrized layers: the cache
 is not per thread, but it shares one computed weight between micro-batches
 whose backwards and recomputations run apart. Torch's and the library's own
@@ -29,6 +33,7 @@ import sys
 
 import torch
 from torch import nn
+from torch.overrides import _get_current_function_mode_stack
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 __all__ = ["refuse_cached_parametrizations", "refuse_reparametrized", "refuse_unseen_state"]
@@ -58,14 +63,20 @@ def _unseen() -> str | None:
     modes = [m for m in _get_current_dispatch_mode_stack() if not _own(type(m).__module__)]
     if modes:
         return f"the dispatch mode {type(modes[-1]).__name__}"
+    # torch's own function modes (torch.device(...) as a context) are carried or harmless.
+    functions = [
+        m for m in _get_current_function_mode_stack() if not _own(type(m).__module__, "torch.")
+    ]
+    if functions:
+        return f"the torch function mode {type(functions[-1]).__name__}"
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
     if hooks is not None and not _own(getattr(hooks[0], "__module__", None) or ""):
         return f"the saved-tensor hooks ({getattr(hooks[0], '__qualname__', hooks[0])!r})"
     return None
 
 
-def _own(module: str) -> bool:
-    return module.startswith(_OWN_HOOKS)
+def _own(module: str, *others: str) -> bool:
+    return module.startswith((*_OWN_HOOKS, *others))
 
 
 def refuse_reparametrized(partitions: nn.Module, what: str) -> None:

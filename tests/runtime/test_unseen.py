@@ -66,6 +66,21 @@ def compressed() -> AbstractContextManager[Any]:
     return torch.autograd.graph.saved_tensors_hooks(lambda t: t.half(), lambda t: t.double())
 
 
+class CountLinear(torch.overrides.TorchFunctionMode):
+    """A user's function mode: it counts F.linear, and could change its values."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return func(*args, **(kwargs or {}))
+
+
+def evaluate_under(mode: Callable[[], AbstractContextManager[Any]]) -> Callable[[Pipe], Any]:
+    def call(pipe: Pipe) -> Any:
+        with mode():
+            return pipe.evaluate(X, Y, F.mse_loss)
+
+    return call
+
+
 CALLS = {
     "torch.func.grad": (under_grad, "torch.func transform"),
     "torch.func.vmap": (under_vmap, "torch.func transform"),
@@ -74,7 +89,18 @@ CALLS = {
     "save_on_cpu": (under_mode(torch.autograd.graph.save_on_cpu), "saved-tensor hooks"),
     "compression hooks, step": (step_under(compressed), "saved-tensor hooks"),
     "FlopCounterMode, step": (step_under(lambda: FlopCounterMode(display=False)), "dispatch mode"),
+    # The workers ran without it: it saw none of the partitions' calls, silently.
+    "a function mode": (under_mode(CountLinear), "torch function mode"),
+    "a function mode, step": (step_under(CountLinear), "torch function mode"),
+    "a function mode, evaluate": (evaluate_under(CountLinear), "torch function mode"),
 }
+
+
+def test_torch_device_as_a_context_is_no_function_mode_to_refuse() -> None:
+    pipe = pipe_of(model())
+    with torch.device("cpu"):
+        pipe(X).sum().backward()
+    assert all(p.grad is not None for p in pipe.parameters())
 
 
 @pytest.mark.parametrize("name", list(CALLS))
@@ -109,6 +135,36 @@ def test_functional_call_recomputing_is_refused_and_without_recomputation_equals
     out.square().sum().backward()
     for name, value in given.items():
         torch.testing.assert_close(value.grad, weights[name].grad, msg=name)
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last"])
+@pytest.mark.parametrize("given", ["parameters", "buffers"])
+def test_functional_call_of_parameters_or_buffers_is_refused_by_the_recomputation(
+    checkpoint: str, given: str
+) -> None:
+    # Only plain tensors were refused: another model's Parameters, or a buffer alone,
+    # passed, and the recomputation used the module's own (gradients 1.1 to 10 off).
+    layers = model(norm=False)
+    layers[1] = Scaled()
+    pipe = pipe_of(layers, checkpoint)
+    if given == "parameters":
+        values: dict[str, Tensor] = dict(model(norm=False).named_parameters())
+        values = {n: nn.Parameter(v.detach() * 1.5) for n, v in values.items()}
+    else:
+        values = {"1.scale": torch.full((4,), 3.0, dtype=torch.double)}
+    out = torch.func.functional_call(pipe, values, (X,))
+    assert isinstance(out, Tensor)
+    with pytest.raises(RuntimeError, match=r"not the tensor its forward used"):
+        out.square().sum().backward()
+
+
+class Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.ones(4, dtype=torch.double))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.scale
 
 
 def parametrized() -> nn.Sequential:
