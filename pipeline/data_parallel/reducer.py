@@ -72,6 +72,9 @@ class Reducer:
         # Each synced forward's number, and whether its backward has averaged the gradients.
         self._iteration = 0
         self._reduced = False
+        # The last iteration whose backward averaged: a backward through its output, or an
+        # earlier one's, again (retain_graph) would add this replica's own to the averages.
+        self._last_reduced = 0
         # Why no step may follow (a failed step left all-reduces the others may lack).
         self._out_of_step: str | None = None
         self._ready = [False] * len(self._params)
@@ -93,6 +96,7 @@ class Reducer:
         """Begin a synced forward's step, before the module runs: a replica whose forward
         raises has counted it all the same, so that ``_check_same_step`` sees it if the
         replica goes on while the others average this step."""
+        self.check_in_step()
         with self._lock:
             self._start_iteration()
 
@@ -202,6 +206,11 @@ class Reducer:
         for spec in specs:
             self._partition_members.setdefault(spec.partition, []).extend(spec.indices)
 
+    @property
+    def awaits_backward(self) -> bool:
+        """Whether a synced forward's backward has yet to average (the reducer is armed)."""
+        return self._armed
+
     def check_in_step(self) -> None:
         """Raise if an earlier step left this replica's collectives out of step
         (``step_failed``)."""
@@ -209,7 +218,6 @@ class Reducer:
             raise RuntimeError(self._out_of_step)
 
     def _start_iteration(self) -> None:
-        self.check_in_step()
         # A backward that launched all-reduces and never finished (it failed, alike on
         # every replica) left them writing into the buckets, after it raised.
         abandoned = not self._reduced and any(bucket.launched for bucket in self._buckets)
@@ -228,7 +236,7 @@ class Reducer:
         # so the callback lands on its graph task, not on a nested one (such as
         # a checkpoint's recomputation) that would end too early.
         with self._lock:
-            if iteration == self._iteration and self._reduced:
+            if iteration <= self._last_reduced:
                 raise RuntimeError(
                     "DataParallel: a second backward through the output of one forward "
                     "(retain_graph=True): the first averaged the gradients, and the second "
@@ -290,6 +298,7 @@ class Reducer:
             with self._lock:
                 self._armed = False
                 self._reduced = True
+                self._last_reduced = self._iteration
                 if not self._buckets:  # a pipeline's stage without parameters: no averages
                     return
                 self._load_unsignalled()

@@ -159,8 +159,6 @@ class DataParallel(nn.Module):
                 "calling it, so they would not run: register them on the layers, or remove them "
                 "first"
             )
-        if self._sync:
-            self.reducer.check_in_step()  # before any collective
         # Checked by the module's step, with its own checks: over a DistributedPipe a
         # refusal in one process then fails every process of the pipeline at once.
         # Its buffers are broadcast once they pass too: a refused step changes nothing.
@@ -170,11 +168,11 @@ class DataParallel(nn.Module):
             self._synced_buffers = list(self.module.buffers())
             if isinstance(self.module, ChecksBeforeSteps):
                 checked = self.module.checked_before_step(
-                    self._check_parameters, broadcast, self.process_group
+                    self._checks_before_step, broadcast, self.process_group
                 )
                 broadcast = None
             else:
-                self._check_parameters()
+                self._checks_before_step()
         if broadcast is not None:
             broadcast()
         if self._sync:
@@ -256,12 +254,18 @@ class DataParallel(nn.Module):
                 "or wrap the model again"
             )
 
+    def _checks_before_step(self) -> None:
+        # In the module's checks: over a DistributedPipe, every process refuses at once.
+        self.reducer.check_in_step()
+        self._check_parameters()
+
     def share_rank0_buffers(self) -> None:
         """Copy rank 0's buffers to every replica now (collective over the replicas): what
         the next synced forward would do. ``save_checkpoint`` calls it, so that a
         checkpoint taken after ``dp(x)`` and its backward, while each replica still holds
-        the statistics of its own rows, keeps what the next step would have used."""
-        if self.broadcast_buffers:
+        the statistics of its own rows, keeps what the next step would have used. Not
+        between a forward and its backward, which reads what BatchNorm saved."""
+        if self.broadcast_buffers and not self.reducer.awaits_backward:
             self._synced_buffers = list(self.module.buffers())
             self._broadcast_buffers()
 

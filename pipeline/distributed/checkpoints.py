@@ -109,7 +109,7 @@ def save_checkpoint(
     holder = _unwrapped(module)
     group = process_group if process_group is not None or not _distributed() else dist.group.WORLD
     check_everywhere("save_checkpoint", optimizer_outside(holder, optimizer), group, ValueError)
-    if isinstance(module, DataParallel):
+    if isinstance(module, DataParallel) and process_group is None:
         module.share_rank0_buffers()  # DCP writes one replica's, whichever
     names = _Names(holder)
     model_state = _model_state(holder)

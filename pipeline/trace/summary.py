@@ -38,7 +38,8 @@ class Summary:
     ``microbatches`` (m) and ``partitions`` (n) equal tasks. For steps run
     with an explicit schedule (``Pipe.step``, ``Pipe.evaluate``),
     ``schedule_bound`` is the mean of their programs' own idle shares per
-    partition, simulated with unit costs on the threads the steps ran on
+    partition (each step weighing as its window), simulated with unit costs
+    on the threads the steps ran on
     (``StepReport.simulated_idle.stages``). ``mixed``: the steps were of both
     kinds (``pipe(x)`` and explicit), so neither bound is theirs and the
     table names none. ``str()`` gives a table::
@@ -111,13 +112,16 @@ def summarize(events: Sequence[Event], schedule_bounds: Sequence[float] = ()) ->
         _partition_summary(j, [e for e in events if e.partition == j], window) for j in range(n)
     ]
     every_step = len(schedule_bounds) == len(windows)
+    # Each step's bound weighs as its window does in the idle share.
+    spans = [end - start for start, end in (windows[k] for k in sorted(windows))]
+    bound = sum(b * w for b, w in zip(schedule_bounds, spans, strict=False)) / window
     return Summary(
         steps=len(windows),
         microbatches=m,
         window=window,
         partitions=partitions,
         bubble_bound=bubble_fraction(m, n),
-        schedule_bound=sum(schedule_bounds) / len(schedule_bounds) if every_step else None,
+        schedule_bound=bound if every_step and window > 0 else None,
         mixed=bool(schedule_bounds) and not every_step,
     )
 

@@ -250,6 +250,8 @@ def a_second_backward_through_one_forward_is_refused() -> None:
         loss = F.mse_loss(dp(shard(x)), shard(y))
         loss.backward(retain_graph=True)
         averaged = [p.grad.clone() for p in dp.parameters() if p.grad is not None]
+        # A forward failing alike on both between the two begins a step of its own.
+        expect_error(RuntimeError, lambda wrapped=dp: wrapped(torch.ones(2, 3)))
         expect_error(RuntimeError, loss.backward, "a second backward through the output")
         after = [p.grad for p in dp.parameters() if p.grad is not None]
         assert all(torch.equal(a, b) for a, b in zip(averaged, after, strict=True))
@@ -486,11 +488,13 @@ def a_checkpoint_after_a_forward_and_backward_keeps_rank_0s_statistics() -> None
     pipe = Pipe(copy.deepcopy(model), [2, 2], chunks=2)
     first = Pipe(copy.deepcopy(model), [2, 2], chunks=2)
     dp = DataParallel(pipe)
-    F.mse_loss(dp(shard(x)), shard(y)).backward()
-    first(shard(x, 0))  # rank 0's rows, on every rank
     from pipeline.distributed import load_checkpoint, save_checkpoint
 
     path = Path(tempfile.gettempdir()) / f"dp-checkpoint-{os.environ['MASTER_PORT']}"
+    loss = F.mse_loss(dp(shard(x)), shard(y))
+    save_checkpoint(path, dp)  # between a forward and its backward: the buffers left alone
+    loss.backward()
+    first(shard(x, 0))  # rank 0's rows, on every rank
     save_checkpoint(path, dp)
     loaded = copy.deepcopy(model)
     load_checkpoint(path, loaded)

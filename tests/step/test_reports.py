@@ -251,7 +251,12 @@ def test_a_traces_bound_counts_each_evaluations_forwards_and_names_none_for_mixe
         pipe.step(x, x, F.mse_loss, schedule="1f1b")
         pipe.evaluate(x)
     assert pipe.last_step is not None
-    mean = (pipe.last_step.simulated_idle.stages + alone) / 2
+    # Each step weighs as its window does in the idle share beside it.
+    spans = [
+        max(e.end for e in t.events if e.step == k) - min(e.start for e in t.events if e.step == k)
+        for k in (0, 1)
+    ]
+    mean = (pipe.last_step.simulated_idle.stages * spans[0] + alone * spans[1]) / sum(spans)
     assert t.summary().schedule_bound == pytest.approx(mean)
     with pipeline.trace() as t:
         pipe.step(x, x, F.mse_loss, schedule="1f1b")
