@@ -115,6 +115,11 @@ def check_divisor(divisor: Any, reduction: LossReduction) -> None:
                 f"loss_divisor must be a number or a tensor holding one real number, got a "
                 f"tensor of shape {tuple(divisor.shape)} and dtype {divisor.dtype}"
             )
+        if divisor.requires_grad:
+            raise ValueError(
+                "loss_divisor requires grad: a count divides the loss, with no gradient of "
+                "its own to give; pass loss_divisor=divisor.detach()"
+            )
         return
     if isinstance(divisor, bool) or not isinstance(divisor, int | float):
         raise TypeError(f"loss_divisor must be a number or a tensor, got {type(divisor).__name__}")

@@ -153,6 +153,11 @@ class _Stashed:
     skips_out: dict[SkipKey, Root | None] = field(default_factory=dict)
     recomputation: Recomputation | None = None
     weight_work: WeightWork | None = None
+    # The last stage's target, its tensors that need a gradient leaves of the stage's
+    # graph as its inputs are (the caller's graph, behind them, is walked once, at the
+    # step's end); and what they came from.
+    target: Batch | None = None
+    target_sources: list[Tensor] = field(default_factory=list)
 
 
 class StageRun:
@@ -250,7 +255,8 @@ class StageRun:
                 output = self._call(i, stashed, recomputing=False)
             if self.last:
                 if self.context.loss_fn is not None:
-                    stashed.loss = self._loss(i, output)
+                    self._stash_target(i, stashed)
+                    stashed.loss = self._loss(stashed, output)
                 self._keep_result(i, stashed.loss, output)
         if not self.last:
             self._send_output(i, stashed, output)
@@ -317,11 +323,24 @@ class StageRun:
             )
         return output
 
-    def _loss(self, i: int, output: Batch) -> Tensor:
-        """Micro-batch ``i``'s loss, scaled by its share of the mini-batch's loss."""
+    def _stash_target(self, i: int, stashed: _Stashed) -> None:
+        """Micro-batch ``i``'s target, as leaves where it needs a gradient: a target with
+        a history (``tanh(a)``) would have each micro-batch's backward walk, and free,
+        the caller's graph behind it."""
+        target = self.context.targets[i]
+        if self.context.forward_only or not any(map(_needs_grad, target.leaves)):
+            stashed.target = target
+            return
+        stashed.target_sources = [x for x in target.leaves if _needs_grad(x)]
+        stashed.target = Batch.of(
+            [_leaf(x) if _needs_grad(x) else x for x in target.leaves], target.spec
+        )
+
+    def _loss(self, stashed: _Stashed, output: Batch) -> Tensor:
+        """The micro-batch's loss, scaled by its share of the mini-batch's loss."""
         context = self.context
-        assert context.loss_fn is not None, "called only with a loss_fn"
-        loss = context.loss_fn(output.value, context.targets[i].value)
+        assert context.loss_fn is not None and stashed.target is not None, "with a loss_fn"
+        loss = context.loss_fn(output.value, stashed.target.value)
         if not isinstance(loss, Tensor) or loss.dim() != 0:
             shape = f" of shape {tuple(loss.shape)}" if isinstance(loss, Tensor) else ""
             raise TypeError(
@@ -330,7 +349,7 @@ class StageRun:
             )
         if context.router is not None:
             check_loss(output.value, loss)
-        return scaled(loss, context.scales[i])
+        return scaled(loss, context.scales[stashed.i])
 
     def _send_output(self, i: int, stashed: _Stashed, output: Batch) -> None:
         differentiable = [_needs_grad(x) for x in output.leaves]
@@ -356,7 +375,9 @@ class StageRun:
         inputs = [x for x in stashed.inputs.leaves if _needs_grad(x)]
         # A skip that needs no gradient (integer labels) gets None back, not a target.
         skips = [key for key, leaf in stashed.skips_in.items() if _needs_grad(leaf)]
-        targets = inputs + [stashed.skips_in[key] for key in skips]
+        held = stashed.target.leaves if stashed.target is not None else []
+        target = [x for x in held if _needs_grad(x)] if stashed.target_sources else []
+        targets = inputs + [stashed.skips_in[key] for key in skips] + target
         halves = backward_input(roots, grads, targets) if inputs_only else None
         if halves is not None:
             found, stashed.weight_work = halves
@@ -370,7 +391,9 @@ class StageRun:
                 self.context.gradients.add(self.j, leaves, leaf_grads)
             if inputs_only:
                 stashed.weight_work = WeightWork()
-        skip_grads = dict(zip(skips, found[len(inputs) :], strict=True))
+        skip_grads = dict(zip(skips, found[len(inputs) : len(inputs) + len(skips)], strict=True))
+        if target:
+            self.context.gradients.to_caller(stashed.target_sources, found[-len(target) :])
         for key in stashed.skips_in:
             source = self.context.skip_layout.route(key).source
             message = Message([skip_grads.get(key)])
@@ -384,7 +407,7 @@ class StageRun:
             output = self._call(i, stashed, recomputing=True)
             stashed.outputs = [_root(x) for x in output.leaves]
             if self.last:
-                stashed.loss = self._loss(i, output)
+                stashed.loss = self._loss(stashed, output)
 
     def _roots(self, i: int, stashed: _Stashed) -> tuple[list[Root], list[Tensor | None]]:
         """What this stage's backward starts from: the loss, or outputs and outgoing skips."""

@@ -129,7 +129,35 @@ def test_a_divisor_that_cannot_divide_a_sum_is_refused() -> None:
         pipe.step(x, y, nn.MSELoss(reduction="sum"), loss_divisor="4")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"tensor of shape \(2,\)"):
         pipe.step(x, y, nn.MSELoss(reduction="sum"), loss_divisor=torch.ones(2))
+    with pytest.raises(ValueError, match=r"requires grad.*loss_divisor=divisor\.detach\(\)"):
+        # It failed midway: each micro-batch's backward walked the divisor's graph.
+        divisor = torch.ones((), requires_grad=True) * 4
+        pipe.step(x, y, nn.MSELoss(reduction="sum"), loss_divisor=divisor)
     assert all(p.grad is None for p in pipe.parameters())
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_a_target_with_a_history_gets_the_plain_models_gradient_once(
+    schedule: str, checkpoint: str
+) -> None:
+    # A target computed from a tensor that requires grad (a distillation target, tanh(a)):
+    # each micro-batch's backward walked the caller's graph behind it, and the second
+    # failed midway ("backward through the graph a second time") after .grad was written.
+    torch.manual_seed(4)
+    model = nn.Sequential(*(block() for _ in range(4))).double()
+    plain = copy.deepcopy(model)
+    x, y = batch(8)
+    a, b = y.clone().requires_grad_(), y.clone().requires_grad_()
+    fired: list[Tensor] = []
+    a.register_hook(lambda grad: fired.append(grad) or None)
+    F.mse_loss(plain(x), torch.tanh(b)).backward()
+    pipe = Pipe(model, [1] * 4, devices=["cpu"] * 4, chunks=4, checkpoint=checkpoint)  # type: ignore[arg-type]
+    pipe.step(x, torch.tanh(a), F.mse_loss, schedule=SCHEDULES[schedule]())
+    assert_same(grads(model), grads(plain), schedule)
+    torch.testing.assert_close(a.grad, b.grad)
+    assert len(fired) == 1
+    pipe.close()
 
 
 def test_a_grad_scaler_scales_each_backward_and_the_step_returns_the_unscaled_loss() -> None:
