@@ -122,7 +122,6 @@ class DataParallel(nn.Module):
         records_graph = torch.is_grad_enabled()
         if records_graph and self._sync:
             self._check_parameters_and_buffers()
-        if records_graph and self._sync:
             self.reducer.prepare_for_forward()
         if records_graph and self._sync and self.broadcast_buffers:
             self._broadcast_buffers()

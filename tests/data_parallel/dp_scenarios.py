@@ -457,15 +457,20 @@ def buffers_broadcast() -> None:
     assert kept.offset.item() == float(rank()), "broadcast_buffers=False must keep local buffers"
 
 
+def normalised() -> nn.Sequential:
+    """A model whose BatchNorm updates its statistics from each replica's rows."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.BatchNorm1d(WIDTH), nn.Tanh(),
+                         nn.Linear(WIDTH, 1))  # fmt: skip
+
+
 @scenario
 def statistics_a_step_updates_are_rank_0s_on_every_replica_after_it() -> None:
     # Each replica's BatchNorm updated its statistics from its own rows, and they stayed
     # apart until the next pass broadcast rank 0's: a checkpoint saved between steps kept
     # one replica's (replica 1's, in a grid), and a resumed run went another way, silently.
     x, y = global_batch(0)
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.BatchNorm1d(WIDTH), nn.Tanh(),
-                          nn.Linear(WIDTH, 1))  # fmt: skip
+    model = normalised()
     for deferred in (False, True):
         pipe = Pipe(copy.deepcopy(model), [2, 2], chunks=2, deferred_batch_norm=deferred)
         first = Pipe(copy.deepcopy(model), [2, 2], chunks=2, deferred_batch_norm=deferred)
@@ -482,9 +487,7 @@ def a_checkpoint_after_a_forward_and_backward_keeps_rank_0s_statistics() -> None
     # the next forward broadcasts rank 0's; DCP saved whichever replica's it kept (0.49 off
     # rank 0's), and a resumed run went another way, silently.
     x, y = global_batch(0)
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.BatchNorm1d(WIDTH), nn.Tanh(),
-                          nn.Linear(WIDTH, 1))  # fmt: skip
+    model = normalised()
     pipe = Pipe(copy.deepcopy(model), [2, 2], chunks=2)
     first = Pipe(copy.deepcopy(model), [2, 2], chunks=2)
     dp = DataParallel(pipe)
