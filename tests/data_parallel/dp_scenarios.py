@@ -510,6 +510,24 @@ def a_checkpoint_after_a_forward_and_backward_keeps_rank_0s_statistics() -> None
 
 
 @scenario
+def a_save_by_one_replica_alone_exchanges_nothing_with_the_others() -> None:
+    # The buffers were broadcast over the replicas whatever group the save was given:
+    # replica 0, saving alone, waited for replica 1 until the group's timeout.
+    from pipeline.distributed import save_checkpoint
+
+    x, y = global_batch(0)
+    dp = DataParallel(Pipe(normalised(), [2, 2], chunks=2))
+    F.mse_loss(dp(shard(x)), shard(y)).backward()
+    alone = dist.new_group([0])
+    path = Path(tempfile.gettempdir()) / f"dp-alone-{os.environ['MASTER_PORT']}"
+    if rank() == 0:
+        save_checkpoint(path, dp, process_group=alone)
+        shutil.rmtree(path)
+    dist.barrier()
+    dist.destroy_process_group(alone)
+
+
+@scenario
 def gradient_as_bucket_view() -> None:
     model = mlp(seed=6)
     full_batch = copy.deepcopy(model)

@@ -34,6 +34,7 @@ SHARED = [
     "buffers_broadcast",
     "statistics_a_step_updates_are_rank_0s_on_every_replica_after_it",
     "a_checkpoint_after_a_forward_and_backward_keeps_rank_0s_statistics",
+    "a_save_by_one_replica_alone_exchanges_nothing_with_the_others",
     "gradient_as_bucket_view",
     "mismatched_replicas_raise",
     "different_find_unused_parameters_raise",
