@@ -47,6 +47,7 @@ from tests.distributed import (
     closing_scenarios,  # noqa: F401 (its scenarios run here too)
 )
 from tests.gloo_groups import (
+    SimulatedCrashError,
     breaks_group,
     calls_counted,
     expect_error,
@@ -1659,6 +1660,53 @@ def a_pipeline_refused_in_a_grid_stops_every_pipeline() -> None:
         expect_error(KeyError, lambda: pipe.step(x, y, F.mse_loss), "bad batch")
     else:
         pipe.step(x, y, F.mse_loss)
+    pipe.close()
+
+
+class FailsOnceReplicasLaunched(torch.autograd.Function):
+    """Raises in its backward once the store says the stage after it, in both pipelines,
+    has launched its all-reduces; passes the gradient otherwise."""
+
+    armed = False
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        if not FailsOnceReplicasLaunched.armed:
+            return grad
+        FailsOnceReplicasLaunched.armed = False
+        store = dist.distributed_c10d._get_default_store()
+        store.wait(["launched-0", "launched-1"], timedelta(seconds=60))
+        raise SimulatedCrashError("stage 0's last backward fails, alike in both pipelines")
+
+
+class FailsArmed(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return cast(Tensor, FailsOnceReplicasLaunched.apply(x))
+
+
+@scenario
+def a_step_failing_after_a_stage_launched_its_all_reduces_is_refused_by_every_process() -> None:
+    # world 4: pipelines {0, 1} and {2, 3}, replicas {0, 2} and {1, 3}. Stage 1 launched
+    # its all-reduces, then stage 0 failed: the next step was refused by stage 1's
+    # processes alone, and stage 0's waited in the pipeline's agreement for them.
+    pp_group, _ = dist.new_subgroups_by_enumeration([[0, 1], [2, 3]])
+    dp_group, _ = dist.new_subgroups_by_enumeration([[0, 2], [1, 3]])
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), FailsArmed(), nn.Tanh(), nn.Linear(WIDTH, 1))
+    pipe = DistributedPipe(model.double(), [2, 2], group=pp_group, chunks=1)
+    dp = DataParallel(pipe, process_group=dp_group)
+    store = dist.distributed_c10d._get_default_store()
+    # Called after DataParallel's own hook, which launches the stage's all-reduces.
+    pipe.register_partition_backward_hook(lambda j: store.set(f"launched-{rank() // 2}", "1"))
+    x, y = batch(rows=8)
+    xs, ys = x[4 * (rank() // 2) :][:4], y[4 * (rank() // 2) :][:4, :1]
+    FailsOnceReplicasLaunched.armed = rank() in (0, 2)
+    expect_error(Exception, lambda: dp.step(xs, ys, F.mse_loss))
+    refused = "DataParallel: an earlier step raised" if rank() in (1, 3) else "refused"
+    expect_error(Exception, lambda: dp.step(xs, ys, F.mse_loss), refused)
     pipe.close()
 
 

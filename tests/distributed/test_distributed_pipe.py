@@ -123,6 +123,7 @@ FOUR_STAGES = [
 ]
 GRID = [
     "a_pipeline_refused_in_a_grid_stops_every_pipeline",
+    "a_step_failing_after_a_stage_launched_its_all_reduces_is_refused_by_every_process",
     "a_pp_by_dp_grid_equals_single_process_training_on_the_full_batch",
     "a_grid_saves_and_another_grid_four_stages_a_pipe_and_the_plain_model_resume",
 ]
