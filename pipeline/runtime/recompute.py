@@ -79,6 +79,11 @@ class Recomputation:
         """What the recomputation runs under: what the forward ran under, and its buffers."""
         assert self.snapshot is not None, "replaying() follows checkpointed()"
         _check_parameters_unchanged(self.parameters, self.buffers)
+        if self.lock is not None:
+            # pipe(x) replays after its call returned, where what the call swapped in
+            # (torch.func.functional_call) is gone; a step replays within its call, where
+            # FSDP2 units swap their own parameters between forward and backward.
+            _check_same_tensors(self.parameters, self.snapshot, self.buffers)
         with (
             self.lock if self.lock is not None else contextlib.nullcontext(),
             self.state.autocast_applied(self.device),
@@ -121,6 +126,31 @@ def _check_inputs_unchanged(versions: list[tuple[Tensor, int]], partition: int) 
             "recomputation would start from the modified values; give its first layer an "
             "attribute inplace=True (the Pipe then hands it a copy), make that layer "
             "out-of-place, or use checkpoint='never'"
+        )
+
+
+def _check_same_tensors(
+    parameters: list[tuple[Tensor, int]], snapshot: BufferSnapshot, buffers: PartitionBuffers
+) -> None:
+    """Refuse to recompute with other parameters, or other buffers among those the forward
+    left alone, than the forward's: ``torch.func.functional_call`` swaps in the tensors it
+    is given for the call only, and puts the module's own back before the backward."""
+    now = list(buffers.partition.named_parameters())
+    swapped = [n for (n, p), (q, _) in zip(now, parameters, strict=False) if p is not q]
+    if len(now) == len(parameters) and not swapped:
+        current = dict(buffers.partition.named_buffers())
+        swapped = [
+            name
+            for name, (ident, _) in snapshot.versions.items()
+            if name not in snapshot.values and id(current.get(name)) != ident
+        ]
+    if swapped or len(now) != len(parameters):
+        changed = swapped[0] if swapped else "(the parameters themselves)"
+        raise RuntimeError(
+            f"'{changed}' of checkpointed partition {buffers.index} is not the tensor its "
+            "forward used (torch.func.functional_call gives the module other tensors for the "
+            "call only, or it was replaced since), so its recomputation in the backward would "
+            "compute the gradient of another weight; use checkpoint='never' for such calls"
         )
 
 

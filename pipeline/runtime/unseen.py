@@ -19,8 +19,8 @@ Each is refused before any work. So is ``torch.func.functional_call`` of a
 Pipe that recomputes, given plain tensors: recomputation runs in the
 backward, after the call has put the module's own parameters back, and
 would compute the gradient of other weights than the forward's (given
-``Parameter``s, or buffers only, it is not refused yet). So is a step, or
-a recomputing call, under
+``Parameter``s, or buffers only, the recomputation refuses it:
+``runtime/recompute.py``). So is a step, or a recomputing call, under
 ``torch.nn.utils.parametrize.cached()`` over parametrized layers: the cache
 is not per thread, but it shares one computed weight between micro-batches
 whose backwards and recomputations run apart. Torch's and the library's own

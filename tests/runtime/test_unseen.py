@@ -137,6 +137,36 @@ def test_functional_call_recomputing_is_refused_and_without_recomputation_equals
         torch.testing.assert_close(value.grad, weights[name].grad, msg=name)
 
 
+@pytest.mark.parametrize("checkpoint", ["always", "except_last"])
+@pytest.mark.parametrize("given", ["parameters", "buffers"])
+def test_functional_call_of_parameters_or_buffers_is_refused_by_the_recomputation(
+    checkpoint: str, given: str
+) -> None:
+    # Only plain tensors were refused: another model's Parameters, or a buffer alone,
+    # passed, and the recomputation used the module's own (gradients 1.1 to 10 off).
+    layers = model(norm=False)
+    layers[1] = Scaled()
+    pipe = pipe_of(layers, checkpoint)
+    if given == "parameters":
+        values: dict[str, Tensor] = dict(model(norm=False).named_parameters())
+        values = {n: nn.Parameter(v.detach() * 1.5) for n, v in values.items()}
+    else:
+        values = {"1.scale": torch.full((4,), 3.0, dtype=torch.double)}
+    out = torch.func.functional_call(pipe, values, (X,))
+    assert isinstance(out, Tensor)
+    with pytest.raises(RuntimeError, match=r"not the tensor its forward used"):
+        out.square().sum().backward()
+
+
+class Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.ones(4, dtype=torch.double))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.scale
+
+
 def parametrized() -> nn.Sequential:
     layers = model(norm=False)
     nn.utils.parametrizations.spectral_norm(layers[0])
