@@ -8,6 +8,7 @@ import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
+from functools import partial
 from typing import Any, overload
 
 import torch
@@ -29,7 +30,7 @@ from pipeline.calls import EvaluateCall, MicroBatches, StepCall
 from pipeline.clock.driver import ClockDriver
 from pipeline.runtime.borrowed import find_loans
 from pipeline.runtime.microbatch import Batch, Value, check_input, gather, scatter, to_device
-from pipeline.runtime.partitions import PositionalSequential
+from pipeline.runtime.partitions import Hook, PositionalSequential
 from pipeline.runtime.recompute import checkpoint_stop
 from pipeline.runtime.router_loss import ASKED, asked
 from pipeline.runtime.unseen import (
@@ -46,6 +47,7 @@ from pipeline.runtime.worker import (
 )
 from pipeline.skip.layout import inspect_skip_layout
 from pipeline.step.actions import Program
+from pipeline.step.gradients import caller_reached
 from pipeline.step.reports import StepReport
 from pipeline.step.runner import StepRun, forward_programs, programs_by_worker
 from pipeline.step.schedules import Schedule, resolve_schedule
@@ -289,14 +291,22 @@ class Pipe(PipeBase):
         router = self._router_tally(call, batches, programs)
         by_worker = programs_by_worker(programs, self._thread_of)
         hooks = list(self._completion_hooks.values())
+        # The pipe's parameters that the caller's graph behind the input or the target
+        # reaches too (an embedding outside, tied to the head inside): accumulated once, at
+        # the step's end, with the caller's part; their partitions final only then.
+        reached = caller_reached(self.parameters(), [*batches, *micro_batches.targets])
+        late = [
+            j for j, part in enumerate(self.partitions) if reached & set(map(id, part.parameters()))
+        ]
         self.last_step = None  # a step that fails midway reports nothing, not the last one's
         run = self._step_run(
             call,
             loss_reduction,
             programs,
             micro_batches,
-            hooks,
+            [partial(_unless_late, hooks, late)] if late else hooks,
             _worker_stages(programs, by_worker),
+            at_end=[p for p in self.parameters() if id(p) in reached],
             router=router,
         )
         thread_of_program = _thread_of_program(len(programs), by_worker)
@@ -304,6 +314,9 @@ class Pipe(PipeBase):
         with self._one_pass(batches), run.holding_hooks(), run.routing():
             self._run_programs(run, programs, by_worker, simulation)
             run.finish()
+        for j in late:
+            for hook in hooks:
+                hook(j)
         loss = run.with_router_loss(run.loss())
         self.last_step = StepReport(
             schedule,
@@ -494,6 +507,13 @@ def _refuse_sharded(pipe: Pipe, method: str) -> None:
 def _worker_stages(programs: list[Program], by_worker: dict[int, list[int]]) -> list[list[int]]:
     """The stages each worker runs: those of the programs ``by_worker`` gives it."""
     return [sorted({a.stage for k in ks for a in programs[k]}) for ks in by_worker.values()]
+
+
+def _unless_late(hooks: list[Hook], late: list[int], j: int) -> None:
+    """Partition ``j``'s completion hooks, unless it is final only at the step's end."""
+    if j not in late:
+        for hook in hooks:
+            hook(j)
 
 
 def _thread_of_program(count: int, by_worker: dict[int, list[int]]) -> list[int]:

@@ -41,6 +41,7 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, Node
 
+from pipeline.runtime.microbatch import Batch
 from pipeline.runtime.threadstate import ThreadState
 from pipeline.step.held_hooks import HeldHooks
 from pipeline.step.sharded import ShardedUnits
@@ -52,6 +53,7 @@ __all__ = [
     "StepGradients",
     "accumulate",
     "backward_to_leaves",
+    "caller_reached",
     "gradient_node",
     "leaves_of",
 ]
@@ -309,6 +311,17 @@ def leaves_of(roots: Iterable[Root]) -> tuple[list[Tensor], bool]:
             if child is not None:
                 pending.append(child)
     return found, any(kind.__name__ == REENTRANT_CHECKPOINT for kind in kinds)
+
+
+def caller_reached(parameters: Iterable[Tensor], batches: Iterable[Batch]) -> set[int]:
+    """The ids of ``parameters`` that a backward through the tensors of ``batches`` (the
+    caller's input or target, with a history) reaches: nothing to walk for tensors that
+    need no gradient, the usual input."""
+    roots = [x for b in batches for x in b.leaves if isinstance(x, Tensor) and x.requires_grad]
+    if not roots:
+        return set()
+    reached = {id(t) for t in leaves_of(roots)[0]}
+    return {id(p) for p in parameters if id(p) in reached}
 
 
 def gradient_node(tensor: Root) -> Node:

@@ -497,3 +497,51 @@ def test_a_weight_shared_by_stages_adds_their_sums_in_stage_order_whichever_ends
     assert finished == [[], [], [0, 1, 2]]
     assert shared.weight.grad is not None
     assert shared.weight.grad.item() == 0.0  # (1e8 + 1) - 1e8 in float32; 1.0 in another order
+
+
+@pytest.mark.parametrize("through", ["input", "target"])
+@pytest.mark.parametrize("schedule", FLAT)
+def test_a_parameter_the_callers_graph_reaches_too_is_accumulated_once(
+    schedule: str, through: str
+) -> None:
+    # An embedding computed by the caller, tied to the head inside the pipe: the head's
+    # stage accumulated its part, then the caller's graph the rest, and a post-accumulate
+    # hook (an optimizer in backward) fired twice, first with a partial gradient (0.29
+    # off); the partition's completion hook was called before the gradient was whole.
+    def model_and_embedding() -> tuple[nn.Sequential, nn.Embedding]:
+        torch.manual_seed(0)
+        embedding = nn.Embedding(WIDTH, WIDTH).double()
+        head = nn.Linear(WIDTH, WIDTH, bias=False).double()
+        head.weight = embedding.weight
+        return nn.Sequential(nn.Linear(WIDTH, WIDTH).double(), nn.Tanh(), head), embedding
+
+    ids = torch.randint(WIDTH, (8,), generator=torch.Generator().manual_seed(1))
+    x, y = data()
+
+    def call(model: nn.Module, embedding: nn.Embedding) -> tuple[Tensor, Tensor]:
+        if through == "input":
+            return embedding(ids), y
+        return x, torch.tanh(embedding(ids))
+
+    plain, plain_embedding = model_and_embedding()
+    F.mse_loss(plain(call(plain, plain_embedding)[0]), call(plain, plain_embedding)[1]).backward()
+    whole = plain_embedding.weight.grad
+    assert whole is not None
+    model, embedding = model_and_embedding()
+    seen: list[Tensor] = []
+    embedding.weight.register_post_accumulate_grad_hook(lambda p: seen.append(cast_grad(p).clone()))
+    pipe = cpu_pipe(model, [2, 1], "never")
+    final: list[bool] = []
+    pipe.register_partition_backward_hook(
+        lambda j: final.append(j == 0 or torch.allclose(cast_grad(embedding.weight), whole))
+    )
+    pipe.step(*call(model, embedding), F.mse_loss, schedule=SCHEDULES[schedule]())
+    assert len(seen) == 1
+    torch.testing.assert_close(seen[0], whole)
+    assert_same(grads(model), grads(plain), schedule)
+    assert sorted(final) == [True, True]
+
+
+def cast_grad(p: Tensor) -> Tensor:
+    assert p.grad is not None
+    return p.grad
