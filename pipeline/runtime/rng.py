@@ -169,6 +169,31 @@ def _random(func: Any) -> bool:
     return random
 
 
+# Arguments that, given these values, make an op tagged random draw nothing: attention's
+# dropout of 0 (CPU's scaled dot product attention is tagged whatever its dropout), a
+# dropout outside training.
+_DRAWS_NOTHING = {"dropout_p": 0.0, "train": False}
+_switches: dict[Any, list[tuple[int, str, Any]]] = {}
+
+
+def _draws(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether this call of ``func`` draws random numbers."""
+    if not _random(func):
+        return False
+    switches = _switches.get(func)
+    if switches is None:
+        switches = _switches[func] = [
+            (k, a.name, a.default_value)
+            for k, a in enumerate(func._schema.arguments)
+            if a.name in _DRAWS_NOTHING
+        ]
+    for index, name, default in switches:
+        value = kwargs.get(name, args[index] if index < len(args) else default)
+        if value is not None and value == _DRAWS_NOTHING[name]:
+            return False
+    return True
+
+
 def _state(generator: torch.Generator) -> torch.Tensor:
     """The generator's state, never read inside another thread's seeded draw."""
     with _compile_lock(), _lock(generator):
@@ -492,7 +517,7 @@ class _SeedEachDraw(TorchDispatchMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        if not _random(func):
+        if not _draws(func, args, kwargs):
             return func(*args, **kwargs)
         if not self.replay:
             _refuse_a_checkpoint_of_its_own(self.task.partition())

@@ -650,3 +650,37 @@ def test_a_layer_recomputing_itself_is_refused_where_draws_are_seeded(reentrant:
         grads.append([p.grad for p in pipe.parameters()])
     for ours, theirs in zip(*grads, strict=True):
         torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+
+class AttendsItself(nn.Module):
+    """Attention under torch's checkpoint, its dropout off (CPU's scaled dot product
+    attention is tagged random whatever its dropout), or off in evaluation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        def inner(x: torch.Tensor) -> torch.Tensor:
+            q = self.linear(x).view(x.shape[0], 2, 2, 2)
+            attended = F.scaled_dot_product_attention(q, q, q, dropout_p=0.0)
+            return F.dropout(attended.reshape(x.shape), 0.5, training=False)
+
+        return torch.utils.checkpoint.checkpoint(inner, x, use_reentrant=False)  # type: ignore[no-any-return]
+
+
+def test_a_layer_recomputing_itself_without_drawing_is_not_refused_where_draws_are_seeded() -> None:
+    # Attention with a dropout of 0 was taken for a draw (its op carries torch's tag for
+    # random ops whatever its dropout), and transformers' gradient checkpointing over
+    # SDPA was refused though no dropout ran, against what the docs say.
+    def model() -> nn.Sequential:
+        torch.manual_seed(3)
+        return nn.Sequential(nn.Linear(8, 8), AttendsItself(), AttendsItself()).double()
+
+    x, y = torch.randn(6, 8, dtype=torch.double), torch.randn(6, 8, dtype=torch.double)
+    plain = model()
+    F.mse_loss(plain(x), y).backward()
+    seeded = Pipe(model(), [2, 1], devices=["cpu"] * 2, chunks=1, threads="partition")
+    seeded.step(x, y, F.mse_loss)
+    for ours, theirs in zip(seeded.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(ours.grad, theirs.grad)
