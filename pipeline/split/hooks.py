@@ -50,6 +50,7 @@ def refuse_hooks(modules: list[tuple[str, nn.Module]], error: type[Exception], f
                 f"{describe_module(name, module)} has {' and '.join(call_hook_kinds(module))}, "
                 "but its forward is captured as torch ops by split, and the pieces run those ops "
                 f"without calling the module, so the hooks would never run: {fix}"
+                + _of_transformers(module)
             )
     if nn.modules.module._has_any_global_hook():
         raise error(
@@ -57,6 +58,19 @@ def refuse_hooks(modules: list[tuple[str, nn.Module]], error: type[Exception], f
             "register_module_forward_hook and the like); the modules that split captures as "
             f"torch ops would never call them: {fix}"
         )
+
+
+def _of_transformers(module: nn.Module) -> str:
+    """What to do about a hook transformers registered itself, if it is one."""
+    hooks = (*module._forward_hooks.values(), *module._forward_pre_hooks.values())
+    if not any(getattr(h, "__name__", "") == "make_inputs_require_grads" for h in hooks):
+        return ""
+    return (
+        ". This one is transformers' own (enable_input_require_grads, which "
+        "gradient_checkpointing_enable() calls): call model.gradient_checkpointing_disable() "
+        "and model.disable_input_require_grads() before splitting, and let the pipe "
+        "recompute (checkpoint='always' or 'except_last')"
+    )
 
 
 def forward_names(model: nn.Module) -> set[str]:

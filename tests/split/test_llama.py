@@ -8,6 +8,7 @@ from split_models import assert_same, gradients, llama, lm_loss, tokens, twin
 
 import pipeline
 from pipeline import Pipe
+from pipeline.split import SplitError
 
 transformers = pytest.importorskip("transformers")
 
@@ -85,4 +86,19 @@ def test_pipe_step(split_model, schedule: str) -> None:
     expected.backward()
     torch.testing.assert_close(loss, expected.detach())
     assert_same(gradients(model), gradients(plain))
+    pipe.close()
+
+
+def test_transformers_gradient_checkpointing_before_the_split_is_refused_naming_it() -> None:
+    # The refusal named a forward hook on the embeddings, not what had registered it.
+    model = llama()
+    model.gradient_checkpointing_enable()
+    ids = tokens(4, 6)[0]
+    with pytest.raises(SplitError, match=r"gradient_checkpointing_enable\(\)"):
+        pipeline.split(model, (ids,))
+    model.gradient_checkpointing_disable()
+    model.disable_input_require_grads()
+    seq = pipeline.split(model, (ids,))
+    pipe = Pipe(seq, [1, len(seq) - 1], chunks=2, checkpoint="always")
+    pipe(ids)
     pipe.close()
