@@ -352,6 +352,7 @@ class StageRun:
         return scaled(loss, context.scales[stashed.i])
 
     def _send_output(self, i: int, stashed: _Stashed, output: Batch) -> None:
+        _refuse_hidden_gradients(self.j, output.leaves)
         differentiable = [_needs_grad(x) for x in output.leaves]
         # The groups seen so far that this output's leaves reach: an earlier step's
         # output may have had more of them.
@@ -617,6 +618,26 @@ def _root(x: Any) -> Root | None:
     if not _needs_grad(x):
         return None
     return x if x.grad_fn is None else get_gradient_edge(x)
+
+
+def _refuse_hidden_gradients(j: int, leaves: list[Any]) -> None:
+    """Refuse an object of another class holding a tensor that requires grad, between
+    stages: passed as it is, its tensor would keep the graph of this stage, which the
+    next stage's backward would walk, outside the step's order (``pipe(x)``'s one graph
+    takes it; a stage's, which starts from leaves, cannot)."""
+    for leaf in leaves:
+        if isinstance(leaf, Tensor | int | float | str | bytes | None):
+            continue
+        fields = getattr(leaf, "__dict__", {})
+        found = next((n for n, v in fields.items() if _needs_grad(v)), None)
+        if found is not None:
+            raise TypeError(
+                f"partition {j} returned a {type(leaf).__name__} object whose tensor {found!r} "
+                "requires grad; Pipe.step passes objects of other classes as they are, so "
+                "the next partition's backward would reach into this one's graph: register "
+                "the class with torch.utils._pytree (register_dataclass) so that its "
+                "tensors are sent as tensors, or return the tensor itself"
+            )
 
 
 def _leaf(x: Tensor) -> Tensor:

@@ -4,6 +4,7 @@ combination."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -334,3 +335,44 @@ def test_skips_on_one_thread_without_grad_equal_the_plain_model(mode: str) -> No
         assert found.is_inference() == (mode == "inference_mode")
         torch.testing.assert_close(found, expected, msg=layout)
         pipe.close()
+
+
+@dataclasses.dataclass
+class Extra:
+    h: Tensor
+
+
+class WithExtra(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Extra]:
+        h = self.linear(x)
+        return torch.tanh(h), Extra(h * 3)
+
+
+class TakesExtra(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, pair: tuple[Tensor, Extra]) -> Tensor:
+        return self.linear(pair[0]) + pair[1].h
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+def test_an_object_hiding_a_tensor_that_requires_grad_between_stages_is_refused(
+    checkpoint: str,
+) -> None:
+    # Passed as it was, its tensor kept the first stage's graph: the second stage's
+    # backward walked it, and the step failed midway with torch's error ("backward
+    # through the graph a second time") after writing gradients.
+    torch.manual_seed(0)
+    model = nn.Sequential(WithExtra(), TakesExtra()).double()
+    x, y = torch.randn(8, WIDTH, dtype=torch.double), torch.randn(8, WIDTH, dtype=torch.double)
+    pipe = Pipe(model, [1, 1], devices=["cpu"] * 2, chunks=2, checkpoint=checkpoint)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"Extra object whose tensor 'h' requires grad.*pytree"):
+        pipe.step(x, y, F.mse_loss)
+    assert all(p.grad is None for p in model.parameters())
+    pipe.close()
