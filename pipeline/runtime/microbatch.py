@@ -376,14 +376,17 @@ def gather(batches: list[Batch], rows: Sequence[int] | None = None) -> Value:
     return Batch.of(leaves, batches[0].spec).value
 
 
-def check_gatherable(batches: list[Batch]) -> None:
+def check_gatherable(batches: list[Batch], rows: Sequence[int] | None = None) -> None:
     """Refuse, before the step's backwards end, outputs that ``gather`` could not
-    concatenate: structures that differ, or shapes beyond dim 0."""
+    concatenate: structures that differ, shapes beyond dim 0, non-tensors that differ
+    between micro-batches or count each one's ``rows``."""
     _check_structures(batches)
     for k, column in enumerate(zip(*(batch.leaves for batch in batches), strict=True)):
         tensors = [x for x in column if isinstance(x, Tensor)]
         if len(tensors) == len(column) and not all(_same_memory(x, tensors[0]) for x in tensors):
             _check_concatenable(tensors, k)
+        elif not isinstance(column[0], Tensor):
+            _check_non_tensor(list(column), k, rows)
 
 
 def _check_structures(batches: list[Batch]) -> None:
@@ -407,6 +410,14 @@ def _gather_column(column: list[Any], position: int, rows: Sequence[int] | None)
         for tensor in column:
             refuse_attributes(tensor, f"output leaf {position}", "the micro-batches' concatenation")
         return torch.cat(column)
+    _check_non_tensor(column, position, rows)
+    return first
+
+
+def _check_non_tensor(column: list[Any], position: int, rows: Sequence[int] | None) -> None:
+    """Refuse a non-tensor output that differs between micro-batches, or counts their rows
+    (the plain model's would count the batch's)."""
+    first = column[0]
     if any(not _same_value(value, first) for value in column[1:]):
         raise ValueError(
             f"output leaf {position} is a non-tensor that differs between micro-batches "
@@ -419,7 +430,6 @@ def _gather_column(column: list[Any], position: int, rows: Sequence[int] | None)
             f"({sum(rows)}); take it from the pipe's output tensors (out.shape, out.size(0)), "
             "not from inside the model"
         )
-    return first
 
 
 def _counts_rows(value: Any, rows: int) -> bool:

@@ -481,8 +481,14 @@ class StageRun:
             self.outputs[i] = Batch.of(
                 [x.detach() if isinstance(x, Tensor) else x for x in output.leaves], output.spec
             )
-            if len(self.outputs) == self.context.m:  # refused before the stages' ends
-                check_gatherable([self.outputs[k] for k in range(self.context.m)])
+            # Refused before the stages' ends: against the first micro-batch's as each
+            # comes (before any backward in GPipe), then all of them together.
+            rows = [t.rows() for t in self.context.targets] or None
+            if i > 0 and 0 in self.outputs:
+                pair = [rows[0], rows[i]] if rows else None
+                check_gatherable([self.outputs[0], self.outputs[i]], pair)
+            if len(self.outputs) == self.context.m:
+                check_gatherable([self.outputs[k] for k in range(self.context.m)], rows)
 
     def _finished(self) -> None:
         """This stage ended: accumulate what is final, call the hooks of the partitions final now.

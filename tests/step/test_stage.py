@@ -376,3 +376,41 @@ def test_an_object_hiding_a_tensor_that_requires_grad_between_stages_is_refused(
         pipe.step(x, y, F.mse_loss)
     assert all(p.grad is None for p in model.parameters())
     pipe.close()
+
+
+class WithCount(nn.Module):
+    """Returns its input and a non-tensor: its rows, or a number of its own."""
+
+    def __init__(self, value: str) -> None:
+        super().__init__()
+        self.value = value
+        self.calls = 0
+
+    def forward(self, x: Tensor) -> tuple[Tensor, int]:
+        self.calls += 1
+        return x, x.size(0) if self.value == "rows" else self.calls
+
+
+@pytest.mark.parametrize("value", ["rows", "a count of calls"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_non_tensor_outputs_that_cannot_be_gathered_are_refused_before_the_step_ends(
+    schedule: str, value: str
+) -> None:
+    # They were refused by the gather, after every gradient was written and every hook
+    # had fired (in a DistributedPipe, on the last process alone).
+    model = nn.Sequential(block(), block(), WithCount(value)).double()
+    pipe = Pipe(model, [1, 2], devices=["cpu"] * 2, chunks=3)
+    x = torch.randn(6, WIDTH, dtype=torch.double)
+    signalled: list[int] = []
+    pipe.register_partition_backward_hook(signalled.append)
+
+    def loss_fn(output: tuple[Tensor, int], target: Tensor) -> Tensor:
+        return F.mse_loss(output[0], target)
+
+    found = "holds its micro-batch's rows" if value == "rows" else "differs between micro-batches"
+    with pytest.raises(ValueError, match=found):
+        pipe.step(x, x, loss_fn, schedule=schedule, return_outputs=True)
+    assert not signalled
+    if schedule == "gpipe":  # every forward before any backward
+        assert all(p.grad is None for p in model.parameters())
+    pipe.close()
