@@ -123,6 +123,9 @@ def forward_idle(programs: list[Program], worker_of_program: Sequence[int], stag
     """The idle shares of forward-only ``programs`` (an evaluation's), with unit costs, when
     worker ``worker_of_program[k]`` runs ``programs[k]``: a worker's actions in the order
     they start when each program runs alone (a forward waits only for an earlier stage's).
+    A worker of several stages beside other workers (``threads="device"`` over several
+    devices) runs an evaluation's actions as their mail comes (``runner.py``), which may
+    not reach this order: the share is a lower bound there.
 
     >>> from pipeline.step.actions import parse_program
     >>> programs = [parse_program("0F0 0F1"), parse_program("1F0 1F1")]
