@@ -50,6 +50,7 @@ from pipeline.runtime.unseen import refuse_cached_parametrizations
 from pipeline.skip.layout import SkipLayout
 from pipeline.step.actions import Program, backward_before_forward, forwards_out_of_order
 from pipeline.step.cache import ProgramCache
+from pipeline.step.gradients import caller_reached
 from pipeline.step.held_hooks import check_supported
 from pipeline.step.losses import (
     LossDivisor,
@@ -548,6 +549,20 @@ class PipeBase(nn.Module, ABC):
                     "forwards in micro-batch order (its backwards may come in any order), or "
                     "use deferred_batch_norm=True for BatchNorm"
                 )
+
+    def _reached_by_the_caller(
+        self, micro_batches: MicroBatches, stages: Iterable[int]
+    ) -> tuple[list[torch.Tensor], list[int]]:
+        """The pipe's parameters that the caller's graph behind the input or the target
+        reaches too (an embedding outside, tied to the head inside), and which of
+        ``stages`` hold them: accumulated once, at the step's end, with the caller's part
+        (``at_end``), so those stages are final, and signalled, only then."""
+        batches = [*micro_batches.batches, *micro_batches.targets]
+        reached = caller_reached(self.parameters(), batches)
+        if not reached:
+            return [], []
+        late = [j for j in stages if reached & {id(p) for p in self.partitions[j].parameters()}]
+        return [p for p in self.parameters() if id(p) in reached], late
 
     def _step_run(
         self,

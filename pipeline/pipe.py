@@ -47,7 +47,6 @@ from pipeline.runtime.worker import (
 )
 from pipeline.skip.layout import inspect_skip_layout
 from pipeline.step.actions import Program
-from pipeline.step.gradients import caller_reached
 from pipeline.step.reports import StepReport
 from pipeline.step.runner import StepRun, forward_programs, programs_by_worker
 from pipeline.step.schedules import Schedule, resolve_schedule
@@ -291,13 +290,7 @@ class Pipe(PipeBase):
         router = self._router_tally(call, batches, programs)
         by_worker = programs_by_worker(programs, self._thread_of)
         hooks = list(self._completion_hooks.values())
-        # The pipe's parameters that the caller's graph behind the input or the target
-        # reaches too (an embedding outside, tied to the head inside): accumulated once, at
-        # the step's end, with the caller's part; their partitions final only then.
-        reached = caller_reached(self.parameters(), [*batches, *micro_batches.targets])
-        late = [
-            j for j, part in enumerate(self.partitions) if reached & set(map(id, part.parameters()))
-        ]
+        reached, late = self._reached_by_the_caller(micro_batches, range(n))
         self.last_step = None  # a step that fails midway reports nothing, not the last one's
         run = self._step_run(
             call,
@@ -306,7 +299,7 @@ class Pipe(PipeBase):
             micro_batches,
             [partial(_unless_late, hooks, late)] if late else hooks,
             _worker_stages(programs, by_worker),
-            at_end=[p for p in self.parameters() if id(p) in reached],
+            at_end=reached,
             router=router,
         )
         thread_of_program = _thread_of_program(len(programs), by_worker)

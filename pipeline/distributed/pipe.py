@@ -255,6 +255,8 @@ class DistributedPipe(PipeBase):
         self._partition_names = [list(p._modules) for p in every]
         self.skip_layout = inspect_skip_layout(every, [self.device] * n)
         self._ties = TiedWeights(every, self.owner)
+        # A step's stages signalled after its end (tied weights, weights the caller reaches).
+        self._late_stages: list[int] = []
         self.partitions = [
             materialized(p, self.device, init, module)
             if self.owner[s] == self.rank
@@ -316,6 +318,8 @@ class DistributedPipe(PipeBase):
         programs, simulation = self._programs(chosen, len(micro_batches.rows))
         self._refuse_reordered_forwards(chosen, programs)
         self.last_step = None  # a step that fails midway reports nothing, not the last one's
+        reached, late = self._reached_by_the_caller(micro_batches, self.local_stages)
+        self._late_stages = sorted({*self._ties.stages, *late})
         run = self._step_run(
             call,
             reduction,
@@ -325,7 +329,7 @@ class DistributedPipe(PipeBase):
             [self.local_stages],
             transport=self._transport,
             stages=self.local_stages,
-            at_end=self._ties.parameters(),
+            at_end=[*self._ties.parameters(), *reached],
             router=router,
         )
         self._run_step(run, programs[self.rank], micro_batches)
@@ -353,7 +357,7 @@ class DistributedPipe(PipeBase):
 
     def _run_step(self, run: StepRun, program: Program, micro_batches: MicroBatches) -> None:
         """Run this process's ``program`` of the step, its end agreed with the others; then
-        the completion hooks of the stages whose tied weights were summed at the end."""
+        the completion hooks of the stages final only at the end (``_late_stages``)."""
         with (
             self._stranding_on_failure(),
             self._one_pass(micro_batches.batches),
@@ -371,7 +375,7 @@ class DistributedPipe(PipeBase):
             except BaseException as error:
                 self._transport.abort(error)  # the others, at the step's end, stop waiting
                 raise
-        for j in sorted(self._ties.stages):
+        for j in self._late_stages:
             for hook in self._completion_hooks.values():
                 hook(j)
 
@@ -722,8 +726,9 @@ class DistributedPipe(PipeBase):
 
     def _stage_done(self, j: int) -> None:
         # A stage with tied weights is final only once their gradients are
-        # summed over the processes that hold them, after the step.
-        if j not in self._ties.stages:
+        # summed over the processes that hold them, after the step; one with
+        # weights the caller's graph reaches too, once that is walked.
+        if j not in self._late_stages:
             for hook in self._completion_hooks.values():
                 hook(j)
 

@@ -1663,6 +1663,39 @@ def a_pipeline_refused_in_a_grid_stops_every_pipeline() -> None:
     pipe.close()
 
 
+@scenario
+def a_weight_the_callers_graph_reaches_too_is_accumulated_once() -> None:
+    # The input is an embedding computed by the caller, tied to stage 0's first weight:
+    # the stage accumulated its part, then the caller's graph the rest, and the hook fired
+    # twice, first with a partial gradient.
+    def model_and_embedding() -> tuple[nn.Sequential, nn.Embedding]:
+        torch.manual_seed(0)
+        embedding = nn.Embedding(WIDTH, WIDTH).double()
+        model = blocks(4)
+        model[0][0].weight = embedding.weight
+        return model, embedding
+
+    ids = torch.randint(WIDTH, (10,), generator=torch.Generator().manual_seed(2))
+    _, y = batch()
+    plain, plain_embedding = model_and_embedding()
+    F.mse_loss(plain(plain_embedding(ids)), y).backward()
+    for schedule in ("gpipe", "1f1b", "zb-h1"):
+        model, embedding = model_and_embedding()
+        fired: list[Tensor] = []
+        embedding.weight.register_post_accumulate_grad_hook(
+            lambda p, fired=fired: fired.append(cast(Tensor, p.grad).clone())
+        )
+        pipe = DistributedPipe(model, [2, 2], chunks=2)
+        signalled: list[int] = []
+        pipe.register_partition_backward_hook(signalled.append)
+        pipe.step(embedding(ids) if rank() == 0 else None, y, F.mse_loss, schedule=schedule)
+        if rank() == 0:
+            assert len(fired) == 1, schedule
+            torch.testing.assert_close(fired[0], plain_embedding.weight.grad)
+        assert signalled == [rank()], schedule
+        pipe.close()
+
+
 class FailsOnceReplicasLaunched(torch.autograd.Function):
     """Raises in its backward once the store says the stage after it, in both pipelines,
     has launched its all-reduces; passes the gradient otherwise."""

@@ -15,6 +15,7 @@ STAGES = Path(__file__).with_name("stage_scenarios.py")
 # Scenarios that leave the group usable share one group per size.
 SHARED = [
     "every_schedule_and_mode_equals_the_plain_model",
+    "a_weight_the_callers_graph_reaches_too_is_accumulated_once",
     "interleaved_stages_equal_the_plain_model",
     "skips_go_straight_to_non_adjacent_processes",
     "a_model_on_the_meta_device_is_materialised_stage_by_stage",
