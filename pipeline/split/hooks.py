@@ -68,7 +68,8 @@ def _of_transformers(module: nn.Module) -> str:
     return (
         ". This one is transformers' own (enable_input_require_grads, which "
         "gradient_checkpointing_enable() calls): call model.gradient_checkpointing_disable() "
-        "and model.disable_input_require_grads() before splitting, and let the pipe "
+        "(activation_checkpointing_disable() in newer transformers) and "
+        "model.disable_input_require_grads() before splitting, and let the pipe "
         "recompute (checkpoint='always' or 'except_last')"
     )
 

@@ -43,7 +43,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -483,11 +483,10 @@ class StageRun:
             )
             # Refused before the stages' ends: against the first micro-batch's as each
             # comes (before any backward in GPipe), then all of them together.
-            rows = [t.rows() for t in self.context.targets] or None
-            if i > 0 and 0 in self.outputs:
-                pair = [rows[0], rows[i]] if rows else None
-                check_gatherable([self.outputs[0], self.outputs[i]], pair)
+            if i > 0 and 0 in self.outputs:  # which counts rows, only all of them tell
+                check_gatherable([self.outputs[0], self.outputs[i]])
             if len(self.outputs) == self.context.m:
+                rows = [t.rows() for t in self.context.targets] or None
                 check_gatherable([self.outputs[k] for k in range(self.context.m)], rows)
 
     def _finished(self) -> None:
@@ -627,23 +626,47 @@ def _root(x: Any) -> Root | None:
 
 
 def _refuse_hidden_gradients(j: int, leaves: list[Any]) -> None:
-    """Refuse an object of another class holding a tensor that requires grad, between
-    stages: passed as it is, its tensor would keep the graph of this stage, which the
-    next stage's backward would walk, outside the step's order (``pipe(x)``'s one graph
-    takes it; a stage's, which starts from leaves, cannot)."""
+    """Refuse an object of another class holding a tensor with a history that requires
+    grad, between stages: passed as it is, its tensor would keep the graph of this stage,
+    which the next stage's backward would walk, outside the step's order (``pipe(x)``'s
+    one graph takes it; a stage's, which starts from leaves, cannot). A parameter held
+    so (a leaf) passes: its gradient accumulates wherever it is reached."""
     for leaf in leaves:
         if isinstance(leaf, Tensor | int | float | str | bytes | None):
             continue
-        fields = getattr(leaf, "__dict__", {})
-        found = next((n for n, v in fields.items() if _needs_grad(v)), None)
+        found = _hidden_history(leaf, depth=3)
         if found is not None:
             raise TypeError(
-                f"partition {j} returned a {type(leaf).__name__} object whose tensor {found!r} "
-                "requires grad; Pipe.step passes objects of other classes as they are, so "
-                "the next partition's backward would reach into this one's graph: register "
-                "the class with torch.utils._pytree (register_dataclass) so that its "
-                "tensors are sent as tensors, or return the tensor itself"
+                f"partition {j} returned a {type(leaf).__name__} object holding a tensor "
+                f"computed with grad ({found}); Pipe.step passes objects of other classes as "
+                "they are, so the next partition's backward would reach into this one's "
+                "graph: register the class with torch.utils._pytree (register_dataclass) so "
+                "that its tensors are sent as tensors, or return the tensor itself"
             )
+
+
+def _hidden_history(value: Any, depth: int) -> str | None:
+    """Where inside ``value`` (its attributes, slots, and the lists, tuples and dicts
+    they hold, ``depth`` levels down) a tensor with a history that requires grad is."""
+    if isinstance(value, Tensor):
+        return "" if value.requires_grad and value.grad_fn is not None else None
+    if depth == 0:
+        return None
+    if isinstance(value, list | tuple):
+        items: Iterable[tuple[Any, Any]] = enumerate(value)
+    elif isinstance(value, dict):
+        items = value.items()
+    else:
+        names = [*getattr(value, "__dict__", {})]
+        names += [n for c in type(value).__mro__ for n in getattr(c, "__slots__", ())]
+        items = ((n, getattr(value, n, None)) for n in names if isinstance(n, str))
+    for key, item in items:
+        where = _hidden_history(item, depth - 1)
+        if where is not None:
+            return (
+                f"[{key!r}]{where}" if isinstance(value, list | tuple | dict) else f".{key}{where}"
+            )
+    return None
 
 
 def _leaf(x: Tensor) -> Tensor:
