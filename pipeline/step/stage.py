@@ -150,6 +150,7 @@ class _Stashed:
     outputs: list[Root | None] = field(default_factory=list)
     loss: Tensor | None = None
     skips_in: dict[SkipKey, Tensor] = field(default_factory=dict)
+    popped: list[int] = field(default_factory=list)  # each skip's version, as it was popped
     skips_out: dict[SkipKey, Root | None] = field(default_factory=dict)
     recomputation: Recomputation | None = None
     weight_work: WeightWork | None = None
@@ -293,7 +294,15 @@ class StageRun:
             lock=None,
         )
         with stashed.recomputation.checkpointed(stashed.inputs):
-            return self._call(-1, stashed, recomputing=False)
+            output = self._call(-1, stashed, recomputing=False)
+        popped = list(stashed.skips_in.values())
+        if any(x._version != version for x, version in zip(popped, stashed.popped, strict=True)):
+            raise RuntimeError(
+                f"checkpointed partition {self.j} modified a skip it popped in place, so "
+                "recomputation would pop the modified values; write into a copy "
+                "(out-of-place), or use checkpoint='never'"
+            )
+        return output
 
     def _call(self, i: int, stashed: _Stashed, recomputing: bool) -> Batch:
         """Run the partition on the stashed inputs, with this task's skips installed."""
@@ -605,6 +614,7 @@ class _StageTracker(SkipTracker):
         tensor = message.leaves[0]
         leaf = _leaf(tensor) if message.differentiable[0] else tensor
         self.stashed.skips_in[key] = leaf
+        self.stashed.popped.append(leaf._version)
         self.stashed.sources.append(tensor)
         return cast(Tensor, _view(leaf))
 

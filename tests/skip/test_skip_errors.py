@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+import pipeline
 from pipeline import Pipe
 from pipeline.skip import Namespace, pop, skippable, stash, verify_skippables
 
@@ -179,3 +180,38 @@ def test_decorator_misuse() -> None:
         skippable(stash=["x", "x"])
     with pytest.raises(ValueError, match=r"\['x'\] both stashed and popped by one layer"):
         skippable(stash=["x"], pop=["x"])
+
+
+@skippable(stash=["s"])
+class StashesItsInput(nn.Module):
+    def forward(self, x: Tensor) -> Generator[Any, Any, Tensor]:
+        yield stash("s", x)  # needs no gradient; nothing saves it
+        return x * 2
+
+
+@skippable(pop=["s"])
+class WritesThePop(nn.Module):
+    def forward(self, h: Tensor) -> Generator[Any, Any, Tensor]:
+        s = yield pop("s")
+        if not pipeline.is_recomputing():
+            s.mul_(3)  # the plain model's write: nothing saved s
+        return h + 0
+
+
+def written_pop() -> nn.Sequential:
+    torch.manual_seed(0)
+    layers = [StashesItsInput(), nn.Linear(4, 4), nn.Tanh(), WritesThePop(), nn.Linear(4, 4)]
+    return nn.Sequential(*layers).double()
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last"])
+def test_a_skip_a_checkpointed_partition_writes_into_is_refused(checkpoint: str) -> None:
+    # Its recomputation popped the written values (43 off), and the stashing partition's
+    # input, the skip itself, was what that one's recomputation started from (2.6 off):
+    # both silently, in Pipe.step.
+    x = torch.randn(8, 4, dtype=torch.double)
+    pipe = Pipe(written_pop(), [3, 2], devices=["cpu"] * 2, chunks=2, checkpoint=checkpoint)  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="modified a skip it popped in place"):
+        pipe.step(x, x, lambda o, t: o.sum(), loss_reduction="sum", schedule="gpipe")
+    assert all(p.grad is None for p in pipe.parameters())
+    pipe.close()
