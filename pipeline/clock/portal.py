@@ -66,7 +66,12 @@ class Portal:
         return phony
 
     def exit(self, phony: Tensor) -> Tensor:
-        """The kept tensor, as a new node whose gradient goes back into the portal."""
+        """The kept tensor, as a new node whose gradient goes back into the portal; itself
+        if it needs no gradient (a node on a phony that needs one would make it need one,
+        which the popping layer would see)."""
+        if self.tensor is not None and not self.tensor.requires_grad:
+            self.entered = None
+            return self.read()
         entered, self.entered = self.entered, None
         # No enter since: Exit's read says the skip was popped twice.
         tensor: Tensor = Exit.apply(self, phony, phony if entered is None else entered)

@@ -41,8 +41,10 @@ from pipeline.skip.tracker import (
     SkipKey,
     SkipTracker,
     refuse_returned_into_a_copy,
+    refuse_written_after_pop,
     refuse_written_after_stash,
     use_tracker,
+    version_of,
 )
 
 __all__ = ["Move", "PortalTracker", "SkipPortals", "skip_portals"]
@@ -62,6 +64,7 @@ class PortalTracker(SkipTracker):
         self.layout = layout
         self.portals = portals
         self.popped: dict[SkipKey, Tensor] = {}
+        self.versions: dict[SkipKey, int] = {}  # each popped skip's, if checkpointed
         # The skips this task sent on, as stashed.
         self.entered: list[tuple[SkipKey, Tensor]] = []
 
@@ -91,7 +94,13 @@ class PortalTracker(SkipTracker):
         if is_checkpointing():
             # Requiring grad as in the forward, so recomputation saves the same tensors.
             self.popped[key] = tensor.detach().requires_grad_(tensor.requires_grad)
+            self.versions[key] = version_of(tensor)
         return tensor
+
+    def check_popped(self, partition: int) -> None:
+        """After a checkpointed forward: refuse a skip it popped and wrote into."""
+        for key, version in self.versions.items():
+            refuse_written_after_pop(key, self.popped[key], version, partition)
 
 
 class SkipPortals:
@@ -106,7 +115,7 @@ class SkipPortals:
         """``function`` (partition ``j``) run with a fresh tracker for micro-batch ``i``."""
         copied = j + 1 < len(self.copies_input) and self.copies_input[j + 1]
         tracker = PortalTracker(self.layout, self.portals[i])
-        return partial(_tracked, tracker, function, j if copied else None)
+        return partial(_tracked, tracker, function, j, copied)
 
     def fence(self, i: int, j: int, batch: Batch, move: Move) -> None:
         """Move the skips partition ``j`` pops from other devices, for micro-batch ``i``."""
@@ -162,14 +171,16 @@ def _portal(portals: Portals, route: Route) -> Portal:
 
 
 def _tracked(
-    tracker: PortalTracker, function: PartitionCall, copied_after: int | None, value: Value
+    tracker: PortalTracker, function: PartitionCall, j: int, copied: bool, value: Value
 ) -> Value:
-    """Run ``function`` with ``tracker``; ``copied_after``: the partition, if the next copies
-    its input."""
+    """Run ``function`` (partition ``j``) with ``tracker``; ``copied``: whether the next
+    partition copies its input."""
     with use_tracker(tracker):
         output = function(value)
-    if copied_after is not None and tracker.entered:
+    if is_checkpointing():
+        tracker.check_popped(j)
+    if copied and tracker.entered:
         returned = Batch(output).leaves
         for key, tensor in tracker.entered:
-            refuse_returned_into_a_copy(key, tensor, returned, copied_after)
+            refuse_returned_into_a_copy(key, tensor, returned, j)
     return output

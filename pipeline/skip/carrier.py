@@ -58,7 +58,11 @@ class Carrier:
             if not isinstance(self._value, Tensor | tuple):
                 raise TypeError(self._no_carrier(type(self._value).__name__))
             self._batch = Batch(self._value)
-        index = self._batch.first_differentiable()
+        # One that carries a gradient if any: an edge on another would make it need one.
+        found = self._batch.tensor_indices()
+        index = next((k for k in found if self._batch[k].requires_grad), None)
+        if index is None:
+            index = self._batch.first_differentiable()
         if index is None:
             kinds = ", ".join(type(v).__name__ for v in self._batch.leaves)
             raise TypeError(self._no_carrier(f"({kinds}) without a floating-point tensor"))

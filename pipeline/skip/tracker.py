@@ -30,6 +30,7 @@ __all__ = [
     "current_tracker",
     "discard_stashed",
     "refuse_returned_into_a_copy",
+    "refuse_written_after_pop",
     "refuse_written_after_stash",
     "use_tracker",
     "version_of",
@@ -96,6 +97,20 @@ def refuse_written_after_stash(key: SkipKey, tensor: Tensor, mark: StashMark) ->
             "writing into the tensor the layer also returned): its pop in a later partition "
             "would not see the write the plain model's pop sees; stash a tensor nothing "
             "writes into afterwards (stash(name, h.clone())), or make that layer out-of-place"
+        )
+
+
+def refuse_written_after_pop(key: SkipKey, tensor: Tensor, version: int, partition: int) -> None:
+    """Refuse a skip a checkpointed task popped and wrote into in place (one that needs no
+    gradient: the plain model takes that write): its recomputation would pop the written
+    values, and the stashing task's too, where the skip was its own input."""
+    if version_of(tensor) != version:
+        namespace, name = key
+        raise RuntimeError(
+            f"checkpointed partition {partition} modified the skip {name!r} "
+            f"({namespace.label}) it popped in place, so its recomputation would pop the "
+            "modified values; write into a copy (s = s * 3, or s.clone()), or use "
+            "checkpoint='never'"
         )
 
 

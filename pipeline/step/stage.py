@@ -68,8 +68,10 @@ from pipeline.skip.tracker import (
     SkipTracker,
     StashMark,
     refuse_returned_into_a_copy,
+    refuse_written_after_pop,
     refuse_written_after_stash,
     use_tracker,
+    version_of,
 )
 from pipeline.step.actions import Action
 from pipeline.step.activations import ActivationMeter
@@ -150,7 +152,7 @@ class _Stashed:
     outputs: list[Root | None] = field(default_factory=list)
     loss: Tensor | None = None
     skips_in: dict[SkipKey, Tensor] = field(default_factory=dict)
-    popped: list[int] = field(default_factory=list)  # each skip's version, as it was popped
+    popped: dict[SkipKey, int] = field(default_factory=dict)  # each skip's version, popped
     skips_out: dict[SkipKey, Root | None] = field(default_factory=dict)
     recomputation: Recomputation | None = None
     weight_work: WeightWork | None = None
@@ -295,13 +297,8 @@ class StageRun:
         )
         with stashed.recomputation.checkpointed(stashed.inputs):
             output = self._call(-1, stashed, recomputing=False)
-        popped = list(stashed.skips_in.values())
-        if any(x._version != version for x, version in zip(popped, stashed.popped, strict=True)):
-            raise RuntimeError(
-                f"checkpointed partition {self.j} modified a skip it popped in place, so "
-                "recomputation would pop the modified values; write into a copy "
-                "(out-of-place), or use checkpoint='never'"
-            )
+        for key, version in stashed.popped.items():
+            refuse_written_after_pop(key, stashed.skips_in[key], version, self.j)
         return output
 
     def _call(self, i: int, stashed: _Stashed, recomputing: bool) -> Batch:
@@ -614,7 +611,7 @@ class _StageTracker(SkipTracker):
         tensor = message.leaves[0]
         leaf = _leaf(tensor) if message.differentiable[0] else tensor
         self.stashed.skips_in[key] = leaf
-        self.stashed.popped.append(leaf._version)
+        self.stashed.popped[key] = version_of(leaf)
         self.stashed.sources.append(tensor)
         return cast(Tensor, _view(leaf))
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 from skip_models import BALANCE, unet
-from torch import nn
+from torch import Tensor, nn
 
 from pipeline import Pipe
 from pipeline.skip import pop, skippable, stash
@@ -255,3 +255,79 @@ def test_several_steps_keep_matching_the_plain_model() -> None:
             optimizer.step()
     for p, q in zip(model.parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(p, q)
+
+
+@skippable(stash=["s"])
+class StashesFromTheInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Generator[Any, Any, Tensor]:
+        yield stash("s", x * 2)  # needs no gradient: the input needs none
+        return self.linear(x)
+
+
+@skippable(pop=["s"])
+class SeesThePop(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[bool] = []
+
+    def forward(self, h: Tensor) -> Generator[Any, Any, Tensor]:
+        s = yield pop("s")
+        self.seen.append(s.requires_grad)
+        return h * s
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_a_skip_that_needs_no_gradient_is_popped_needing_none(checkpoint: str) -> None:
+    # Its portal's exit hung on the popping input's edge, which needs a gradient: the
+    # popping layer saw a skip requiring grad where the plain model's needs none.
+    torch.manual_seed(0)
+    model = nn.Sequential(StashesFromTheInput(), nn.Tanh(), SeesThePop()).double()
+    pipe = Pipe(model, [2, 1], devices=["cpu"] * 2, chunks=2, checkpoint=checkpoint)  # type: ignore[arg-type]
+    out = pipe(torch.randn(4, 4, dtype=torch.double))
+    assert isinstance(out, Tensor)
+    out.sum().backward()
+    assert model[2].seen and not any(model[2].seen)
+
+
+@skippable(stash=["h"])
+class MaskFirst(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, pair: tuple[Tensor, Tensor]) -> Generator[Any, Any, tuple[Tensor, Tensor]]:
+        mask, x = pair
+        h = self.linear(x)
+        yield stash("h", h)
+        return mask, h
+
+
+@skippable(pop=["h"])
+class SeesTheMask(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[bool] = []
+
+    def forward(self, pair: tuple[Tensor, Tensor]) -> Generator[Any, Any, Tensor]:
+        mask, h = pair
+        self.seen.append(mask.requires_grad)
+        skipped = yield pop("h")
+        return h * mask + skipped
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+def test_a_skips_edge_rides_on_the_tensor_that_carries_a_gradient(checkpoint: str) -> None:
+    # The join carrying the skip's gradient went on the first floating tensor, a mask
+    # that needs none, and made it need one for every layer after.
+    torch.manual_seed(0)
+    model = nn.Sequential(MaskFirst(), SeesTheMask()).double()
+    pipe = Pipe(model, [1, 1], devices=["cpu"] * 2, chunks=2, checkpoint=checkpoint)  # type: ignore[arg-type]
+    mask = torch.ones(4, 4, dtype=torch.double)
+    out = pipe((mask, torch.randn(4, 4, dtype=torch.double)))
+    assert isinstance(out, Tensor)
+    out.sum().backward()
+    assert model[1].seen and not any(model[1].seen)
