@@ -26,8 +26,10 @@ put the gradient in the portal, even with a thread per device.
 Each ``Exit`` also hangs on the phony of the ``Enter`` it reads from, and
 its backward hands that phony a gradient: the micro-batch's path from the
 ``Join`` to the ``Fork`` may carry no gradient (frozen layers, or no grad,
-between the stash and the pop), and then this edge is the one way back to
-the tensor; where the path carries one, ``Enter`` waits for both.
+between the stash and the pop, or before the stash, where no ``Join`` is
+drawn at all: ``skips.py``), and then this edge is the one way back to
+the tensor; where the path carries one, ``Enter`` waits for both. A skip
+that needs no gradient exits as itself, with no node.
 
 Lifetime: the portal lets go of the tensor at the ``Exit`` that reads it, so
 nothing outlives its use. Recomputation never reads a portal: the popping

@@ -151,9 +151,16 @@ def _fork(carrier: Carrier) -> Tensor:
 
 
 def _join(carrier: Carrier, phony: Tensor) -> None:
-    """Make ``phony``'s backward wait for the carrier's value's gradient."""
+    """Make ``phony``'s backward wait for the carrier's value's gradient, if it gets one.
+
+    A value that gets none (frozen layers before it) is left alone: joined,
+    it would need a gradient, which the layers after it would see; the
+    skip's gradient goes back by the ``Exit`` that hangs on ``phony``
+    (``portal.py``), with nothing to wait for on this path.
+    """
     batch, index = carrier.unpacked()
-    batch[index] = join(batch[index], phony)
+    if batch[index].requires_grad:
+        batch[index] = join(batch[index], phony)
 
 
 def _portal(portals: Portals, route: Route) -> Portal:

@@ -331,3 +331,63 @@ def test_a_skips_edge_rides_on_the_tensor_that_carries_a_gradient(checkpoint: st
     assert isinstance(out, Tensor)
     out.sum().backward()
     assert model[1].seen and not any(model[1].seen)
+
+
+@skippable(stash=["side"])
+class SideBranch(nn.Module):
+    """A trainable branch beside a frozen trunk: the trunk passes through untouched."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Generator[Any, Any, Tensor]:
+        yield stash("side", self.linear(x))
+        return x
+
+
+class Reentrant(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.seen: list[bool] = []
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.seen.append(x.requires_grad)
+        out: Tensor = torch.utils.checkpoint.checkpoint(self.linear, x, use_reentrant=True)
+        return out
+
+
+@skippable(pop=["side"])
+class Merge(nn.Module):
+    def forward(self, x: Tensor) -> Generator[Any, Any, Tensor]:
+        side = yield pop("side")
+        return x + side
+
+
+@pytest.mark.parametrize("devices", [["cpu", "cpu"], ["cpu:0", "cpu:1"]])
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_a_trainable_branch_stashed_beside_a_frozen_trunk_trains_as_in_the_plain_model(
+    checkpoint: str, devices: list[str]
+) -> None:
+    # The join carrying the skip's gradient made the trunk require grad: a reentrant
+    # checkpoint after it trained weights the plain model leaves without a gradient.
+    def model() -> nn.Sequential:
+        torch.manual_seed(0)
+        layers = [nn.Linear(4, 4), SideBranch(), nn.Tanh(), Reentrant(), Merge(), nn.Linear(4, 2)]
+        built = nn.Sequential(*layers).double()
+        built[0].requires_grad_(False)
+        return built
+
+    x, y = torch.randn(8, 4, dtype=torch.double), torch.randn(8, 2, dtype=torch.double)
+    plain = model()
+    for xi, yi in zip(x.chunk(2), y.chunk(2), strict=True):
+        (nn.functional.mse_loss(plain(xi), yi) / 2).backward()
+    piped = model()
+    pipe = Pipe(piped, [2, 4], devices=devices, chunks=2, checkpoint=checkpoint)  # type: ignore[arg-type]
+    nn.functional.mse_loss(pipe(x), y).backward()
+    assert not any(piped[3].seen)
+    for (name, p), q in zip(plain.named_parameters(), piped.parameters(), strict=True):
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:
+            torch.testing.assert_close(q.grad, p.grad, msg=name)
