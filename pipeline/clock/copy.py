@@ -38,7 +38,9 @@ class Copy(torch.autograd.Function):
     def forward(ctx: Any, prev_stream: Stream, next_stream: Stream, *input: Any) -> Any:
         ctx.prev_stream = prev_stream
         ctx.next_stream = next_stream
-        return tuple(_copy(x, prev_stream, next_stream) for x in input)
+        return _needing_grad_as(
+            ctx, input, tuple(_copy(x, prev_stream, next_stream) for x in input)
+        )
 
     @staticmethod
     def backward(ctx: Any, *grad_output: Tensor | None) -> Any:
@@ -58,12 +60,30 @@ class Wait(torch.autograd.Function):
         ctx.prev_stream = prev_stream
         ctx.next_stream = next_stream
         wait_stream(next_stream, prev_stream)
-        return tuple(x.detach() if isinstance(x, Tensor) else x for x in input)
+        return _needing_grad_as(
+            ctx, input, tuple(x.detach() if isinstance(x, Tensor) else x for x in input)
+        )
 
     @staticmethod
     def backward(ctx: Any, *grad_output: Tensor | None) -> Any:
         wait_stream(ctx.prev_stream, ctx.next_stream)
         return (None, None, *grad_output)
+
+
+def _needing_grad_as(
+    ctx: Any, inputs: tuple[Any, ...], outputs: tuple[Any, ...]
+) -> tuple[Any, ...]:
+    """``outputs``, each needing a gradient only if its input does: a function's outputs all
+    would where any input does (a mask beside the activation), which the layers would see."""
+    ctx.set_materialize_grads(False)
+    ctx.mark_non_differentiable(
+        *(
+            y
+            for x, y in zip(inputs, outputs, strict=True)
+            if isinstance(y, Tensor) and not (isinstance(x, Tensor) and x.requires_grad)
+        )
+    )
+    return outputs
 
 
 def _copy(x: Any, source: Stream, target: Stream) -> Any:

@@ -175,3 +175,17 @@ def test_a_partition_behind_frozen_ones_is_signalled_by_step_not_by_a_backward()
     signalled.clear()
     pipe.step(x, y, nn.functional.mse_loss)
     assert sorted(signalled) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+def test_a_mask_crossing_a_device_cut_needs_no_grad_as_in_the_plain_model(checkpoint: str) -> None:
+    # Copy and Wait, autograd functions over the whole micro-batch, made every floating
+    # output need a gradient where one input did: the mask came to require grad.
+    model = nn.Sequential(Masked(), Masked()).double()
+    masks: list[bool] = []
+    model[1].register_forward_pre_hook(lambda _, args: masks.append(args[0][0].requires_grad))
+    pipe = Pipe(model, [1, 1], devices=["cpu:0", "cpu:1"], chunks=2, checkpoint=checkpoint)  # type: ignore[arg-type]
+    mask = (torch.rand(6, 4, generator=torch.Generator().manual_seed(0)) > 0.5).double()
+    _, out = pipe((mask, torch.randn(6, 4, dtype=torch.float64)))
+    out.sum().backward()
+    assert masks and not any(masks)

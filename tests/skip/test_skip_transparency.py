@@ -391,3 +391,43 @@ def test_a_trainable_branch_stashed_beside_a_frozen_trunk_trains_as_in_the_plain
         assert (p.grad is None) == (q.grad is None), name
         if p.grad is not None:
             torch.testing.assert_close(q.grad, p.grad, msg=name)
+
+
+@skippable(stash=["needs", "needs_none"])
+class StashesTwo(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Generator[Any, Any, Tensor]:
+        h = self.linear(x)
+        yield stash("needs", h)
+        yield stash("needs_none", x * 2)  # the input needs none
+        return h
+
+
+@skippable(pop=["needs", "needs_none"])
+class PopsTwo(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[bool] = []
+
+    def forward(self, h: Tensor) -> Generator[Any, Any, Tensor]:
+        needs = yield pop("needs")
+        needs_none = yield pop("needs_none")
+        self.seen.append(needs_none.requires_grad)
+        return h + needs * needs_none
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+def test_skips_moved_together_to_another_device_each_need_a_gradient_as_their_own(
+    checkpoint: str,
+) -> None:
+    # Moved by one Copy, the skip that needs no gradient came out needing one.
+    torch.manual_seed(0)
+    model = nn.Sequential(StashesTwo(), nn.Tanh(), PopsTwo()).double()
+    pipe = Pipe(model, [2, 1], devices=["cpu:0", "cpu:1"], chunks=2, checkpoint=checkpoint)  # type: ignore[arg-type]
+    out = pipe(torch.randn(4, 4, dtype=torch.double))
+    assert isinstance(out, Tensor)
+    out.sum().backward()
+    assert model[2].seen and not any(model[2].seen)
