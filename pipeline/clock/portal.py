@@ -56,7 +56,8 @@ class Portal:
 
     def __init__(self) -> None:
         self.tensor: Tensor | None = None
-        self.grad: Tensor | None = None
+        # The gradient an Exit put here, with the backward (graph task) it put it in.
+        self.grad: tuple[int, Tensor] | None = None
         self.entered: Tensor | None = None
         self.mark: StashMark | None = None
 
@@ -85,9 +86,17 @@ class Portal:
             raise RuntimeError("a skip tensor was popped twice from its portal in one forward pass")
         return tensor
 
+    def give_grad(self, grad: Tensor) -> None:
+        self.grad = torch._C._current_graph_task_id(), grad
+
     def take_grad(self) -> Tensor | None:
-        grad, self.grad = self.grad, None
-        return grad
+        """The gradient an Exit put here in this backward. One left by an earlier backward
+        that ran the Exit but not this Enter (``autograd.grad`` of another output) is
+        not this one's."""
+        given, self.grad = self.grad, None
+        if given is None or given[0] != torch._C._current_graph_task_id():
+            return None
+        return given[1]
 
 
 class Enter(torch.autograd.Function):
@@ -114,6 +123,6 @@ class Exit(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[None, None, Tensor]:
-        ctx.portal.grad = grad
+        ctx.portal.give_grad(grad)
         # A gradient for the entering phony: its Enter runs after this.
         return None, None, get_phony(ctx.devices[1], requires_grad=False)

@@ -431,3 +431,36 @@ def test_skips_moved_together_to_another_device_each_need_a_gradient_as_their_ow
     assert isinstance(out, Tensor)
     out.sum().backward()
     assert model[2].seen and not any(model[2].seen)
+
+
+@skippable(stash=["s"])
+class BranchAndTrunk(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(4, 4)
+        self.branch = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Generator[Any, Any, Tensor]:
+        yield stash("s", self.branch(x))
+        return self.trunk(x)
+
+
+@skippable(pop=["s"])
+class Both(nn.Module):
+    def forward(self, h: Tensor) -> Generator[Any, Any, tuple[Tensor, Tensor]]:
+        s = yield pop("s")
+        return h, s * 1
+
+
+def test_a_skips_gradient_left_by_an_earlier_backward_is_not_taken_by_a_later_one() -> None:
+    # autograd.grad of the output that pops the skip, for the trunk's weight, ran the pop's
+    # exit but not the stash's enter: a later backward of the other output, which does not
+    # depend on the skip, reached the enter and gave the branch that leftover gradient.
+    torch.manual_seed(0)
+    model = nn.Sequential(BranchAndTrunk(), nn.Tanh(), Both()).double()
+    pipe = Pipe(model, [2, 1], devices=["cpu"] * 2, chunks=2, checkpoint="never")
+    a, b = pipe(torch.randn(4, 4, dtype=torch.double))
+    torch.autograd.grad(b.sum(), [model[0].trunk.weight], retain_graph=True)
+    a.sum().backward()
+    assert model[0].branch.weight.grad is None
+    assert model[0].trunk.weight.grad is not None
