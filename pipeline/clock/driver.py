@@ -221,10 +221,10 @@ class _ForwardPass:
     def _run(self, i: int, j: int) -> Batch:
         runtime = self.runtime
         function: PartitionCall = partial(runtime.call, j)
-        if self.skips is not None:
-            function = self.skips.bind(i, j, function)
-        function = traced(function, i, j)
         checkpointed = i < self.checkpoint_stop
+        if self.skips is not None:
+            function = self.skips.bind(i, j, function, checkpointed)
+        function = traced(function, i, j)
         randomness = rng.TaskRandomness(self.seeds, i, j, self.randomness[j], checkpointed)
         self._mark_arrival(i, j)
         batch = self.batches[i]

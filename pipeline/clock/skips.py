@@ -5,21 +5,23 @@ run (no copy, no portal); a skip that leaves its partition goes through a
 ``Portal`` of its micro-batch. The driver calls two hooks, and only for a
 model with skippable layers:
 
-- ``bind(i, function)`` on every task of micro-batch ``i``: the partition
-  runs with a tracker of its own installed, sharing the micro-batch's
-  portals. The tracker rides with the function, which a checkpointed task
-  keeps for its recomputation: there the skips are not sent again (the
-  forward's graph already carries them and their gradients), and the pops
-  get back exactly what the forward popped, kept by the tracker for as long
-  as the task's graph lives.
+- ``bind(i, j, function, checkpointed)`` on every task of micro-batch
+  ``i``: the partition runs with a tracker of its own installed, sharing
+  the micro-batch's portals. The tracker rides with the function, which a
+  checkpointed task keeps for its recomputation (its runs after the first,
+  counted by the tracker itself, not the phase flags a nested Pipe
+  inherits): there the skips are not sent again (the forward's graph
+  already carries them and their gradients), and the pops get back exactly
+  what the forward popped, kept by the tracker for as long as the task's
+  graph lives.
 - ``fence(i, j, batch, move)`` in the fence phase of task ``(i, j)``: the
   skips that partition ``j`` pops from a partition on another device go
   straight there, copied by the driver's own ``move``.
 
 The phony edges that order a skip's gradient (``dependency.py``) are drawn
 here too: a fork off the popping layer's input, a join into the stashing
-layer's output, each on the value's first floating-point tensor
-(``Carrier.unpacked``).
+layer's output, each on the value's first tensor that needs a gradient
+(``Carrier.unpacked``); no join where none does.
 """
 
 from __future__ import annotations
@@ -34,7 +36,6 @@ from pipeline.clock.phony import get_phony
 from pipeline.clock.portal import Portal
 from pipeline.runtime.microbatch import Batch, Value
 from pipeline.runtime.partitions import PartitionCall
-from pipeline.runtime.phase import is_checkpointing, is_recomputing
 from pipeline.skip.carrier import Carrier
 from pipeline.skip.layout import Route, SkipLayout
 from pipeline.skip.tracker import (
@@ -59,10 +60,14 @@ Portals = dict[SkipKey, Portal]
 class PortalTracker(SkipTracker):
     """The tracker of one task: skips between partitions go through its micro-batch's portals."""
 
-    def __init__(self, layout: SkipLayout, portals: Portals) -> None:
+    def __init__(self, layout: SkipLayout, portals: Portals, checkpointed: bool) -> None:
         super().__init__()
         self.layout = layout
         self.portals = portals
+        # This task's own phase: a Pipe nested in a recomputed partition runs a forward of
+        # its own there, whatever the outer task's flags (``runtime/phase.py``) say.
+        self.checkpointed = checkpointed
+        self.runs = 0
         self.popped: dict[SkipKey, Tensor] = {}
         self.versions: dict[SkipKey, int] = {}  # each popped skip's, if checkpointed
         # The skips this task sent on, as stashed.
@@ -73,7 +78,7 @@ class PortalTracker(SkipTracker):
         if not route.crosses_partitions:
             super().save(output, key, tensor)
             return
-        if is_recomputing():
+        if self.recomputing:
             # The forward's portal already links this skip to its pop; the output
             # still needs the gradient its join gave it there, so that the layers
             # after it save what they saved in the forward.
@@ -88,14 +93,19 @@ class PortalTracker(SkipTracker):
         route = self.layout.route(key)
         if not route.crosses_partitions:
             return super().load(input, key)
-        if is_recomputing():
+        if self.recomputing:
             return self.popped[key]
         tensor = _portal(self.portals, route).exit(_fork(input))
-        if is_checkpointing():
+        if self.checkpointed:
             # Requiring grad as in the forward, so recomputation saves the same tensors.
             self.popped[key] = tensor.detach().requires_grad_(tensor.requires_grad)
             self.versions[key] = version_of(tensor)
         return tensor
+
+    @property
+    def recomputing(self) -> bool:
+        """Whether this run of the task is its recomputation (a run after the first)."""
+        return self.runs > 1
 
     def check_popped(self, partition: int) -> None:
         """After a checkpointed forward: refuse a skip it popped and wrote into."""
@@ -111,10 +121,11 @@ class SkipPortals:
         self.portals: list[Portals] = [{} for _ in range(m)]
         self.copies_input = copies_input
 
-    def bind(self, i: int, j: int, function: PartitionCall) -> PartitionCall:
-        """``function`` (partition ``j``) run with a fresh tracker for micro-batch ``i``."""
+    def bind(self, i: int, j: int, function: PartitionCall, checkpointed: bool) -> PartitionCall:
+        """``function`` (partition ``j``) run with a fresh tracker for micro-batch ``i``, whose
+        task is ``checkpointed`` or not."""
         copied = j + 1 < len(self.copies_input) and self.copies_input[j + 1]
-        tracker = PortalTracker(self.layout, self.portals[i])
+        tracker = PortalTracker(self.layout, self.portals[i], checkpointed)
         return partial(_tracked, tracker, function, j, copied)
 
     def fence(self, i: int, j: int, batch: Batch, move: Move) -> None:
@@ -182,9 +193,10 @@ def _tracked(
 ) -> Value:
     """Run ``function`` (partition ``j``) with ``tracker``; ``copied``: whether the next
     partition copies its input."""
+    tracker.runs += 1
     with use_tracker(tracker):
         output = function(value)
-    if is_checkpointing():
+    if tracker.checkpointed and not tracker.recomputing:
         tracker.check_popped(j)
     if copied and tracker.entered:
         returned = Batch(output).leaves

@@ -464,3 +464,37 @@ def test_a_skips_gradient_left_by_an_earlier_backward_is_not_taken_by_a_later_on
     a.sum().backward()
     assert model[0].branch.weight.grad is None
     assert model[0].trunk.weight.grad is not None
+
+
+@pytest.mark.parametrize("inner_checkpoint", ["always", "never"])
+def test_a_pipe_with_skips_nested_in_a_recomputed_partition_equals_the_plain_model(
+    inner_checkpoint: str,
+) -> None:
+    # The outer recomputation ran the inner pipe with the outer task's flags: its stash
+    # sent nothing, its pop found no portal, and the backward failed.
+    def layers() -> list[nn.Module]:
+        torch.manual_seed(0)
+        return [nn.Linear(4, 4), SideBranch(), nn.Tanh(), Merge(), nn.Linear(4, 2)]
+
+    def built(nested: bool) -> nn.Sequential:
+        first, side, tanh, merge, last = layers()
+        if not nested:
+            return nn.Sequential(first, side, tanh, merge, last).double()
+        inner = Pipe(
+            nn.Sequential(side, tanh, merge).double(),
+            [2, 1],
+            devices=["cpu"] * 2,
+            chunks=2,
+            checkpoint=inner_checkpoint,  # type: ignore[arg-type]
+        )
+        return nn.Sequential(first.double(), inner, last.double())
+
+    x = torch.randn(8, 4, dtype=torch.double)
+    plain, nested = built(nested=False), built(nested=True)
+    plain(x).sum().backward()
+    outer = Pipe(nested, [2, 1], devices=["cpu"] * 2, chunks=2, checkpoint="always")
+    out = outer(x)
+    assert isinstance(out, Tensor)
+    out.sum().backward()
+    for (name, p), q in zip(plain.named_parameters(), nested.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, msg=name)
