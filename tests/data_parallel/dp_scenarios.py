@@ -262,6 +262,22 @@ class ReplicaFailureError(Exception):
     pass
 
 
+def steps_until_refused(step: Callable[[torch.Tensor, torch.Tensor], Any]) -> list[str]:
+    """Rank 0 steps once, rank 1 twice (its first fails): what each step came to."""
+    outcomes = []
+    for k in range(1 + rank()):
+        x, y = global_batch(k)
+        try:
+            step(shard(x), shard(y))
+            outcomes.append("averaged")
+        except ReplicaFailureError:
+            outcomes.append("failed")
+        except RuntimeError as error:
+            assert "averaged the gradients of different steps" in str(error), error
+            outcomes.append("refused")
+    return outcomes
+
+
 @scenario
 def a_replica_that_fails_a_step_and_goes_on_is_caught_at_the_next_average() -> None:
     # Rank 1's first step raises before any backward; it goes on to its second, whose
@@ -275,17 +291,7 @@ def a_replica_that_fails_a_step_and_goes_on_is_caught_at_the_next_average() -> N
             raise ReplicaFailureError("a replica's own failure")
         return F.mse_loss(output, target)
 
-    outcomes = []
-    for step in range(1 + rank()):
-        x, y = global_batch(step)
-        try:
-            dp.step(shard(x), shard(y), loss_fn)
-            outcomes.append("averaged")
-        except ReplicaFailureError:
-            outcomes.append("failed")
-        except RuntimeError as error:
-            assert "averaged the gradients of different steps" in str(error), error
-            outcomes.append("refused")
+    outcomes = steps_until_refused(lambda x, y: dp.step(x, y, loss_fn))
     assert outcomes == (["refused"] if rank() == 0 else ["failed", "refused"]), outcomes
 
 
@@ -651,17 +657,7 @@ def a_replica_whose_forward_fails_and_goes_on_is_caught_at_the_next_average() ->
     model = mlp(seed=0)
     model.insert(1, RaisesOnRank1Once())
     dp = DataParallel(Pipe(model, [5, 5], devices=["cpu"] * 2, chunks=2))
-    outcomes = []
-    for step in range(1 + rank()):
-        x, y = global_batch(step)
-        try:
-            F.mse_loss(dp(shard(x)), shard(y)).backward()
-            outcomes.append("averaged")
-        except ReplicaFailureError:
-            outcomes.append("failed")
-        except RuntimeError as error:
-            assert "averaged the gradients of different steps" in str(error), error
-            outcomes.append("refused")
+    outcomes = steps_until_refused(lambda x, y: F.mse_loss(dp(x), y).backward())
     assert outcomes == (["refused"] if rank() == 0 else ["failed", "refused"]), outcomes
 
 
