@@ -160,6 +160,7 @@ class _Stashed:
     # graph as its inputs are (the caller's graph, behind them, is walked once, at the
     # step's end); and what they came from.
     target: Batch | None = None
+    target_leaves: list[Tensor] = field(default_factory=list)
     target_sources: list[Tensor] = field(default_factory=list)
 
 
@@ -338,9 +339,10 @@ class StageRun:
             stashed.target = target
             return
         stashed.target_sources = [x for x in target.leaves if _needs_grad(x)]
-        stashed.target = Batch.of(
-            [_leaf(x) if _needs_grad(x) else x for x in target.leaves], target.spec
-        )
+        stashed.target_leaves = [_leaf(x) for x in stashed.target_sources]
+        found = iter(stashed.target_leaves)
+        leaves = [next(found) if _needs_grad(x) else x for x in target.leaves]
+        stashed.target = Batch.of(leaves, target.spec)
 
     def _loss(self, stashed: _Stashed, output: Batch) -> Tensor:
         """The micro-batch's loss, scaled by its share of the mini-batch's loss."""
@@ -382,8 +384,7 @@ class StageRun:
         inputs = [x for x in stashed.inputs.leaves if _needs_grad(x)]
         # A skip that needs no gradient (integer labels) gets None back, not a target.
         skips = [key for key, leaf in stashed.skips_in.items() if _needs_grad(leaf)]
-        held = stashed.target.leaves if stashed.target is not None else []
-        target = [x for x in held if _needs_grad(x)] if stashed.target_sources else []
+        target = stashed.target_leaves
         targets = inputs + [stashed.skips_in[key] for key in skips] + target
         halves = backward_input(roots, grads, targets) if inputs_only else None
         if halves is not None:
