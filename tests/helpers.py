@@ -99,3 +99,52 @@ class Rendezvous(nn.Module):
         if self.calls == self.call:
             self.barrier.wait()  # raises BrokenBarrierError after the timeout
         return x + 1
+
+
+@skippable(stash=["shared"])
+class StashesWhatItReturns(nn.Module):
+    """Stashes its input as "shared" and returns it: one memory on two paths."""
+
+    def forward(self, x: Tensor) -> Generator[Any, Any, Tensor]:
+        yield stash("shared", x)
+        return x
+
+
+class WritesItsInput(nn.Module):
+    """Doubles its input in place (no ``inplace`` attribute: the Pipe hands it no copy)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x.mul_(2)
+
+
+@skippable(pop=["shared"])
+class AddsShared(nn.Module):
+    """Pops "shared" and adds it; with ``write``, triples the popped tensor in place first."""
+
+    def __init__(self, write: bool = False) -> None:
+        super().__init__()
+        self.write = write
+
+    def forward(self, x: Tensor) -> Generator[Any, Any, Tensor]:
+        shared = yield pop("shared")
+        if self.write:
+            shared.mul_(3)
+        return x + shared
+
+
+def shared_skip_model(writes: str, width: int = 8) -> nn.Sequential:
+    """A frozen layer, a skip stashed as what it returns, then a write into one of the two
+    (``writes``: "main", "pop" or "none"); the plain model's pop and main path see it."""
+    torch.manual_seed(0)
+    writer = WritesItsInput() if writes == "main" else nn.Identity()
+    layers = [
+        nn.Linear(width, width),
+        StashesWhatItReturns(),
+        nn.Identity(),
+        writer,
+        AddsShared(write=writes == "pop"),
+        nn.Linear(width, width),
+    ]
+    model = nn.Sequential(*layers).double()
+    model[0].requires_grad_(False)  # the shared tensor needs no gradient: a write is allowed
+    return model

@@ -52,7 +52,7 @@ __all__ = ["Portal"]
 class Portal:
     """Holds one skip tensor of one micro-batch, and its gradient on the way back."""
 
-    __slots__ = ("entered", "grad", "mark", "tensor")
+    __slots__ = ("entered", "grad", "mark", "shared", "tensor")
 
     def __init__(self) -> None:
         self.tensor: Tensor | None = None
@@ -60,6 +60,9 @@ class Portal:
         self.grad: tuple[int, Tensor] | None = None
         self.entered: Tensor | None = None
         self.mark: StashMark | None = None
+        # Whether the stashed tensor shares memory with its partition's output or
+        # another skip (``runtime/aliases.py``): the pop may not write into it.
+        self.shared = False
 
     def enter(self, tensor: Tensor) -> Tensor:
         """Keep ``tensor`` for one exit; the phony returned carries its gradient edge."""

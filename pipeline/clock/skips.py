@@ -28,12 +28,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 from torch import Tensor
 
 from pipeline.clock.dependency import fork, join
 from pipeline.clock.phony import get_phony
 from pipeline.clock.portal import Portal
+from pipeline.runtime.aliases import skip_aliases
 from pipeline.runtime.microbatch import Batch, Value
 from pipeline.runtime.partitions import PartitionCall
 from pipeline.skip.carrier import Carrier
@@ -44,6 +46,7 @@ from pipeline.skip.tracker import (
     refuse_returned_into_a_copy,
     refuse_written_after_pop,
     refuse_written_after_stash,
+    refuse_written_shared,
     use_tracker,
     version_of,
 )
@@ -55,6 +58,10 @@ __all__ = ["Move", "PortalTracker", "SkipPortals", "skip_portals"]
 Move = Callable[[list[Tensor], int, int], list[Tensor]]
 
 Portals = dict[SkipKey, Portal]
+
+# note(j, groups): groups of partition j's output leaves noted as sharing memory
+# (``PartitionRuntime.note_sharing``).
+Note = Callable[[int, list[frozenset[int]]], None]
 
 
 class PortalTracker(SkipTracker):
@@ -70,6 +77,8 @@ class PortalTracker(SkipTracker):
         self.runs = 0
         self.popped: dict[SkipKey, Tensor] = {}
         self.versions: dict[SkipKey, int] = {}  # each popped skip's, if checkpointed
+        # The popped skips sharing memory with their partition's output, at their pop.
+        self.shared: list[tuple[SkipKey, Tensor, int]] = []
         # The skips this task sent on, as stashed.
         self.entered: list[tuple[SkipKey, Tensor]] = []
 
@@ -95,7 +104,10 @@ class PortalTracker(SkipTracker):
             return super().load(input, key)
         if self.recomputing:
             return self.popped[key]
-        tensor = _portal(self.portals, route).exit(_fork(input))
+        portal = _portal(self.portals, route)
+        tensor = portal.exit(_fork(input))
+        if portal.shared:
+            self.shared.append((key, tensor, version_of(tensor)))
         if self.checkpointed:
             # Requiring grad as in the forward, so recomputation saves the same tensors.
             self.popped[key] = tensor.detach().requires_grad_(tensor.requires_grad)
@@ -108,25 +120,40 @@ class PortalTracker(SkipTracker):
         return self.runs > 1
 
     def check_popped(self, partition: int) -> None:
-        """After a checkpointed forward: refuse a skip it popped and wrote into."""
+        """After the forward: refuse a skip it popped and wrote into, sharing memory with
+        the main path; or, checkpointed, any skip it popped and wrote into."""
+        for key, tensor, version in self.shared:
+            refuse_written_shared(key, tensor, version, partition)
+        if not self.checkpointed:
+            return
         for key, version in self.versions.items():
             refuse_written_after_pop(key, self.popped[key], version, partition)
+
+    def note_shared(self, returned: list[Any], note: Note, partition: int) -> None:
+        """Note the output's leaves sharing memory with a skip this task sent on, and mark
+        the skips sharing memory with them or with each other (``runtime/aliases.py``)."""
+        tensors = [tensor for _, tensor in self.entered]
+        shown, aliased = skip_aliases(returned, tensors)
+        note(partition, [frozenset({k}) for k in shown])
+        for q in aliased:
+            self.portals[self.entered[q][0]].shared = True
 
 
 class SkipPortals:
     """The skip state of one forward pass: the portals of each micro-batch."""
 
-    def __init__(self, layout: SkipLayout, m: int, copies_input: list[bool]) -> None:
+    def __init__(self, layout: SkipLayout, m: int, copies_input: list[bool], note: Note) -> None:
         self.layout = layout
         self.portals: list[Portals] = [{} for _ in range(m)]
         self.copies_input = copies_input
+        self.note = note
 
     def bind(self, i: int, j: int, function: PartitionCall, checkpointed: bool) -> PartitionCall:
         """``function`` (partition ``j``) run with a fresh tracker for micro-batch ``i``, whose
         task is ``checkpointed`` or not."""
         copied = j + 1 < len(self.copies_input) and self.copies_input[j + 1]
         tracker = PortalTracker(self.layout, self.portals[i], checkpointed)
-        return partial(_tracked, tracker, function, j, copied)
+        return partial(_tracked, tracker, function, j, copied, self.note)
 
     def fence(self, i: int, j: int, batch: Batch, move: Move) -> None:
         """Move the skips partition ``j`` pops from other devices, for micro-batch ``i``."""
@@ -143,15 +170,18 @@ class SkipPortals:
                 _join(input, portal.enter(tensor))
 
 
-def skip_portals(layout: SkipLayout | None, m: int, copies_input: list[bool]) -> SkipPortals | None:
+def skip_portals(
+    layout: SkipLayout | None, m: int, copies_input: list[bool], note: Note
+) -> SkipPortals | None:
     """The skip state for a forward pass, or None for a model without skips (no cost then).
 
     ``copies_input[j]``: whether partition ``j`` hands its first layer a copy
-    of its input (that layer writes in place).
+    of its input (that layer writes in place); ``note``: where the leaves of a
+    partition's output that share memory with a skip are noted.
     """
     if not layout:
         return None
-    return SkipPortals(layout, m, copies_input)
+    return SkipPortals(layout, m, copies_input, note)
 
 
 def _fork(carrier: Carrier) -> Tensor:
@@ -189,17 +219,20 @@ def _portal(portals: Portals, route: Route) -> Portal:
 
 
 def _tracked(
-    tracker: PortalTracker, function: PartitionCall, j: int, copied: bool, value: Value
+    tracker: PortalTracker, function: PartitionCall, j: int, copied: bool, note: Note, value: Value
 ) -> Value:
     """Run ``function`` (partition ``j``) with ``tracker``; ``copied``: whether the next
     partition copies its input."""
     tracker.runs += 1
     with use_tracker(tracker):
         output = function(value)
-    if tracker.checkpointed and not tracker.recomputing:
-        tracker.check_popped(j)
-    if copied and tracker.entered:
+    if tracker.recomputing:
+        return output
+    tracker.check_popped(j)
+    if tracker.entered:
         returned = Batch(output).leaves
-        for key, tensor in tracker.entered:
-            refuse_returned_into_a_copy(key, tensor, returned, j)
+        if copied:
+            for key, tensor in tracker.entered:
+                refuse_returned_into_a_copy(key, tensor, returned, j)
+        tracker.note_shared(returned, note, j)
     return output

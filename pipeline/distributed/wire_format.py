@@ -9,7 +9,8 @@ description, then each tensor's raw bytes, a send each::
     description  encoded values: (key, structured, differentiable, sharing),
                  then the value, each of its tensors replaced by its dtype
                  name, shape and byte count; ``sharing`` lists the groups
-                 of the value's leaves that shared memory in the sender
+                 of the value's leaves that shared memory in the sender (a
+                 group of one: a leaf that shared memory with a skip)
 
 What fits is decided by the room the receiver posted for the envelope
 (``layout``): 1 KiB for a peer's first message, then the size the last
@@ -398,7 +399,7 @@ def _sharing(groups: object, count: int) -> list[frozenset[int]]:
     if not (
         isinstance(groups, list)
         and all(
-            isinstance(g, list) and len(g) > 1 and all(type(k) is int and 0 <= k < count for k in g)
+            isinstance(g, list) and len(g) > 0 and all(type(k) is int and 0 <= k < count for k in g)
             for g in groups
         )
     ):

@@ -21,11 +21,28 @@ after its forward, by their version counters. Tensors that need no gradient,
 received as they were sent (one process, one device), still overlap, and
 pass. A DistributedPipe's stage tells the groups in its message to the next
 process, which receives the tensors apart (``Message.sharing``).
+
+A skip that leaves its partition is such a tensor too, when it shares
+memory with what the partition returns (``yield stash("s", h); return h``)
+or with another skip: the skip travels apart from the main path, so a later
+write into one would not show in the other::
+
+    partition j      stashes h as "s", returns h     one memory
+    partition j + 1  receives a, a.add_(1)           the pop of "s" gets h unwritten
+    partition t      pops "s", s.mul_(3)             the main path does not see it
+
+So such a leaf is noted as a group of one (``skip_aliases``), and a write
+into it by the next partition is refused as a write into a group is; a
+skip's message says it shares memory (a group of one), and a write into it
+by the partition that pops it is refused (``skip/tracker.py``). The
+rule is the same in every engine, also where one process holds one memory
+and the write would show in both.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -33,7 +50,16 @@ from torch.utils._pytree import tree_leaves
 
 from pipeline.runtime.microbatch import Value
 
-__all__ = ["Noted", "raise_shared_written", "refuse_written", "sharing_groups", "versions_at"]
+__all__ = [
+    "SKIP_APART",
+    "Noted",
+    "passed_on",
+    "raise_shared_written",
+    "refuse_written",
+    "sharing_groups",
+    "skip_aliases",
+    "versions_at",
+]
 
 # A group's received tensors, each with its position among the leaves and its version.
 Noted = list[list[tuple[int, Tensor, int]]]
@@ -59,6 +85,37 @@ def sharing_groups(value: Value) -> list[frozenset[int]]:
             merged = {k}.union(*joined)
             groups = [g for g in groups if g not in joined] + [merged]
     return [frozenset(g) for g in groups if len(g) > 1]
+
+
+def skip_aliases(returned: list[Any], skips: list[Tensor]) -> tuple[list[int], list[int]]:
+    """Which of a partition's ``returned`` leaves share memory with one of the ``skips``
+    leaving it; and which of those skips share memory with a returned leaf or another skip.
+
+    >>> h = torch.zeros(4, 4)
+    >>> skip_aliases([h[:2], torch.ones(2)], [h, torch.ones(3)])
+    ([0], [0])
+    >>> skip_aliases([torch.ones(2)], [h[:, :2], h[:, 1]])  # two skips, one memory
+    ([], [0, 1])
+    """
+    if not skips:
+        return [], []
+    kept = [s if _has_memory(s) else None for s in skips]
+    leaves = [r if _has_memory(r) else None for r in returned]
+    shown = [k for k, r in enumerate(leaves) if r is not None and any(_meets(r, s) for s in kept)]
+    aliased = [
+        q
+        for q, s in enumerate(kept)
+        if s is not None
+        and (
+            any(_meets(s, r) for r in leaves)
+            or any(_meets(s, o) for p, o in enumerate(kept) if p != q)
+        )
+    ]
+    return shown, aliased
+
+
+def _meets(a: Tensor | None, b: Tensor | None) -> bool:
+    return a is not None and b is not None and _meet(a, b)
 
 
 def _has_memory(leaf: object) -> bool:
@@ -124,6 +181,19 @@ def _elements(layout: Layout) -> Tensor:
     return found.flatten()
 
 
+def passed_on(value: Value, noted: Noted) -> list[frozenset[int]]:
+    """Groups of one: ``value``'s leaves that share memory with an input leaf noted as a
+    skip's (a group of one), which a partition returning it unchanged passes on."""
+    held = [tensor for group in noted if len(group) == 1 for _, tensor, _ in group]
+    if not held:
+        return []
+    return [
+        frozenset({k})
+        for k, leaf in enumerate(tree_leaves(value))
+        if _has_memory(leaf) and any(_meets(leaf, t) for t in held if _has_memory(t))
+    ]
+
+
 def versions_at(value: Value, groups: list[frozenset[int]]) -> Noted:
     """The tensors of ``value`` in each of ``groups`` (positions among its leaves), with
     their version counters."""
@@ -142,10 +212,24 @@ def refuse_written(j: int, noted: Noted) -> None:
     autograd function between partitions, whose gradients the write would not follow)."""
     for group in noted:
         written = [k for k, tensor, version in group if tensor._version != version]
+        if written and len(group) == 1:
+            raise RuntimeError(
+                f"partition {j} wrote in place into its input's leaf {written[0]}, which an "
+                f"earlier partition also stashed as a skip (or returned sharing memory with "
+                f"one): {SKIP_APART}"
+            )
         first = group[0][1]
         apart = any(not _meet(first, tensor) for _, tensor, _ in group[1:])
         if written and (apart or any(tensor.requires_grad for _, tensor, _ in group)):
             raise_shared_written(j, f"wrote in place into its input's leaves {written}")
+
+
+# Why a write into a skip sharing memory with the main path is refused, and the way out.
+SKIP_APART = (
+    "in the plain model the write shows in both, but between partitions the skip travels "
+    "apart from the main path, so it would show in one; stash a copy "
+    "(stash(name, h.clone())), or write out of place (h = h + 1)"
+)
 
 
 def raise_shared_written(j: int, what: str) -> None:

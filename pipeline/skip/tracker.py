@@ -20,6 +20,7 @@ from typing import Any, TypeAlias
 import torch
 from torch import Tensor
 
+from pipeline.runtime.aliases import SKIP_APART
 from pipeline.skip.carrier import Carrier
 from pipeline.skip.namespace import Namespace
 
@@ -32,6 +33,7 @@ __all__ = [
     "refuse_returned_into_a_copy",
     "refuse_written_after_pop",
     "refuse_written_after_stash",
+    "refuse_written_shared",
     "use_tracker",
     "version_of",
 ]
@@ -111,6 +113,18 @@ def refuse_written_after_pop(key: SkipKey, tensor: Tensor, version: int, partiti
             f"({namespace.label}) it popped in place, so its recomputation would pop the "
             "modified values; write into a copy (s = s * 3, or s.clone()), or use "
             "checkpoint='never'"
+        )
+
+
+def refuse_written_shared(key: SkipKey, tensor: Tensor, version: int, partition: int) -> None:
+    """Refuse ``partition``'s write into the skip it popped, which its stashing partition
+    also returned, or stashed again, sharing memory (``version``: the skip's at its pop)."""
+    if version_of(tensor) != version:
+        namespace, name = key
+        raise RuntimeError(
+            f"partition {partition} wrote in place into the skip {name!r} ({namespace.label}) "
+            "it popped, which its stashing partition also returned, or stashed again, "
+            f"sharing memory: {SKIP_APART}"
         )
 
 

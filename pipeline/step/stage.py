@@ -54,6 +54,7 @@ from torch import Tensor
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from pipeline.runtime.aliases import skip_aliases
 from pipeline.runtime.microbatch import Batch, check_gatherable, check_rows, refuse_attributes_in
 from pipeline.runtime.partitions import Hook, PartitionRuntime, protected
 from pipeline.runtime.recompute import Recomputation
@@ -70,6 +71,7 @@ from pipeline.skip.tracker import (
     refuse_returned_into_a_copy,
     refuse_written_after_pop,
     refuse_written_after_stash,
+    refuse_written_shared,
     use_tracker,
     version_of,
 )
@@ -321,7 +323,7 @@ class StageRun:
             tracker = _StageTracker(self, stashed, recomputing)
             with use_tracker(tracker):
                 output = inputs.call(function)
-            tracker.check_sent(output)
+            tracker.finish(output)
         if not any(True for _ in output.tensor_indices()):
             raise TypeError(
                 f"partition {self.j} returned {type(output.value).__name__}, which holds no "
@@ -576,7 +578,10 @@ class _StageTracker(SkipTracker):
         self.stage = stage
         self.stashed = stashed
         self.recomputing = recomputing
-        self.sent: list[tuple[SkipKey, Tensor, StashMark]] = []
+        # The skips to send once the partition's forward has ended, as stashed.
+        self.sent: list[tuple[SkipKey, Tensor, StashMark, int]] = []
+        # The popped skips that shared memory with their partition's output, at their pop.
+        self.shared: list[tuple[SkipKey, Tensor, int]] = []
 
     def save(self, output: Carrier, key: SkipKey, tensor: Tensor) -> None:
         route = self.stage.context.skip_layout.route(key)
@@ -586,20 +591,31 @@ class _StageTracker(SkipTracker):
         if self.stashed.checkpointed == self.recomputing:
             self.stashed.skips_out[key] = tensor  # the tensor whose graph backward starts from
         if not self.recomputing:
-            i = self.stashed.i
-            message = Message([_detached(tensor)], None, [_needs_grad(tensor)])
-            self.stage._send(self.stage._skip_mail("skip", key, i), message, route.target, i)
-            self.sent.append((key, tensor, StashMark(tensor)))
+            self.sent.append((key, tensor, StashMark(tensor), route.target))
 
-    def check_sent(self, output: Batch) -> None:
-        """Refuse a skip sent at its stash and written in place since, in the partition or,
-        being what it returns, by the next partition's first layer (on a copy)."""
-        protect = self.stage.context.runtime.protect_inputs
+    def finish(self, output: Batch) -> None:
+        """After the partition's forward: refuse a write into a popped skip that shares
+        memory with the main path (``runtime/aliases.py``), and a skip written in place
+        since its stash, in the partition or, being what it returns, by the next
+        partition's first layer (on a copy); then send the skips, each saying whether it
+        shares memory with the output or another skip."""
+        for key, tensor, version in self.shared:
+            refuse_written_shared(key, tensor, version, self.stage.j)
+        if not self.sent:
+            return
+        runtime = self.stage.context.runtime
         j = self.stage.j
-        for key, tensor, mark in self.sent:
+        for key, tensor, mark, _ in self.sent:
             refuse_written_after_stash(key, tensor, mark)
-            if j + 1 < len(protect) and protect[j + 1]:
+            if j + 1 < len(runtime.protect_inputs) and runtime.protect_inputs[j + 1]:
                 refuse_returned_into_a_copy(key, tensor, output.leaves, j)
+        shown, aliased = skip_aliases(output.leaves, [tensor for _, tensor, _, _ in self.sent])
+        runtime.note_sharing(j, [frozenset({k}) for k in shown])
+        i = self.stashed.i
+        for q, (key, tensor, _, target) in enumerate(self.sent):
+            sharing = [frozenset({0})] if q in aliased else []
+            message = Message([_detached(tensor)], None, [_needs_grad(tensor)], sharing=sharing)
+            self.stage._send(self.stage._skip_mail("skip", key, i), message, target, i)
 
     def load(self, input: Carrier, key: SkipKey) -> Tensor:
         route = self.stage.context.skip_layout.route(key)
@@ -613,6 +629,8 @@ class _StageTracker(SkipTracker):
         leaf = _leaf(tensor) if message.differentiable[0] else tensor
         self.stashed.skips_in[key] = leaf
         self.stashed.popped[key] = version_of(leaf)
+        if message.sharing:
+            self.shared.append((key, leaf, version_of(leaf)))
         self.stashed.sources.append(tensor)
         return cast(Tensor, _view(leaf))
 

@@ -37,6 +37,7 @@ SHARED = [
     "a_predecessors_checkpoint_loads_into_each_processs_stages",
     "tensors_sharing_memory_into_a_stage_writing_its_input_are_refused",
     "tensors_sharing_memory_written_by_a_stage_in_another_process_are_refused",
+    "a_write_into_a_skip_sharing_memory_with_the_main_path_is_refused_by_every_process",
     "an_output_with_fewer_leaves_than_an_earlier_sharing_one_crosses",
     "a_buffer_written_in_a_forward_by_stages_of_two_processes_is_refused",
     "arguments_that_differ_between_processes_are_refused_by_every_process_at_construction",

@@ -147,9 +147,11 @@ def tensor_description(dtype: bytes, shape: list[int], nbytes: int) -> bytes:
 def test_the_groups_of_leaves_that_shared_memory_cross_and_bad_ones_are_refused() -> None:
     # The receiver gets such tensors apart: the groups let it refuse a write into one.
     leaves = [torch.zeros(2), torch.zeros(2), torch.zeros(3)]
-    data, tensors = encode(KEY, leaves, None, [False] * 3, where, sharing=[frozenset({2, 0})])
-    assert decode(data, DATA, len(tensors)).sharing == [frozenset({0, 2})]
-    for bad in [frozenset({0, 3}), frozenset({1})]:  # beyond the leaves; a group of one
+    # A group of one: a leaf that shared memory with a skip.
+    groups = [frozenset({2, 0}), frozenset({1})]
+    data, tensors = encode(KEY, leaves, None, [False] * 3, where, sharing=groups)
+    assert decode(data, DATA, len(tensors)).sharing == [frozenset({0, 2}), frozenset({1})]
+    for bad in [frozenset({0, 3}), frozenset()]:  # beyond the leaves; an empty group
         data, tensors = encode(KEY, leaves, None, [False] * 3, where, sharing=[bad])
         with pytest.raises(MalformedMessageError, match="sharing memory are not lists"):
             decode(data, DATA, len(tensors))
