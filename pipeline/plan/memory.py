@@ -24,7 +24,12 @@ docs/plan.md writes the terms down):
     only their autograd edge (``pipeline/step/stage.py``);
   - **mail**: an activation from stage ``j - 1``'s forward until stage
     ``j``'s forward takes it, and a gradient from stage ``j + 1``'s
-    backward (or ``I``) until stage ``j``'s has used it;
+    backward (or ``I``) until stage ``j``'s has used it; likewise a skip
+    popped on stage ``j`` from its stashing stage's forward (then held as
+    an input), and a skip's gradient from its popping stage's backward.
+    Within the search for a balance, which stage stashes or pops a skip is
+    not known yet: the neighbour is taken; each candidate's figures then
+    take the stages of its own cut;
   - **recorded**: under zero-bubble, the gradients ``I`` records for ``W``
     (the outputs' gradient on stage 0), from ``I`` to ``W``;
 
@@ -41,7 +46,7 @@ docs/plan.md writes the terms down):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from torch import nn
@@ -124,6 +129,11 @@ class MicroBatchBytes:
     released: int = 0
     replayed: int = 0
     replayed_released: int = 0
+    # Mail from other stages than the neighbours' activation and gradient: skips, as
+    # (stashing stage, bytes) arriving at its forward, and their gradients, as (popping
+    # stage, bytes) arriving at its backward (or I). ``received`` holds the skips too.
+    skips_in: tuple[tuple[int, int], ...] = ()
+    skip_grads: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -180,11 +190,16 @@ def held_peaks(
         if sum(sums) > peak.saved + peak.inputs + peak.mail + peak.recorded:
             peak = HeldPeaks(0, *sums)
 
+    mailed = one.received - sum(b for _, b in one.skips_in)
     for action in order:
         i, kind = action.microbatch, action.kind
         hold = holds.setdefault(i, [0, 0, 0, 0])
+        if action.stage != stage and kind == "F":
+            hold[2] += sum(b for s, b in one.skips_in if s == action.stage)
+        elif action.stage != stage and kind in ("B", "I"):
+            hold[2] += sum(b for s, b in one.skip_grads if s == action.stage)
         if action.stage == stage - 1 and kind == "F":
-            hold[2] += one.received  # the activation, mailed
+            hold[2] += mailed  # the activation, mailed
         elif action.stage == stage + 1 and kind in ("B", "I"):
             hold[2] += one.grad  # the gradient, mailed back
         elif action.stage == stage:
@@ -217,9 +232,26 @@ def stage_memory(
     parameters: LayerParameters,
     first: int,
     stop: int,
+    stage_of: Callable[[int], int] | None = None,
 ) -> StageMemory:
-    """The peak of ``stage``, of layers ``first..stop``, along ``order`` (every stage's actions)."""
+    """The peak of ``stage``, of layers ``first..stop``, along ``order`` (every stage's actions).
+
+    ``stage_of(layer)``: the stage holding a layer, where the cut is known
+    (else a skip comes from, and goes to, the neighbouring stage).
+    """
     last = stop == len(saved.outputs)
+    main = set(saved.outputs[first - 1]) if first else set()
+    skips_in = tuple(
+        (
+            stage - 1 if stage_of is None else stage_of(skip.stashed_by),
+            sum(saved.storages[k] for k in set(skip.storages) - main),
+        )
+        for skip in saved.skips_into(first, stop)
+    )
+    skip_grads = tuple(
+        (stage + 1 if stage_of is None else stage_of(skip.popped_by), skip.grad)
+        for skip in saved.skips_out_of(first, stop)
+    )
     one = MicroBatchBytes(
         saved=saved.saved_bytes(first, stop, last),
         received=saved.input_bytes(first, stop, last, kept=True),
@@ -229,6 +261,8 @@ def stage_memory(
         released=saved.released_bytes(first, stop, last),
         replayed=saved.replayed_bytes(first, stop),
         replayed_released=saved.released_replayed_bytes(first, stop),
+        skips_in=skips_in,
+        skip_grads=skip_grads,
     )
     peaks = held_peaks(order, stage, checkpointed, one)
     return StageMemory(

@@ -53,7 +53,7 @@ from pipeline.skip.tracker import SkipKey, SkipTracker, use_tracker
 from pipeline.step.activations import ActivationMeter
 from pipeline.step.backward_in_two import backward_input
 
-__all__ = ["LayerTimes", "Saved", "call_layer", "layer_times", "saved_storages"]
+__all__ = ["LayerTimes", "Saved", "SkipBytes", "call_layer", "layer_times", "saved_storages"]
 
 LossFn = Callable[[Any, Any], Tensor]
 Value = Any  # what flows between layers: a tensor, or structures holding tensors
@@ -77,7 +77,10 @@ class Saved:
     gradients of); ``whole[i]`` whether its ``I`` is a whole backward (a
     Python function's node among its anchors); ``replayed[i]`` the buffers
     layer ``i`` changes in its forward and saves for backward, as (storage
-    key, bytes): their copies, which its recomputation saves instead.
+    key, bytes): their copies, which its recomputation saves instead;
+    ``skips`` each skip: the layers that stash and pop it, its storages and
+    the bytes of its gradient (what a stage popping it from an earlier one
+    receives and holds, and mails back).
     """
 
     storages: tuple[int, ...]
@@ -89,6 +92,7 @@ class Saved:
     anchored: tuple[bool, ...]
     whole: tuple[bool, ...]
     replayed: tuple[tuple[tuple[int, int], ...], ...] = ()
+    skips: tuple[SkipBytes, ...] = ()
 
     def saved_bytes(self, first: int, stop: int, loss: bool) -> int:
         """Bytes saved by layers ``first`` to ``stop - 1`` (and the loss): each storage once."""
@@ -101,21 +105,31 @@ class Saved:
             if not by.isdisjoint(layers)
         )
 
-    def input_bytes(self, first: int, stop: int, loss: bool, kept: bool) -> int:
+    def input_bytes(self, first: int, stop: int, loss: bool, kept: bool, skips: bool = True) -> int:
         """Bytes of stage ``first..stop``'s received input held beside what it saved.
 
         ``kept``: the whole input (a checkpointed task keeps it and saves
         nothing until its backward); else only what its layers did not save.
-        Stage 0's input is the caller's: nothing.
+        ``skips``: with the skips it pops from earlier stages. Stage 0's input
+        is the caller's: nothing.
         """
         if first == 0:
             return 0
         layers = set(range(first, stop)) | ({len(self.outputs)} if loss else set())
+        received = set(self.outputs[first - 1])
+        for skip in self.skips_into(first, stop) if skips else ():
+            received.update(skip.storages)
         return sum(
-            self.storages[k]
-            for k in set(self.outputs[first - 1])
-            if kept or self.saved_by[k].isdisjoint(layers)
+            self.storages[k] for k in received if kept or self.saved_by[k].isdisjoint(layers)
         )
+
+    def skips_into(self, first: int, stop: int) -> list[SkipBytes]:
+        """The skips that the stage of layers ``first..stop`` pops from an earlier stage."""
+        return [s for s in self.skips if s.stashed_by < first <= s.popped_by < stop]
+
+    def skips_out_of(self, first: int, stop: int) -> list[SkipBytes]:
+        """The skips that the stage of layers ``first..stop`` stashes for a later stage."""
+        return [s for s in self.skips if first <= s.stashed_by < stop <= s.popped_by]
 
     def released_bytes(self, first: int, stop: int, loss: bool) -> int:
         """Bytes zero-bubble's ``I`` lets go on the stage of layers ``first..stop`` (and the loss).
@@ -182,6 +196,18 @@ class Saved:
         """Whether the stage starting at layer ``first`` receives an input that requires grad
         (stage 0's, the caller's, is taken not to)."""
         return first > 0 and self.output_grads[first - 1] > 0
+
+
+@dataclass(frozen=True)
+class SkipBytes:
+    """One skip of a micro-batch: the layers that stash and pop it, the storages it holds
+    (indices into ``Saved.storages``; none for a view of the caller's input) and the bytes
+    of its gradient (0 where it needs none)."""
+
+    stashed_by: int
+    popped_by: int
+    storages: tuple[int, ...]
+    grad: int
 
 
 @dataclass(frozen=True)
@@ -255,7 +281,7 @@ def saved_storages(
     ):
         value = sample
         for index, layer in enumerate(layers):
-            current[0] = index
+            current[0] = stashes.layer = index
             with _changed_buffers(layer) as changed:
                 value = call_layer(model, index, layer, value)
             saved_buffers[index] &= changed
@@ -281,6 +307,17 @@ def saved_storages(
             )
             for index, layer in enumerate(layers)
         ]
+    # Before the sizes are read: a skip's storage may be one no layer saved or returned.
+    skips = tuple(
+        SkipBytes(
+            stashes.stashed_by[key],
+            stashes.popped_by[key],
+            () if _storage(skip) in excluded else (key_of(skip),),
+            skip.numel() * skip.element_size() if skip.requires_grad else 0,
+        )
+        for key, skip in stashes.kept.items()
+        if key in stashes.popped_by
+    )
     return Saved(
         tuple(sizes),
         tuple(frozenset(s) for s in savers),
@@ -291,7 +328,12 @@ def saved_storages(
         tuple(split.anchored for split in splits),
         tuple(split.whole for split in splits),
         tuple(tuple((key, buffers[key]) for key in sorted(keys)) for keys in saved_buffers),
+        skips,
     )
+
+
+def _storage(tensor: Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
 
 
 @contextmanager
@@ -330,14 +372,20 @@ class _Stashes(SkipTracker):
         self.kept: dict[SkipKey, Tensor] = {}
         self.serving = False
         self.served: list[Tensor] = []
+        # In the whole run: the layer running now, and the layers that stashed and popped.
+        self.layer = 0
+        self.stashed_by: dict[SkipKey, int] = {}
+        self.popped_by: dict[SkipKey, int] = {}
 
     def save(self, output: Carrier, key: SkipKey, tensor: Tensor) -> None:
         if not self.serving:
             self.kept[key] = tensor
+            self.stashed_by[key] = self.layer
             super().save(output, key, tensor)
 
     def load(self, input: Carrier, key: SkipKey) -> Tensor:
         if not self.serving:
+            self.popped_by[key] = self.layer
             return super().load(input, key)
         kept = self.kept[key]
         if not kept.requires_grad:

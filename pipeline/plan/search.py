@@ -228,6 +228,13 @@ def _balanced(
     found = []
     for cut in sorted(cuts):
         spans = list(pairwise([0, *accumulate(cut)]))
+        stages_memory = tuple(memory(j, a, b) for j, (a, b) in enumerate(spans))
+        if saved.skips:  # each skip from, and to, the stages of this cut
+            stage_of = _stage_of(spans)
+            stages_memory = tuple(
+                stage_memory(order, j, checkpointed, saved, parameters, a, b, stage_of)
+                for j, (a, b) in enumerate(spans)
+            )
         owner = [config.places.index(p) for p in config.places]
         seconds = config.pace.outside + predicted_seconds(
             programs,
@@ -246,9 +253,15 @@ def _balanced(
                 balance=cut,
                 devices=config.devices,
                 seconds=seconds,
-                memory=tuple(memory(j, a, b) for j, (a, b) in enumerate(spans)),
+                memory=stages_memory,
                 limit=config.limit,
                 places=config.places if config.link is not None else (),
             )
         )
     return found
+
+
+def _stage_of(spans: list[tuple[int, int]]) -> Callable[[int], int]:
+    """The stage holding each layer, under the cut of ``spans``."""
+    stages = [j for j, (a, b) in enumerate(spans) for _ in range(a, b)]
+    return stages.__getitem__

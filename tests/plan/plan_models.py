@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from torch import Tensor, nn
 import pipeline
 from pipeline import Pipe
 from pipeline.plan.result import Plan, PlanCheck
+from pipeline.skip import pop, skippable, stash
 
 ROWS, WIDTH = 32, 16
 
@@ -21,6 +23,47 @@ def gelu_mlp(depth: int = 6) -> nn.Sequential:
     torch.manual_seed(0)
     blocks = [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.GELU()) for _ in range(depth - 1)]
     return nn.Sequential(*blocks, nn.Linear(WIDTH, WIDTH)).double()
+
+
+@skippable(stash=["long", "short"])
+class StashesTwo(nn.Module):
+    """A block that stashes two functions of its output, for far and near layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: Tensor) -> Generator[Any, Any, Tensor]:
+        h = self.linear(x)
+        yield stash("long", torch.tanh(h))
+        yield stash("short", h * 2)
+        return F.gelu(h)
+
+
+@skippable(pop=["long"])
+class AddsLong(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: Tensor) -> Generator[Any, Any, Tensor]:
+        long = yield pop("long")
+        return self.linear(x) + long
+
+
+@skippable(pop=["short"])
+class TimesShort(nn.Module):
+    def forward(self, x: Tensor) -> Generator[Any, Any, Tensor]:
+        short = yield pop("short")
+        return x * short
+
+
+def skip_mlp() -> nn.Sequential:
+    """``gelu_mlp`` with two skips from its first block: one to its last layer, one to its
+    fourth (one saved by the popping layer, one not)."""
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.GELU()) for _ in range(3)]
+    return nn.Sequential(StashesTwo(), blocks[0], TimesShort(), *blocks[1:], AddsLong()).double()
 
 
 def batch(rows: int = ROWS) -> tuple[Tensor, Tensor]:

@@ -19,7 +19,8 @@ What stage ``j`` holds at a sample is the union of the storages of
   outputs kept as tensors (leaves), the loss, and what zero-bubble's ``I``
   left for ``W`` (the gradients it recorded, the outputs' gradients);
 - the messages waiting in its mailbox (activations from stage ``j - 1``,
-  gradients from ``j + 1``);
+  gradients from ``j + 1``, the skips it pops, the gradients of those it
+  stashed);
 - the ``.grad`` of its parameters;
 
 less the parameters and the caller's input and target, which the meter
@@ -143,8 +144,9 @@ def _held(run: StageRun, partition: nn.Module) -> tuple[int, int]:
             kept += [grad for group in work._groups for _, grad in group.outputs]
     transport = run.context.transport
     assert isinstance(transport, LocalTransport), "one process"
+    routes = run.context.skip_layout.routes() if run.context.skip_layout else []
     for (_, key), message in list(transport.mailboxes._values.items()):
-        if isinstance(key, tuple) and key[0] in ("act", "grad") and key[1] == run.j:
+        if _mailed_to(key, run.j, routes):
             kept += message.leaves
     grads = [p.grad for p in partition.parameters() if p.grad is not None]
     for x in [*kept, *grads]:
@@ -154,6 +156,18 @@ def _held(run: StageRun, partition: nn.Module) -> tuple[int, int]:
     for key in meter._excluded:
         storages.pop(key, None)
     return sum(storages.values()), _bytes(grads)
+
+
+def _mailed_to(key: Any, j: int, routes: list[Any]) -> bool:
+    """Whether a mailbox's message is for stage ``j``: an activation or a gradient from
+    a neighbour, a skip it pops, or the gradient of a skip it stashed."""
+    if not isinstance(key, tuple):
+        return False
+    if key[0] in ("act", "grad"):
+        return bool(key[1] == j)
+    if key[0] == "skip":
+        return bool(routes[key[1]].target == j)
+    return key[0] == "skip-grad" and bool(routes[key[1]].source == j)
 
 
 def _bytes(tensors: Iterable[Any]) -> int:

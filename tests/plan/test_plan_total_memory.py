@@ -18,7 +18,7 @@ from pipeline import Pipe
 from pipeline.plan.memory import layer_parameters
 from pipeline.plan.profile import LayerTimes, Saved, saved_storages
 from pipeline.plan.search import Candidate, candidates
-from tests.plan.plan_models import batch, gelu_mlp, one_thread
+from tests.plan.plan_models import batch, gelu_mlp, one_thread, skip_mlp
 from tests.plan.stage_totals import measuring
 
 pytestmark = pytest.mark.usefixtures(one_thread.__name__)
@@ -29,9 +29,12 @@ ROWS, CHUNKS = 128, 4
 ADAMW_FLOAT64 = 16  # bytes of state per trained element: two float64 moments
 
 
-def predicted(schedule: str, mode: str) -> Candidate:
+MODELS = {"mlp": gelu_mlp, "skips": skip_mlp}
+
+
+def predicted(schedule: str, mode: str, model_name: str = "mlp") -> Candidate:
     """The planner's candidate on two CPU devices, its balance from equal layer times."""
-    model = gelu_mlp()
+    model = MODELS[model_name]()
     x, y = batch(ROWS)
     layers = len(model)
     times = LayerTimes((1.0,) * layers + (0.0,), (2.0,) * layers + (0.0,), (1.0,) * layers + (0.0,))
@@ -47,14 +50,18 @@ def predicted(schedule: str, mode: str) -> Candidate:
     return min(found, key=lambda c: c.seconds)
 
 
+@pytest.mark.parametrize("model_name", ["mlp", "skips"])
 @pytest.mark.parametrize("mode", ["never", "except_last", "always"])
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-h1-peak"])
 def test_predicted_total_is_within_ten_percent_of_each_stages_measured_total(
-    schedule: str, mode: str
+    schedule: str, mode: str, model_name: str
 ) -> None:
-    plan = predicted(schedule, mode)
+    # With skips: the stages that pop one hold it from their forward to their backward,
+    # and those that stash one its gradient, mailed back (before, not counted: a plan at
+    # its limit held 4 KiB more, 20% to 28% of a stage).
+    plan = predicted(schedule, mode, model_name)
     x, y = batch(ROWS)
-    pipe = Pipe(gelu_mlp(), list(plan.balance), devices=[CPU] * len(plan.balance),
+    pipe = Pipe(MODELS[model_name](), list(plan.balance), devices=[CPU] * len(plan.balance),
                 chunks=CHUNKS, checkpoint=mode, threads="device")  # type: ignore[arg-type]  # fmt: skip
     optimizer = torch.optim.AdamW(pipe.parameters())
     pipe.step(x, y, F.mse_loss, schedule=schedule)
