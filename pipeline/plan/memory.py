@@ -41,7 +41,8 @@ docs/plan.md writes the terms down):
   ones, kept between steps) and **optimizer** state
   (``optimizer_bytes_per_param`` per trainable element: 8 for AdamW in
   float32), each parameter or buffer on the stage of the first layer that
-  holds it.
+  holds it; with stages in processes, once in each process holding it (a
+  tied weight: each holds a copy).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from torch import nn
+from torch import Tensor, nn
 
 from pipeline.plan.profile import Saved
 from pipeline.step.actions import Action
@@ -59,6 +60,8 @@ __all__ = [
     "LayerParameters",
     "MicroBatchBytes",
     "StageMemory",
+    "TensorBytes",
+    "by_layer",
     "held_peaks",
     "layer_parameters",
     "stage_memory",
@@ -66,15 +69,83 @@ __all__ = [
 
 
 @dataclass(frozen=True)
-class LayerParameters:
-    """Per layer: bytes of the parameters and buffers it holds first, of the parameters
-    trained, and of their optimizer state; with sharded stages (``sharding.py``), bytes of
-    its parameters gathered whole during a step (else none)."""
+class TensorBytes:
+    """One parameter's (or buffer's) terms: its bytes held, of its gradients (trained
+    ones), of its optimizer state; with sharded stages, its bytes gathered whole."""
 
-    nbytes: tuple[int, ...]
-    trained_bytes: tuple[int, ...]
-    optimizer: tuple[int, ...]
-    gathered: tuple[int, ...] = ()
+    nbytes: int
+    trained: int
+    optimizer: int
+    gathered: int = 0
+
+
+@dataclass(frozen=True)
+class LayerParameters:
+    """The parameters and buffers of the layers: ``tensors[k]``'s terms, each tensor once;
+    ``held[i]`` the numbers of those layer ``i`` holds (a tied weight: in several), and
+    ``first[i]`` the terms of those it holds first.
+
+    In one process a tensor is one, held by the stage of its first holder;
+    stages in processes of their own each hold a copy of it
+    (docs/distributed_pipe.md, "Tied weights").
+    """
+
+    tensors: tuple[TensorBytes, ...]
+    held: tuple[frozenset[int], ...]
+    first: tuple[TensorBytes, ...]
+
+    @property
+    def nbytes(self) -> tuple[int, ...]:
+        return tuple(t.nbytes for t in self.first)
+
+    @property
+    def trained_bytes(self) -> tuple[int, ...]:
+        return tuple(t.trained for t in self.first)
+
+    @property
+    def optimizer(self) -> tuple[int, ...]:
+        return tuple(t.optimizer for t in self.first)
+
+    @property
+    def gathered(self) -> tuple[int, ...]:
+        return tuple(t.gathered for t in self.first)
+
+    def stage(self, first: int, stop: int, counted: frozenset[int] | None = None) -> TensorBytes:
+        """The terms of the stage of layers ``first..stop``: of the tensors whose first
+        holder it holds; or, a stage in a process of its own (``counted``: the tensors
+        its process's earlier stages hold), of every tensor it holds but those."""
+        if counted is None:
+            return _summed(self.first[first:stop])
+        return _summed([self.tensors[k] for k in self.holds(first, stop) - counted])
+
+    def holds(self, first: int, stop: int) -> frozenset[int]:
+        """The numbers of the tensors layers ``first..stop`` hold."""
+        return frozenset().union(*self.held[first:stop])
+
+
+def _summed(parts: Sequence[TensorBytes]) -> TensorBytes:
+    return TensorBytes(
+        sum(t.nbytes for t in parts),
+        sum(t.trained for t in parts),
+        sum(t.optimizer for t in parts),
+        sum(t.gathered for t in parts),
+    )
+
+
+def by_layer(model: nn.Sequential, terms: Callable[[Tensor], TensorBytes]) -> LayerParameters:
+    """Each layer's parameters and buffers, each tensor numbered once, with its ``terms``."""
+    numbers: dict[int, int] = {}
+    tensors: list[TensorBytes] = []
+    held: list[frozenset[int]] = []
+    first: list[TensorBytes] = []
+    for layer in model:
+        fresh = [t for t in [*layer.parameters(), *layer.buffers()] if id(t) not in numbers]
+        for tensor in fresh:
+            numbers[id(tensor)] = len(tensors)
+            tensors.append(terms(tensor))
+        first.append(_summed(tensors[len(tensors) - len(fresh) :]))
+        held.append(frozenset(numbers[id(t)] for t in [*layer.parameters(), *layer.buffers()]))
+    return LayerParameters(tuple(tensors), tuple(held), tuple(first))
 
 
 @dataclass(frozen=True)
@@ -148,21 +219,15 @@ class HeldPeaks:
 
 
 def layer_parameters(model: nn.Sequential, optimizer_bytes_per_param: int) -> LayerParameters:
-    """Each layer's parameter and buffer bytes, each counted once, at its first holder."""
-    seen: set[int] = set()
-    nbytes: list[int] = []
-    trained: list[int] = []
-    optimizer: list[int] = []
-    for layer in model:
-        fresh = [p for p in layer.parameters() if id(p) not in seen]
-        buffers = [b for b in layer.buffers() if id(b) not in seen]
-        seen.update(id(t) for t in [*fresh, *buffers])
-        nbytes.append(sum(t.numel() * t.element_size() for t in [*fresh, *buffers]))
-        trained.append(sum(p.numel() * p.element_size() for p in fresh if p.requires_grad))
-        optimizer.append(
-            sum(p.numel() for p in fresh if p.requires_grad) * optimizer_bytes_per_param
-        )
-    return LayerParameters(tuple(nbytes), tuple(trained), tuple(optimizer))
+    """Each layer's parameter and buffer bytes, whole (a buffer has no gradient or state)."""
+
+    def terms(tensor: Tensor) -> TensorBytes:
+        nbytes = tensor.numel() * tensor.element_size()
+        if not (isinstance(tensor, nn.Parameter) and tensor.requires_grad):
+            return TensorBytes(nbytes, 0, 0)
+        return TensorBytes(nbytes, nbytes, tensor.numel() * optimizer_bytes_per_param)
+
+    return by_layer(model, terms)
 
 
 def held_peaks(
@@ -233,12 +298,16 @@ def stage_memory(
     first: int,
     stop: int,
     stage_of: Callable[[int], int] | None = None,
+    counted: frozenset[int] | None = None,
 ) -> StageMemory:
     """The peak of ``stage``, of layers ``first..stop``, along ``order`` (every stage's actions).
 
     ``stage_of(layer)``: the stage holding a layer, where the cut is known
-    (else a skip comes from, and goes to, the neighbouring stage).
+    (else a skip comes from, and goes to, the neighbouring stage);
+    ``counted``: for a stage in a process of its own, the parameters its
+    process's earlier stages hold (``LayerParameters.stage``).
     """
+    terms = parameters.stage(first, stop, counted)
     last = stop == len(saved.outputs)
     main = set(saved.outputs[first - 1]) if first else set()
     skips_in = tuple(
@@ -271,8 +340,8 @@ def stage_memory(
         inputs=peaks.inputs,
         mail=peaks.mail,
         recorded=peaks.recorded,
-        parameters=sum(parameters.nbytes[first:stop]),
-        gradients=sum(parameters.trained_bytes[first:stop]),
-        optimizer=sum(parameters.optimizer[first:stop]),
-        gathered=sum(parameters.gathered[first:stop]),
+        parameters=terms.nbytes,
+        gradients=terms.trained,
+        optimizer=terms.optimizer,
+        gathered=terms.gathered,
     )

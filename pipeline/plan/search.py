@@ -206,9 +206,15 @@ def _balanced(
     recomputed = [sum((i, j) in checkpointed for i in range(m)) / m for j in range(stages)]
     memo: dict[tuple[int, int, int], StageMemory] = {}
 
+    # In processes, each stage holds its own copy of a tied weight (its process's other
+    # stages are known once the cut is: each candidate's figures count it once there).
+    copies = frozenset[int]() if config.link is not None else None
+
     def memory(j: int, a: int, b: int) -> StageMemory:
         if (j, a, b) not in memo:
-            memo[j, a, b] = stage_memory(order, j, checkpointed, saved, parameters, a, b)
+            memo[j, a, b] = stage_memory(
+                order, j, checkpointed, saved, parameters, a, b, counted=copies
+            )
         return memo[j, a, b]
 
     def cost(j: int, a: int, b: int) -> float:
@@ -229,11 +235,9 @@ def _balanced(
     for cut in sorted(cuts):
         spans = list(pairwise([0, *accumulate(cut)]))
         stages_memory = tuple(memory(j, a, b) for j, (a, b) in enumerate(spans))
-        if saved.skips:  # each skip from, and to, the stages of this cut
-            stage_of = _stage_of(spans)
-            stages_memory = tuple(
-                stage_memory(order, j, checkpointed, saved, parameters, a, b, stage_of)
-                for j, (a, b) in enumerate(spans)
+        if saved.skips or copies is not None:
+            stages_memory = _exact(
+                order, checkpointed, saved, parameters, spans, config.places, copies is not None
             )
         owner = [config.places.index(p) for p in config.places]
         seconds = config.pace.outside + predicted_seconds(
@@ -259,6 +263,29 @@ def _balanced(
             )
         )
     return found
+
+
+def _exact(
+    order: Sequence[Action],
+    checkpointed: set[tuple[int, int]],
+    saved: Saved,
+    parameters: LayerParameters,
+    spans: list[tuple[int, int]],
+    places: tuple[str, ...],
+    copies: bool,
+) -> tuple[StageMemory, ...]:
+    """Each stage's memory under the cut of ``spans``: each skip from, and to, its own
+    stages; with ``copies`` (stages in processes), each tied weight once in each process."""
+    stage_of = _stage_of(spans)
+    counted: dict[str, frozenset[int]] = {}
+    found = []
+    for j, (a, b) in enumerate(spans):
+        earlier = counted.get(places[j], frozenset()) if copies else None
+        found.append(
+            stage_memory(order, j, checkpointed, saved, parameters, a, b, stage_of, earlier)
+        )
+        counted[places[j]] = counted.get(places[j], frozenset()) | parameters.holds(a, b)
+    return tuple(found)
 
 
 def _stage_of(spans: list[tuple[int, int]]) -> Callable[[int], int]:

@@ -38,7 +38,7 @@ from torch import Tensor, nn
 
 from pipeline.plan.agreement import from_rank_zero, largest
 from pipeline.plan.links import LARGE_BYTES, SMALL_BYTES, Link
-from pipeline.plan.memory import LayerParameters
+from pipeline.plan.memory import LayerParameters, TensorBytes, by_layer
 from pipeline.runtime.process_group import collective_device
 
 if TYPE_CHECKING:
@@ -158,26 +158,22 @@ def shard_bytes(tensor: Tensor, shards: int) -> int:
 def sharded_parameters(
     model: nn.Sequential, optimizer_bytes_per_param: int, shards: int
 ) -> LayerParameters:
-    """Each layer's terms with its parameters sharded ``shards`` ways (each counted once,
-    at its first holder): shards and whole buffers, gathered parameters, unsharded
-    gradients and their shards, the optimizer's state of the shards."""
-    seen: set[int] = set()
-    nbytes, trained, optimizer, gathered = [], [], [], []
-    for layer in model:
-        fresh = [p for p in layer.parameters() if id(p) not in seen]
-        buffers = [b for b in layer.buffers() if id(b) not in seen]
-        seen.update(id(t) for t in [*fresh, *buffers])
-        learnt = [p for p in fresh if p.requires_grad]
-        nbytes.append(
-            sum(shard_bytes(p, shards) for p in fresh)
-            + sum(b.numel() * b.element_size() for b in buffers)
-        )
+    """Each layer's terms with its parameters sharded ``shards`` ways: shards and whole
+    buffers, gathered parameters, unsharded gradients and their shards, the optimizer's
+    state of the shards."""
+
+    def terms(tensor: Tensor) -> TensorBytes:
+        if not isinstance(tensor, nn.Parameter):
+            return TensorBytes(tensor.numel() * tensor.element_size(), 0, 0)
+        shard = shard_bytes(tensor, shards)
         # Gathered whole into a buffer of every shard's padded size, as FSDP2 gathers it.
-        gathered.append(sum(shard_bytes(p, shards) * shards for p in fresh))
-        trained.append(sum(p.numel() * p.element_size() + shard_bytes(p, shards) for p in learnt))
-        elements = sum(shard_bytes(p, shards) // p.element_size() for p in learnt)
-        optimizer.append(elements * optimizer_bytes_per_param)
-    return LayerParameters(tuple(nbytes), tuple(trained), tuple(optimizer), tuple(gathered))
+        if not tensor.requires_grad:
+            return TensorBytes(shard, 0, 0, shard * shards)
+        whole = tensor.numel() * tensor.element_size()
+        optimizer = shard // tensor.element_size() * optimizer_bytes_per_param
+        return TensorBytes(shard, whole + shard, optimizer, shard * shards)
+
+    return by_layer(model, terms)
 
 
 def layer_collectives(model: nn.Sequential, collectives: Collectives) -> LayerCollectives:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 import pipeline
 from pipeline.plan import Candidate, PlanError
@@ -110,6 +111,48 @@ def test_processes_hold_their_own_memory_and_a_slow_link_costs_time() -> None:
     assert (best.chunks, best.schedule) == (4, "interleaved")
     slow = made_up(Link(100.0, 0.0))
     assert min(slow, key=lambda c: c.seconds).chunks == 1
+
+
+def test_a_tied_weight_is_held_once_by_each_process_holding_it() -> None:
+    # docs/distributed_pipe.md: every holder of a tied weight keeps a copy, trained and
+    # stepped in its own process. The planner counted it on its first holder only: rank 1
+    # held 110 KiB where the plan said 25 KiB.
+    model = gelu_mlp(LAYERS)
+    model[-1].weight = model[0][0].weight  # the first layer's weight, tied to the last's
+    tied = model[0][0].weight.numel() * 8
+    parameters = layer_parameters(model, optimizer_bytes_per_param=16)
+
+    def profiled(rows: int) -> tuple[Saved, LayerTimes]:
+        f, b = (float(rows),) * LAYERS + (0.0,), (2.0 * rows,) * LAYERS + (0.0,)
+        return made_up_saved(rows), LayerTimes(f, b, f)
+
+    def found(link: Link | None, schedule: str) -> dict[tuple[int, ...], Candidate]:
+        found = candidates(
+            LAYERS, [CPU, CPU], 8, 2**40, (2,), (schedule,), ("never",), profiled, parameters,
+            overhead=0.0, link=link,
+        )  # fmt: skip
+        return {c.balance: c for c in found}
+
+    link = Link(1e-4, 1e-9)
+    for balance, planned in found(link, "1f1b").items():
+        one = found(None, "1f1b")[balance]  # one process: one tensor, on its first holder
+        first, last = planned.memory[0], planned.memory[-1]
+        assert first.parameters == one.memory[0].parameters
+        assert last.parameters == one.memory[-1].parameters + tied, balance
+        assert last.gradients == one.memory[-1].gradients + tied, balance
+        assert last.optimizer == one.memory[-1].optimizer + 2 * tied, balance
+    # Interleaved, [1, 1, 1, 1]: stages 0 and 2 in rank 0, 1 and 3 (the last, tied) in rank 1.
+    stages = found(link, "interleaved")[(1, 1, 1, 1)].memory
+    assert stages[3].parameters == parameters.stage(3, 4).nbytes + tied
+    # Tied to the third layer instead, both holders in rank 0: one copy there.
+    model[-1].weight, model[2][0].weight = (
+        nn.Parameter(model[-1].weight.detach().clone()),
+        model[0][0].weight,
+    )
+    parameters = layer_parameters(model, optimizer_bytes_per_param=16)
+    stages = found(link, "interleaved")[(1, 1, 1, 1)].memory
+    assert stages[2].parameters == parameters.stage(2, 3).nbytes
+    assert stages[0].parameters == parameters.stage(0, 1).nbytes
 
 
 def test_the_bytes_on_the_link_move_the_choice() -> None:
