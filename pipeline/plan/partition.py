@@ -14,9 +14,20 @@ layers^2) per check.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from itertools import combinations, pairwise
 
-__all__ = ["fitting_balance", "least_memory_balance"]
+__all__ = [
+    "ENUMERATED",
+    "fitting_balance",
+    "least_memory_balance",
+    "least_peak_balance",
+    "shared_balances",
+]
+
+# The most cuts ``shared_balances`` walks: beyond, stages sharing a place are cut by the
+# even share of its limit and by the least memory summed over every stage alone.
+ENUMERATED = 50_000
 
 # cost(j, first, stop) and fits(j, first, stop) of stage j holding layers first..stop.
 Cost = Callable[[int, int, int], float]
@@ -86,6 +97,73 @@ def least_memory_balance(
     return cut
 
 
+def shared_balances(
+    layers: int,
+    stages: int,
+    cost: Cost,
+    total: Callable[[int, int, int], int],
+    places: Sequence[str],
+    limit: int,
+) -> tuple[list[int] | None, list[int]] | None:
+    """Where stages share places (``places[j]``, stage ``j``'s): the fastest cut whose every
+    place's stages sum within ``limit`` (None if none does), and the cut whose fullest place
+    holds least; None where there are more than ``ENUMERATED`` cuts to walk.
+
+    Exact: every cut is walked. A place's stages are not adjacent (interleaved: stage ``j``
+    in process ``j % n``), so no dynamic program over the layers' order sums them.
+
+    Four layers of a byte each, stages 0 and 2 in place ``a``: within 2 bytes a place, only
+    ``[1, 2, 1]`` fits (an even share of 1 byte a stage fits no cut):
+
+    >>> size = lambda j, a, b: b - a
+    >>> shared_balances(4, 3, size, size, ["a", "b", "a"], 2)
+    ([1, 2, 1], [1, 2, 1])
+    """
+    if math.comb(layers - 1, stages - 1) > ENUMERATED:
+        return None
+    fastest: tuple[float, float, list[int]] | None = None
+    least: tuple[int, list[int]] | None = None
+    for stops in combinations(range(1, layers), stages - 1):
+        spans = list(pairwise((0, *stops, layers)))
+        loads: dict[str, int] = {}
+        for j, (a, b) in enumerate(spans):
+            loads[places[j]] = loads.get(places[j], 0) + total(j, a, b)
+        cut = [b - a for a, b in spans]
+        peak = max(loads.values())
+        if least is None or peak < least[0]:
+            least = peak, cut
+        if peak <= limit:
+            seconds = [cost(j, a, b) for j, (a, b) in enumerate(spans)]
+            rank = (max(seconds), sum(t * t for t in seconds), cut)
+            if fastest is None or rank[:2] < fastest[:2]:
+                fastest = rank
+    assert least is not None, "at least one cut"
+    return (None if fastest is None else fastest[2]), least[1]
+
+
+def least_peak_balance(
+    layers: int, stages: int, total: Callable[[int, int, int], int]
+) -> list[int]:
+    """The balance of ``layers`` into ``stages`` (each its own place) whose largest stage
+    ``total`` is least: a dynamic program over (stage, first layer).
+
+    >>> least_peak_balance(4, 2, lambda j, a, b: (b - a) * (3 if j == 0 else 1))
+    [1, 3]
+    """
+    # best[j][a]: the least largest total of stages j.. covering layers a..; choice: its stop.
+    best = [[math.inf] * (layers + 1) for _ in range(stages + 1)]
+    choice = [[0] * (layers + 1) for _ in range(stages + 1)]
+    best[stages][layers] = -math.inf
+    for j in range(stages - 1, -1, -1):
+        left = stages - j
+        for a in range(j, layers - left + 1):
+            for b in range(a + 1, layers - left + 2):
+                peak = max(total(j, a, b), best[j + 1][b])
+                if peak < best[j][a]:
+                    best[j][a], choice[j][a] = peak, b
+    return _walk(choice, stages)
+
+
 def _least_sum(layers: int, stages: int, value: Cost) -> list[int] | None:
     """The cut whose stages' ``value`` sum least (``inf``: a stage that may not be), or None.
 
@@ -106,6 +184,11 @@ def _least_sum(layers: int, stages: int, value: Cost) -> list[int] | None:
                     best[j][a], choice[j][a] = summed, b
     if best[0][0] == math.inf:
         return None
+    return _walk(choice, stages)
+
+
+def _walk(choice: list[list[int]], stages: int) -> list[int]:
+    """The sizes of the cut a dynamic program chose: stage ``j`` from ``a`` to ``choice[j][a]``."""
     sizes = []
     a = 0
     for j in range(stages):

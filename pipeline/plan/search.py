@@ -3,8 +3,11 @@
 For each configuration the programs are made and validated once; the
 balance comes from ``partition.fitting_balance`` with each stage's
 predicted memory against its budget (a device's limit, split evenly among
-the stages it holds), and the compute-only cut is tried too (it may fit
-where the even split of a shared device's budget was too strict). Each
+the stages it holds), and the compute-only cut is tried too; where stages
+share a place, every cut is walked for the fastest whose places fit and
+the one whose fullest place holds least (``partition.shared_balances``),
+else the cut whose largest stage holds least is tried (the figures of
+``PlanError`` when nothing fits). Each
 balance tried becomes a ``Candidate``: its predicted step time (``timing``)
 and each stage's memory (``memory``), summed per device. Planned for
 processes, a stage's place is its process (``rank 0``, ...) rather than its
@@ -23,7 +26,12 @@ from pipeline.plan.contention import NO_CONTENTION, Contention
 from pipeline.plan.links import Link, cut_seconds
 from pipeline.plan.memory import LayerParameters, StageMemory, stage_memory
 from pipeline.plan.pace import SAME_PACE, Pace, paced_as, virtual_stages
-from pipeline.plan.partition import fitting_balance, least_memory_balance
+from pipeline.plan.partition import (
+    fitting_balance,
+    least_memory_balance,
+    least_peak_balance,
+    shared_balances,
+)
 from pipeline.plan.profile import LayerTimes, Saved
 from pipeline.plan.sharding import LayerCollectives, stage_collectives
 from pipeline.plan.timing import predicted_seconds, stage_costs
@@ -32,7 +40,7 @@ from pipeline.step.runner import checkpointed_tasks
 from pipeline.step.schedules import resolve_schedule
 from pipeline.step.simulate import validate
 
-__all__ = ["Candidate", "Profiled", "candidates", "runs"]
+__all__ = ["Candidate", "Profiled", "candidates", "memory_of", "runs"]
 
 # The profile of one micro-batch size: rows -> (saved storages, layer times).
 Profiled = Callable[[int], tuple[Saved, LayerTimes]]
@@ -62,7 +70,7 @@ class Candidate:
     @property
     def device_bytes(self) -> dict[str, int]:
         totals: dict[str, int] = {}
-        places = self.places or tuple(map(str, self.devices))
+        places = self.places or tuple(map(memory_of, self.devices))
         for place, stage in zip(places, self.memory, strict=True):
             totals[place] = totals.get(place, 0) + stage.total
         return totals
@@ -120,7 +128,7 @@ def candidates(
         stages = len(devices) * virtual
         stage_devices = tuple(devices * virtual)
         places = tuple(
-            f"rank {j % len(devices)}" if link is not None else str(d)
+            f"rank {j % len(devices)}" if link is not None else memory_of(d)
             for j, d in enumerate(stage_devices)
         )
         share = [limit // places.count(p) for p in places]
@@ -159,6 +167,12 @@ def candidates(
                     layers,
                 )
     return found
+
+
+def memory_of(device: torch.device) -> str:
+    """The memory ``device`` draws on, by name: every CPU device draws on the host's
+    (``cpu:0`` and ``cpu`` are one memory, which one limit bounds)."""
+    return "cpu" if device.type == "cpu" else str(device)
 
 
 def runs(schedule: str, chunks: int, layers: int, workers: int) -> bool:
@@ -224,12 +238,18 @@ def _balanced(
     def fits(j: int, a: int, b: int) -> bool:
         return memory(j, a, b).total <= config.share[j]
 
+    def total(j: int, a: int, b: int) -> int:
+        return memory(j, a, b).total
+
     tried = [
         fitting_balance(layers, stages, cost, fits),
         fitting_balance(layers, stages, cost, lambda j, a, b: True),
     ]
-    if len(set(config.places)) < stages:  # stages sharing a limit: what fits their sum
-        tried.append(least_memory_balance(layers, stages, lambda j, a, b: memory(j, a, b).total))
+    if len(set(config.places)) == stages:
+        tried.append(least_peak_balance(layers, stages, total))  # for PlanError's figures
+    else:  # stages sharing a limit: what fits their sum
+        walked = shared_balances(layers, stages, cost, total, config.places, config.limit)
+        tried += [least_memory_balance(layers, stages, total)] if walked is None else walked
     cuts = {tuple(cut) for cut in tried if cut is not None}
     found = []
     for cut in sorted(cuts):

@@ -3,6 +3,7 @@ plan made in every rank of a gloo group building its DistributedPipe."""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -15,15 +16,16 @@ import pipeline
 from pipeline.plan import Candidate, PlanError
 from pipeline.plan.contention import NO_CONTENTION, Contention
 from pipeline.plan.links import CutSeconds, Link, cut_seconds
-from pipeline.plan.memory import layer_parameters
+from pipeline.plan.memory import layer_parameters, stage_memory
 from pipeline.plan.pace import Pace, _factor
-from pipeline.plan.profile import LayerTimes, Saved
+from pipeline.plan.profile import LayerTimes, Saved, saved_storages
 from pipeline.plan.result import Processes, choose
 from pipeline.plan.search import candidates
 from pipeline.plan.sharding import stage_collectives
 from pipeline.plan.timing import StageCosts, predicted_seconds, stage_costs
 from pipeline.step.actions import parse_program
-from pipeline.step.schedules import OneFOneB
+from pipeline.step.schedules import OneFOneB, resolve_schedule
+from pipeline.step.simulate import validate
 from tests.plan.plan_models import batch, gelu_mlp
 
 if TYPE_CHECKING:
@@ -153,6 +155,62 @@ def test_a_tied_weight_is_held_once_by_each_process_holding_it() -> None:
     stages = found(link, "interleaved")[(1, 1, 1, 1)].memory
     assert stages[2].parameters == parameters.stage(2, 3).nbytes
     assert stages[0].parameters == parameters.stage(0, 1).nbytes
+
+
+class Weights(nn.Module):
+    """Many parameter bytes, next to no work: the memory a cut must spread."""
+
+    def __init__(self, count: int) -> None:
+        super().__init__()
+        self.weights = nn.Parameter(torch.randn(count, dtype=torch.double))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weights[0]
+
+
+@pytest.mark.parametrize("schedule", ["interleaved", "1f1b"])
+@pytest.mark.parametrize("sizes", [(3000, 0, 0, 0, 3000, 0), (0, 3000, 3000, 0, 500, 0)])
+def test_processes_fit_wherever_a_cut_does_and_the_least_overflow_is_named(
+    sizes: tuple[int, ...], schedule: str
+) -> None:
+    # Interleaved over 2 processes: stages 0 and 2 in rank 0, 1 and 3 in rank 1. The search
+    # tried an even share of the limit per stage, the compute cut and the least memory summed
+    # over all stages: "no configuration fits" for limits that a cut fitted. Where nothing
+    # fitted, with a stage per process too, the error named a cut 1.5 MB over where the
+    # least was 1 KB over.
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(16, 16), nn.GELU()) for _ in sizes]
+    model = nn.Sequential(*(Weights(n) if n else b for n, b in zip(sizes, blocks, strict=True)))
+    model = model.double()
+    x, y = batch(16)
+    layers = len(model)
+    saved = saved_storages(model, x[:8], y[:8], F.mse_loss, CPU)
+    parameters = layer_parameters(model, 16)
+    stages = 4 if schedule == "interleaved" else 2
+    programs = resolve_schedule(schedule).programs(2, stages)
+    order = validate(programs, 2, stages).one_thread_order
+    loads = []
+    for stops in itertools.combinations(range(1, layers), stages - 1):
+        spans = list(itertools.pairwise((0, *stops, layers)))
+        totals = [
+            stage_memory(order, j, set(), saved, parameters, a, b, counted=frozenset()).total
+            for j, (a, b) in enumerate(spans)
+        ]
+        loads.append(max(sum(totals[0::2]), sum(totals[1::2])))
+    least = min(loads)
+    times = LayerTimes((1.0,) * layers + (0.0,), (2.0,) * layers + (0.0,), (1.0,) * layers + (0.0,))
+
+    def found(limit: int) -> list[Candidate]:
+        return candidates(
+            layers, [CPU, CPU], 16, limit, (2,), (schedule,), ("never",),
+            lambda rows: (saved, times), parameters, overhead=0.0, link=Link(1e-4, 1e-9),
+        )  # fmt: skip
+
+    processes = Processes(2, None, CPU, Link(1e-4, 1e-9))
+    chosen = choose(model, found(least), least, 1.0, 0.0, processes).chosen
+    assert max(chosen.device_bytes.values()) <= least
+    with pytest.raises(PlanError, match=r"rank \d needs .*, over by 1 B"):
+        choose(model, found(least - 1), least - 1, 1.0, 0.0, processes)
 
 
 def test_the_bytes_on_the_link_move_the_choice() -> None:
