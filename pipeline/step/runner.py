@@ -366,11 +366,11 @@ def checkpointed_tasks(
 ) -> set[tuple[int, int]]:
     """The (micro-batch, partition) tasks whose forward drops its activations.
 
-    ``'except_last'`` spares the last micro-batch in the ``pipe(x)`` path
-    because its backward starts right after its forward, so recomputing it
-    would only delay it. In a program, that holds for every forward directly
-    followed by its own backward (each one on the last partition with
-    1F1B): those are spared.
+    ``'except_last'`` spares the last micro-batch, as the ``pipe(x)`` path
+    does, because its backward starts right after its forward there, so
+    recomputing it would only delay it. In a program, that holds for every
+    forward directly followed by its own backward too (each one on the last
+    partition with 1F1B): those are spared as well.
     """
     stop = checkpoint_stop(mode, m, training)
     tasks = {

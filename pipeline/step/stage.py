@@ -357,6 +357,13 @@ class StageRun:
                 f"loss_fn returned {type(loss).__name__}{shape}; it must return a scalar "
                 "tensor, the loss of one micro-batch (reduced with 'mean' or 'sum')"
             )
+        if not (context.forward_only or loss.requires_grad):
+            raise RuntimeError(
+                "loss_fn returned a loss that needs no grad (detached, made from a number, "
+                "or from an output that needs none: every parameter frozen): step cannot "
+                "compute gradients from it; return the loss as computed from the "
+                "micro-batch's output, or use pipe.evaluate(...) for a loss alone"
+            )
         if context.router is not None:
             check_loss(output.value, loss)
         return scaled(loss, context.scales[stashed.i])

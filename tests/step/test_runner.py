@@ -101,6 +101,11 @@ def test_step_is_refused_where_it_cannot_be_right() -> None:
         pipe.step(x, y, F.mse_loss, schedule="fast")
     with pytest.raises(TypeError, match="it must return a scalar tensor"):
         pipe.step(x, y, lambda o, t: (o - t).square())
+    # torch's "cannot get the gradient edge" in the last stage's first backward, before.
+    for schedule in ("gpipe", "zb-h1"):
+        with pytest.raises(RuntimeError, match=r"loss_fn returned a loss that needs no grad"):
+            pipe.step(x, y, lambda o, t: F.mse_loss(o, t).detach(), schedule=schedule)
+    assert all(p.grad is None for p in pipe.parameters())
     interleaved = Interleaved1F1B(virtual=2)
     four = Pipe(layered(4, "none")[0], [2] * 4, devices=["cpu"] * 4, chunks=3)
     with pytest.raises(ValueError, match=r"micro-batches \(3\) to be a multiple of .* \(2\)"):
