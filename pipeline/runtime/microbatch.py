@@ -448,7 +448,13 @@ def _expanded(column: list[Tensor], rows: Sequence[int] | None) -> bool:
 
 
 def _same_memory(a: Any, b: Tensor) -> bool:
-    """Whether ``a`` is a tensor viewing exactly ``b``'s memory (``b`` itself, detached)."""
+    """Whether ``a`` is a tensor viewing exactly ``b``'s memory (``b`` itself, detached).
+
+    A tensor with no memory to point at (a meta tensor, or a wrapper such as the
+    ``AsyncCollectiveTensor`` a tensor-parallel layer returns: address 0) is no
+    other's: every micro-batch's looked like one memory, and the gather returned
+    micro-batch 0's rows alone.
+    """
     return (
         isinstance(a, Tensor)
         and a.device == b.device
@@ -456,6 +462,7 @@ def _same_memory(a: Any, b: Tensor) -> bool:
         and a.shape == b.shape
         and a.stride() == b.stride()
         and a.numel() > 0
+        and b.data_ptr() != 0
         and a.data_ptr() == b.data_ptr()
     )
 

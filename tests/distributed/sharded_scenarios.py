@@ -170,10 +170,15 @@ class SideBySide:
             scaler.unscale_(self.optimizer)
         self.assert_grads(case)
         x, y = self.batch()
-        loss = self.pipe.evaluate(self.mine(x), self.mine(y), F.mse_loss)
+        loss, out = self.pipe.evaluate(self.mine(x), self.mine(y), F.mse_loss, return_outputs=True)
         with torch.no_grad():
-            expected = F.mse_loss(self.plain(self.mine(x)), self.mine(y))
+            plain_out = self.plain(self.mine(x))
+            expected = F.mse_loss(plain_out, self.mine(y))
         torch.testing.assert_close(loss, expected, msg=f"{case}: the evaluated loss")
+        # The last stage's processes: every micro-batch's rows (a tensor-parallel last
+        # layer's outputs have no memory of their own, and micro-batch 0's alone came back).
+        if out is not None:
+            torch.testing.assert_close(out, plain_out, msg=f"{case}: the evaluated output")
         if scaler is None:
             self.optimizer.step()
         else:

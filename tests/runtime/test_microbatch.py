@@ -122,6 +122,13 @@ def test_gather_returns_once_what_every_micro_batch_returned_as_the_same_memory(
     assert torch.equal(out[0], torch.ones(3))
 
 
+def test_gather_concatenates_tensors_without_memory_of_their_own() -> None:
+    # Address 0 for each: a tensor-parallel last stage's AsyncCollectiveTensor outputs
+    # were taken for one memory, and evaluate returned micro-batch 0's 2 rows of 8.
+    column = [Batch(torch.empty(2, 6, device="meta")) for _ in range(4)]
+    assert gather(column).shape == (8, 6)
+
+
 def test_a_torch_size_keeps_its_type_through_batches_and_scatter() -> None:
     # pytree flattens a torch.Size as a tuple, and rebuilt it as one: .numel() was gone.
     x = torch.zeros(4, 2)
