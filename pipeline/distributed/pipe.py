@@ -50,6 +50,7 @@ from pipeline.distributed.sharded import (
     sharding_kind,
     share_first_replicas_buffers,
     told_over,
+    unit_layout,
 )
 from pipeline.distributed.stage_arguments import check_alone, disagreement
 from pipeline.distributed.ties import TiedWeights, ties_across
@@ -351,7 +352,9 @@ class DistributedPipe(PipeBase):
         """``refusal``, or one heard from the pipelines that shard this process's stages with
         it, or replicate them (``DataParallel`` over this pipe): else they would wait for
         it in their collectives, or meet its next call's."""
-        refusal = told_over(sharding_groups(self.partitions, self.local_stages), refusal)
+        layout = unit_layout(self.partitions, self.local_stages)
+        groups = sharding_groups(self.partitions, self.local_stages)
+        refusal = told_over(groups, refusal, layout=layout)
         replicas = "another pipeline that replicates these stages (DataParallel)"
         return told_over(self._replica_groups(), refusal, replicas)
 

@@ -43,6 +43,7 @@ meet them, and are refused (``DistributedPipe``'s ``_refuse_if_stranded``).
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, cast
 
@@ -67,6 +68,7 @@ __all__ = [
     "sharding_kind",
     "share_first_replicas_buffers",
     "told_over",
+    "unit_layout",
 ]
 
 _RECIPE = (
@@ -241,24 +243,53 @@ def _meshes(units: Iterable[FSDPModule]) -> list[DeviceMesh]:
 
 
 def told_over(
-    groups: Sequence[dist.ProcessGroup], error: Exception | None, who: str = _SHARDING
+    groups: Sequence[dist.ProcessGroup],
+    error: Exception | None,
+    who: str = _SHARDING,
+    layout: int = 0,
 ) -> Exception | None:
-    """``error``, or one saying that a process of ``groups`` (of ``who``) refused (each
-    group a collective).
+    """``error``, or one saying that a process of ``groups`` (of ``who``) refused, or that
+    their ``layout``s (``unit_layout``) differ (each group a collective).
 
     A round over every group (in one order: no two processes wait for each
     other), two where there are several: a mesh of pipelines sharded over
     one or two more dimensions (dp, tp) then hears from every process of it.
     """
     heard = error is not None
+    differs = False
     for _ in range(min(len(groups), 2)):
         for group in groups:
-            heard = any(row[0] for row in gather_rows([int(heard)], group)) or heard
+            rows = gather_rows([int(heard), layout], group)
+            differs = differs or len({row[1] for row in rows}) > 1
+            heard = any(row[0] for row in rows) or heard or differs
+    if error is None and differs:
+        return ValueError(
+            f"this pipeline and {who} shard their stages differently (other fully_shard "
+            "units, or units resharded after forward in one and not the other): FSDP2 "
+            "would gather and reduce one process's unit with another's, silently; shard "
+            f"every replica's stages alike: {_RECIPE}"
+        )
     if error is None and heard:
         return RuntimeError(
             f"a process of {who} refused this call (its error says why): no process ran anything"
         )
     return error
+
+
+def unit_layout(partitions: Sequence[nn.Module], stages: Iterable[int]) -> int:
+    """A digest of how ``stages`` are sharded, alike in every process that shards them with
+    this one: each FSDP2 unit's place in its stage, its parameters' names and (global)
+    shapes, and whether it reshards after forward."""
+    described = []
+    for s in stages:
+        names = {id(m): name for name, m in partitions[s].named_modules()}
+        for unit in fsdp_units(partitions[s]):
+            module = cast(nn.Module, unit)
+            state = unit._get_fsdp_state()
+            resharded = [g.post_forward_mesh_info is not None for g in state._fsdp_param_groups]
+            shapes = [(n, tuple(p.shape)) for n, p in module.named_parameters()]
+            described.append((s, names.get(id(module)), shapes, resharded))
+    return zlib.crc32(repr(described).encode())
 
 
 def sharding_kind(partitions: Sequence[nn.Module], stages: Iterable[int]) -> str:

@@ -464,6 +464,29 @@ def a_refusal_in_one_pipeline_is_heard_by_every_pipeline_sharding_its_stages() -
 
 
 @scenario
+def replicas_sharding_their_stages_differently_are_refused_by_every_process() -> None:
+    # Replicas of one stage whose units differed (resharded after forward in one and not
+    # the other: gradients 1.3 to 1.5 off, silently; a unit per layer beside one per
+    # stage: gloo aborted the process). Both are refused on every process, before any work.
+    mesh = fsdp_mesh()
+    first = mesh["dp"].get_local_rank() == 0
+    for differs in ("reshard", "units"):
+        model = blocks(4)
+        pipe = DistributedPipe(copy.deepcopy(model), [2, 2], chunks=4, group=mesh["pp"].get_group())
+        for s in pipe.local_stages:
+            layers = list(pipe.partitions[s])
+            for k, layer in enumerate(layers if differs == "reshard" or first else []):
+                fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=first and k == 0)
+            fully_shard(pipe.partitions[s], mesh=mesh["dp"])
+        side = SideBySide(pipe, model, mesh["dp"].get_local_rank(), replicas=2)
+        x, y = side.batch()
+        step = functools.partial(pipe.step, side.mine(x), side.mine(y), F.mse_loss)
+        expect_error(ValueError, step, "shard their stages differently")
+        assert all(p.grad is None for p in pipe.parameters()), f"{differs}: a refused step ran"
+        pipe.close()
+
+
+@scenario
 def hsdp_stages_all_reduce_once_per_step() -> None:
     # Two replicas, each sharded over one process (four processes): FSDP's all-reduce.
     mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("replicate", "shard", "pp"))

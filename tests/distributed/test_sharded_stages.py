@@ -27,6 +27,7 @@ NAMES = [
     "batch_norm_statistics_of_fsdp_stages_are_the_first_replicas_on_every_replica",
     "tensor_parallel_stages_equal_the_plain_model",
     "a_refusal_in_one_pipeline_is_heard_by_every_pipeline_sharding_its_stages",
+    "replicas_sharding_their_stages_differently_are_refused_by_every_process",
     "hsdp_stages_all_reduce_once_per_step",
     "sharding_a_step_would_get_wrong_is_refused_by_every_process",
     "a_pipe_in_one_process_refuses_fsdp_units_before_any_work",
