@@ -27,15 +27,24 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from pipeline.runtime.agreement import fingerprint, gather_texts, ranks_text
+from pipeline.runtime.agreement import (
+    camps,
+    fingerprint,
+    gather_rows,
+    gather_texts,
+    ranks_text,
+    refused_text,
+)
 from pipeline.runtime.lazy import instance_of
 from pipeline.runtime.process_group import collective_device
 
 __all__ = [
+    "check_arguments_alike",
     "check_before_loading",
     "check_everywhere",
     "check_extra_alike",
     "check_shards_within",
+    "damaged_files",
     "optimizer_outside",
 ]
 
@@ -53,16 +62,19 @@ def check_before_loading(
     optimizer: bool,
     strict: bool,
     group: dist.ProcessGroup | None,
+    damaged: str = "",
 ) -> None:
     """Raise ``RuntimeError`` on every process of ``group`` if the load must be refused.
 
     ``stored``: the checkpoint's metadata by key; ``asked``: what this process
     reads (key, target value); ``covered``: the stored keys this process
     accounts for; ``optimizer``: whether it loads an optimizer (its keys are
-    then checked too); ``strict``: whether unexpected keys are refused.
+    then checked too); ``strict``: whether unexpected keys are refused (alike
+    on every process: ``check_arguments_alike``); ``damaged``: the data files
+    this process reads that are damaged (``damaged_files``), as text.
     Collective over ``group`` (None: this process alone).
     """
-    mine = _problems(asked, stored, group)
+    mine = "; ".join(filter(None, [_problems(asked, stored, group), damaged]))
     keys = sorted(k for k in stored if k.startswith(("model.", "optim.")))
     flags = [k in covered for k in keys] + [optimizer, bool(mine)]
     flags = _any_process(flags, group)
@@ -95,7 +107,83 @@ def check_everywhere(
     or going on as if the call had succeeded. ``outcome`` says what became of the call."""
     if not _any_process([bool(problem)], group)[0]:
         return
-    raise error(f"{call} {outcome}: " + "; ".join(_every_process(problem, group)))
+    # Once each: the holders of a tied weight, say, find the same problem.
+    texts = dict.fromkeys(_every_process(problem, group))
+    raise error(f"{call} {outcome}: " + "; ".join(texts))
+
+
+def check_arguments_alike(
+    call: str,
+    module: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    group: dist.ProcessGroup | None,
+    error: type[Exception],
+    strict: bool = True,
+) -> None:
+    """Raise ``error`` on every process of ``group`` (one ``all_gather``) if their arguments
+    disagree where a process going its own way would be wrong or wait in a collective the
+    others skip: an optimizer given on some processes and not on one whose stages hold
+    parameters (their state would be left out), or ``strict`` differing (only some would
+    refuse). A process whose stages hold no parameter may pass None: it has no state."""
+    if group is None or not _distributed():
+        return
+    holds = any(True for _ in module.parameters())
+    rows = gather_rows([optimizer is not None, holds, strict], group)
+    given = [rank for rank, row in enumerate(rows) if row[0]]
+    without = [rank for rank, row in enumerate(rows) if not row[0] and row[1]]
+    problems = []
+    if given and without:
+        problems.append(
+            f"{refused_text(given)} passed an optimizer and {refused_text(without)}, whose "
+            "stages hold parameters, none (their optimizer's state would be left out): pass "
+            "each process's optimizer, or None on every process (a process whose stages hold "
+            "no parameter may pass None)"
+        )
+    strictness = camps([row[2] for row in rows])
+    if len(strictness) > 1:
+        passed = ", ".join(f"{bool(rows[c[0]][2])} on {refused_text(c)}" for c in strictness)
+        problems.append(
+            f"strict differs between the processes ({passed}): only some would refuse; pass "
+            "the same on every process"
+        )
+    if problems:
+        raise error(f"{call} refused, nothing was done: " + "; ".join(problems))
+
+
+def damaged_files(
+    path: str | os.PathLike[str],
+    storage: Mapping[Any, Any],
+    read: Collection[str],
+    group: dist.ProcessGroup | None,
+) -> str:
+    """The checkpoint's data files that this process reads (for the keys ``read`` and what
+    they hold nested; ``storage``: the metadata's ``storage_data``) and finds missing or
+    shorter than the metadata says, as text ('' if none): a partly copied checkpoint, or one
+    whose files some host lacks. Found before anything is read, where DCP would fail
+    halfway, on every process, after some had read their weights."""
+    needed: dict[str, int] = {}
+    for index, where in storage.items():
+        parts = str(getattr(index, "fqn", "")).split(".")
+        if any(".".join(parts[:k]) in read for k in range(1, len(parts) + 1)):
+            end = where.offset + where.length
+            needed[where.relative_path] = max(needed.get(where.relative_path, 0), end)
+    problems = []
+    for name, size in sorted(needed.items()):
+        try:
+            found = os.stat(os.path.join(path, name)).st_size
+        except OSError as error:
+            problems.append(f"{name} cannot be read ({type(error).__name__}: {error.strerror})")
+            continue
+        if found < size:
+            problems.append(f"{name} holds {found} bytes, where its metadata needs {size}")
+    if not problems:
+        return ""
+    who = "this process" if group is None else f"rank {dist.get_rank(group)}"
+    return (
+        f"the checkpoint's data files that {who} reads are damaged or partly copied: "
+        f"{_shown(problems)}; copy the whole checkpoint directory again (to every host), or "
+        "load another"
+    )
 
 
 def optimizer_outside(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> str:

@@ -28,7 +28,10 @@ functions avoid:
   torch keys its optimizer state under the first one its module lists, which
   depends on the layout. Here every name is written, and a layout reads the
   first of the plain model's names that the checkpoint has: the same key on
-  every process holding the parameter, so that their copies stay equal.
+  every process holding the parameter, so that their copies stay equal. The
+  values under its other names are read first and compared: a checkpoint of
+  a model where they are not tied is refused (torch's ``load_state_dict``
+  keeps the last name's value, silently).
 - An optimizer that has not stepped yet gets state from torch's calls by a
   zero-lr step: when saving, the live optimizer then counts one step too
   many and trains differently; when loading into one whose parameters hold a
@@ -45,16 +48,20 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import warnings
 from collections import OrderedDict, defaultdict
-from collections.abc import Iterator, Mapping, MutableMapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.optim.optimizer as optimizers
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -69,13 +76,16 @@ from torch.nn.parallel import DistributedDataParallel
 
 from pipeline.data_parallel.wrapper import DataParallel
 from pipeline.distributed.checkpoint_checks import (
+    check_arguments_alike,
     check_before_loading,
     check_everywhere,
     check_extra_alike,
     check_shards_within,
+    damaged_files,
     optimizer_outside,
 )
 from pipeline.distributed.pipe import DistributedPipe
+from pipeline.runtime.lazy import instance_of
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
 
@@ -105,9 +115,15 @@ def save_checkpoint(
     ``state_dict`` and ``load_state_dict`` such as an LR scheduler)::
 
         save_checkpoint(f"ckpt/{step}", pipe, optimizer, extra={"scheduler": scheduler})
+
+    A save that fails (a full disk on one process) raises ``ValueError`` on
+    every process and leaves the checkpoint already in ``path`` as it was:
+    each process writes into a directory of its own inside ``path``, moved in
+    once every process has written (``_Staged``).
     """
     holder = _unwrapped(module)
     group = process_group if process_group is not None or not _distributed() else dist.group.WORLD
+    check_arguments_alike("save_checkpoint", holder, optimizer, group, ValueError)
     check_everywhere("save_checkpoint", optimizer_outside(holder, optimizer), group, ValueError)
     if isinstance(module, DataParallel) and process_group is None:
         module.share_rank0_buffers()  # DCP writes one replica's, whichever
@@ -119,8 +135,7 @@ def save_checkpoint(
         state["optim"] = names.every_name(_optimizer_state(holder, optimizer))
     state.update(_extra(extra))
     check_extra_alike(extra or {}, group)
-    with _single_process_quietly():
-        save(state, checkpoint_id=path, process_group=process_group)
+    _Staged(path, group).save(state, process_group)
 
 
 def load_checkpoint(
@@ -153,22 +168,31 @@ def load_checkpoint(
     what the model has and leaves the checkpoint's other keys unread: then
     nothing is checked for keys the model lacks (missing keys and shapes
     still are). ``extra``'s entries are loaded by name; other entries of the
-    checkpoint are not checked.
+    checkpoint are not checked. ``optimizer`` (None, or not) and ``strict``
+    are alike on every process: a process whose stages hold no parameter may
+    pass None where the others pass theirs.
+
+    Refused as well, before anything changes: a data file that a process
+    reads missing or shorter than the metadata says, and a tied weight whose
+    names the checkpoint gives different values. A file that fails while the
+    weights are read raises ``RuntimeError`` on every process, naming it.
     """
     holder = _unwrapped(module)
     group = process_group if process_group is not None or not _distributed() else dist.group.WORLD
     called = f"load_checkpoint({os.fspath(path)!r})"
-    problem, metadata = optimizer_outside(holder, optimizer), {}
+    check_arguments_alike(called, holder, optimizer, group, RuntimeError, strict)
+    problem, metadata = optimizer_outside(holder, optimizer), Metadata({})
     try:
-        metadata = FileSystemReader(path).read_metadata().state_dict_metadata
+        metadata = FileSystemReader(path).read_metadata()
     except Exception as error:  # on this process alone (a path it does not see)
         problem = problem or f"{_failed_here(error, group)} (its metadata)"
     check_everywhere(called, problem, group, RuntimeError, _REFUSED)
     names = _Names(holder)
-    stored = set(metadata)
+    stored = set(metadata.state_dict_metadata)
     model_target = _model_state(holder)
     check_shards_within(model_target, process_group, "load_checkpoint")
     model = _Reading("model.", model_target, names, stored)
+    tied = _TiedValues(model_target, names, stored)
     state: dict[str, Any] = {"model": model.asked}
     covered = names.covered("model.", model_target)
     target = None if optimizer is None else _OptimizerTarget(holder, optimizer, names, stored)
@@ -176,21 +200,23 @@ def load_checkpoint(
         state["optim"] = target.reading.asked
         covered |= target.covered
     asked = {f"{section}.{key}": v for section in state for key, v in state[section].items()}
+    asked.update({f"model.{key}": value for key, value in tied.asked.items()})
     state.update(_extra(extra))
     try:
-        check_before_loading(path, metadata, asked, covered, target is not None, strict, group)
-        if target is not None:
-            unlike = target.groups_unlike(path, process_group)
-            check_everywhere(called, unlike, group, RuntimeError, _REFUSED)
-        with _single_process_quietly():
-            try:
-                load(state, checkpoint_id=path, process_group=process_group)
-            except BaseException as error:
-                # An extra entry's load_state_dict, say, on this process alone: it raises its
-                # own error, the others one naming it.
-                with contextlib.suppress(RuntimeError):
-                    check_everywhere(called, _failed_here(error, group), group, RuntimeError)
-                raise
+        damaged = damaged_files(path, metadata.storage_data or {}, {*asked, *(extra or {})}, group)
+        check_before_loading(
+            path,
+            metadata.state_dict_metadata,
+            asked,
+            covered,
+            target is not None,
+            strict,
+            group,
+            damaged,
+        )
+        _read_first(tied, target, path, process_group, called, group)
+        state["model"] = model.besides(tied.asked)
+        _read(state, path, process_group, called, group, _PARTLY_READ)
         check_everywhere(called, "", group, RuntimeError, _HALF_READ)
     except BaseException:
         if target is not None:
@@ -205,16 +231,177 @@ def load_checkpoint(
         extra.update({k: state[k] for k, v in extra.items() if not isinstance(v, Stateful)})
 
 
+def _read_first(
+    tied: _TiedValues,
+    target: _OptimizerTarget | None,
+    path: str | os.PathLike[str],
+    process_group: dist.ProcessGroup | None,
+    called: str,
+    group: dist.ProcessGroup | None,
+) -> None:
+    """What must agree, read first into tensors of its own (collective): a tied weight's
+    values under its names, the param groups' settings. Refused on every process where they
+    differ, nothing changed."""
+    first = {"model": tied.asked, "optim": {} if target is None else target.settings()}
+    _read(first, path, process_group, called, group, _REFUSED)
+    unlike = tied.unlike() or ("" if target is None else target.groups_unlike(first["optim"]))
+    check_everywhere(called, unlike, group, RuntimeError, _REFUSED)
+
+
+def _read(
+    state: dict[str, Any],
+    path: str | os.PathLike[str],
+    process_group: dist.ProcessGroup | None,
+    called: str,
+    group: dist.ProcessGroup | None,
+    outcome: str,
+) -> None:
+    """DCP's load of ``state`` (collective), failing as every process's other failures do.
+
+    DCP's own failures (a file that cannot be read) reach every process
+    together, as a ``CheckpointException``: a ``BaseException`` whose text is
+    the failing processes' tracebacks. They become a ``RuntimeError`` naming
+    them; ``outcome`` says what became of the load.
+    """
+    with _single_process_quietly():
+        try:
+            load(state, checkpoint_id=path, process_group=process_group)
+        except CheckpointException as error:
+            raise RuntimeError(f"{called} {outcome}: {_failures(error, group)}") from error
+        except BaseException as error:
+            # An extra entry's load_state_dict, say, on this process alone: it raises its
+            # own error, the others one naming it.
+            with contextlib.suppress(RuntimeError):
+                check_everywhere(called, _failed_here(error, group), group, RuntimeError)
+            raise
+
+
 _REFUSED = "refused, nothing was loaded"
 _HALF_READ = (
     "failed on another process, after the weights here were read (the optimizer's state was "
     "left as it was): load again"
 )
+_PARTLY_READ = (
+    "failed reading it, after some weights were read (load a whole checkpoint before training "
+    "on; the optimizer's state was left as it was)"
+)
 
 
 def _failed_here(error: BaseException, group: dist.ProcessGroup | None) -> str:
-    who = "this process" if group is None else f"rank {dist.get_rank(group)}"
-    return f"{who} failed reading it: {type(error).__name__}: {error}"
+    return f"{_who(group)} failed reading it: {type(error).__name__}: {error}"
+
+
+def _who(group: dist.ProcessGroup | None, rank: int | None = None) -> str:
+    """This process (or ``rank`` of ``group``), as errors name it."""
+    if group is None:
+        return "this process"
+    return f"rank {dist.get_rank(group) if rank is None else rank}"
+
+
+def _failures(error: CheckpointException, group: dist.ProcessGroup | None) -> str:
+    """The processes where DCP failed, each with its error's first line (DCP's own text is
+    their tracebacks, which the exception's cause keeps)."""
+    failed = []
+    for rank, (cause, _) in sorted(error.failures.items()):
+        lines = str(cause).strip().splitlines() or [""]
+        failed.append(f"{_who(group, rank)} failed: {type(cause).__name__}: {lines[0]}")
+    return "; ".join(failed)
+
+
+# DCP's: written last, the mark of a whole checkpoint.
+_METADATA = ".metadata"
+# Then the rank: where a process writes until every process has written.
+_STAGING = ".saving-rank"
+_UNMARKED = (
+    "failed after the old checkpoint's .metadata was removed (first, so that no load can mix "
+    "the two): the directory holds no checkpoint now, save again"
+)
+
+
+class _Staged:
+    """A save into a directory of each process's own inside ``path``, moved in once every
+    process has written: a save that fails anywhere leaves the checkpoint there as it was.
+
+    DCP writes its data files in place and its ``.metadata`` last: over an
+    older checkpoint, a save failing on one process left the old metadata
+    over old and new files, which loaded without an error, stages of two
+    steps mixed. Here the old checkpoint's ``.metadata`` goes only once
+    every process has written the new one, then the new files move in, its
+    ``.metadata`` last: a load finds the old checkpoint, the new one, or none
+    (refused), never a mix. Each process moves its own files: hosts that do
+    not share the directory each keep theirs, as DCP's save does.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], group: dist.ProcessGroup | None) -> None:
+        self._path, self._group = Path(path), group
+        self._rank = 0 if group is None else dist.get_rank(group)
+        self._own = self._path / f"{_STAGING}{self._rank}"
+        self._called = f"save_checkpoint({os.fspath(path)!r})"
+        self._replaced: set[str] = set()
+
+    def save(self, state: dict[str, Any], process_group: dist.ProcessGroup | None) -> None:
+        """DCP's save (collective) into this process's directory, then moved in."""
+        shutil.rmtree(self._own, ignore_errors=True)  # a save that crashed left it
+        try:
+            with _single_process_quietly():
+                save(state, checkpoint_id=self._own, process_group=process_group)
+        except CheckpointException as error:  # on every process: DCP's writes are agreed
+            shutil.rmtree(self._own, ignore_errors=True)
+            raise ValueError(
+                f"{self._called} failed, the checkpoint there left as it was: "
+                f"{_failures(error, self._group)}"
+            ) from error
+        self._everywhere(self._unmark, "failed, the checkpoint there left as it was")
+        self._everywhere(self._move_in, _UNMARKED)
+        self._everywhere(self._mark, _UNMARKED)
+
+    def _everywhere(self, step: Callable[[], None], outcome: str) -> None:
+        """``step`` here, then agreed: a failure on any process fails every one."""
+        problem = ""
+        try:
+            step()
+        except OSError as error:
+            problem = f"{_who(self._group)} failed: {type(error).__name__}: {error}"
+        try:
+            check_everywhere(self._called, problem, self._group, ValueError, outcome)
+        except ValueError:
+            shutil.rmtree(self._own, ignore_errors=True)
+            raise
+
+    def _unmark(self) -> None:
+        """Rank 0: the old checkpoint's ``.metadata`` removed, its files noted."""
+        if self._rank == 0:
+            self._replaced = _data_files(self._path)
+            (self._path / _METADATA).unlink(missing_ok=True)
+
+    def _move_in(self) -> None:
+        """Every process: the data files it wrote into ``path``."""
+        for entry in os.scandir(self._own):
+            if entry.name != _METADATA:
+                os.replace(entry.path, self._path / entry.name)
+        if self._rank != 0:
+            with contextlib.suppress(OSError):  # left behind at worst: the next save clears it
+                self._own.rmdir()
+
+    def _mark(self) -> None:
+        """Rank 0: the old checkpoint's other files removed, the new ``.metadata`` moved in."""
+        if self._rank == 0:
+            for name in self._replaced - _data_files(self._own):
+                (self._path / name).unlink(missing_ok=True)
+            os.replace(self._own / _METADATA, self._path / _METADATA)
+            with contextlib.suppress(OSError):
+                self._own.rmdir()
+
+
+def _data_files(directory: Path) -> set[str]:
+    """The data files that the checkpoint in ``directory`` names (none if there is none)."""
+    try:
+        storage = FileSystemReader(directory).read_metadata().storage_data
+    except Exception:  # no checkpoint there, or a damaged one: no files of its to remove
+        return set()
+    # Only files of the directory itself: its metadata is data, not an instruction.
+    names = {where.relative_path for where in (storage or {}).values()}
+    return {name for name in names if Path(name).name == name and name != _METADATA}
 
 
 def _extra(extra: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -318,9 +505,61 @@ class _Reading:
         """The target's keys with what DCP read (into the tensors, or in place of other values)."""
         return self.found(self.asked)
 
+    def besides(self, read: Mapping[str, Any]) -> dict[str, Any]:
+        """The keys left to read once ``read`` (keys read first, some of them asked) was: what
+        it holds for them takes their place."""
+        self.asked.update((key, value) for key, value in read.items() if key in self.asked)
+        return {key: value for key, value in self.asked.items() if key not in read}
+
     def found(self, read: Mapping[str, Any]) -> dict[str, Any]:
         """The target's keys with what ``read`` (some of the asked keys, read) holds for them."""
         return {key: read[found] for key, found in self._source.items() if found in read}
+
+
+class _TiedValues:
+    """The checkpoint's values under every name of each tied parameter held here, read first
+    (into tensors of their own) where it has several of its names.
+
+    A checkpoint of a model whose weights are not tied (an embedding and its
+    output head) may hold different values under them: torch's
+    ``load_state_dict`` keeps the last one's silently, the first read the
+    first's. Either is wrong for one of them: the load is refused. A tied
+    model's checkpoint holds one value under all of its names.
+    """
+
+    def __init__(self, target: Mapping[str, Any], names: _Names, stored: set[str]) -> None:
+        self.asked: dict[str, Any] = {}
+        self._tied: list[list[str]] = []
+        for group in dict.fromkeys(names.aliases[key] for key in target if key in names.aliases):
+            saved = [name for name in group if f"model.{name}" in stored]
+            value = next(target[name] for name in group if name in target)
+            if len(saved) > 1 and isinstance(value, torch.Tensor):
+                self._tied.append(saved)
+                self.asked.update({name: torch.empty_like(value) for name in saved})
+
+    def unlike(self) -> str:
+        """Where the values read differ, as text ('' if nowhere)."""
+        for saved in self._tied:
+            first = _local(self.asked[saved[0]])
+            for name in saved[1:]:
+                if not torch.equal(_local(self.asked[name]), first):
+                    return (
+                        f"the checkpoint holds different values under model.{saved[0]} and "
+                        f"model.{name}, which this model ties into one weight: it was saved "
+                        "from a model where they are not tied (torch's load_state_dict would "
+                        "keep the last one's, silently); load it into such a model, or save it "
+                        "again with the value you want under both names"
+                    )
+        return ""
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This process's shard of a sharded tensor (FSDP2's, tensor parallelism's): compared
+    here, without a collective; the others compare theirs."""
+    if instance_of(tensor, "torch.distributed.tensor", "DTensor"):
+        local: torch.Tensor = tensor.to_local()  # type: ignore[attr-defined]
+        return local
+    return tensor
 
 
 def _model_state(module: nn.Module) -> dict[str, Any]:
@@ -400,18 +639,17 @@ class _OptimizerTarget:
         self.reading = _Reading("optim.", wanted, names, stored)
         self.covered = names.covered("optim.", self._target)
 
-    def groups_unlike(
-        self, path: str | os.PathLike[str], process_group: dist.ProcessGroup | None
-    ) -> str:
-        """Where the checkpoint gives the parameters of one of the optimizer's param groups
-        different settings, as text ('' if nowhere): read first, on their own (collective)."""
-        settings = {
+    def settings(self) -> dict[str, Any]:
+        """The param groups' settings to read first, on their own (for ``groups_unlike``)."""
+        return {
             key: value.clone() if isinstance(value, torch.Tensor) else value
             for key, value in self.reading.asked.items()
             if key.startswith(_GROUPS)
         }
-        with _single_process_quietly():
-            load({"optim": settings}, checkpoint_id=path, process_group=process_group)
+
+    def groups_unlike(self, settings: Mapping[str, Any]) -> str:
+        """Where the checkpoint gives the parameters of one of the optimizer's param groups
+        different settings (``settings``, read), as text ('' if nowhere)."""
         read = self.reading.found(settings)
         names: dict[int, str] = {}
         for name, param in self._module.named_parameters(remove_duplicate=False):

@@ -881,7 +881,10 @@ class DistributedPipe(PipeBase):
 
         ``strict``, as torch's: every key of this process's layers is required,
         and a key that the whole model lacks (a deeper model's) is refused,
-        before anything is loaded.
+        before anything is loaded. With ``strict=False`` torch's result names
+        them: ``missing_keys`` this process's, ``unexpected_keys`` the keys of
+        no process (alike on every process); another process's keys are
+        neither.
         """
         unexpected = [k for k in state_dict if k not in self._model_keys]
         if strict and unexpected:
@@ -902,7 +905,11 @@ class DistributedPipe(PipeBase):
             mine._metadata = metadata  # type: ignore[attr-defined]  # the layers' versions
         if not any(m._load_state_dict_pre_hooks for m in self.modules()):  # they may rename
             _refuse_partial_load(type(self).__name__, own, mine, strict)
-        return super().load_state_dict(mine, strict=strict, assign=assign)
+        result = super().load_state_dict(mine, strict=strict, assign=assign)
+        # torch's saw this process's keys alone; another process's are neither missing nor
+        # unexpected here, the keys of no process are unexpected (on every process).
+        result.unexpected_keys[:0] = unexpected
+        return result
 
     def close(self) -> None:
         """Stop this pipe's listeners, give back its process groups (docs/distributed_pipe.md).

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import errno
 import os
 import shutil
 import tempfile
@@ -20,12 +21,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
@@ -334,27 +337,34 @@ def the_plain_model_or_a_pipe_saves_and_two_stages_resume() -> None:
             loading.close()
 
 
+def untied(model: Model, seed: int) -> nn.Sequential:
+    """TIED's model with a head of its own: two values under the tied weight's two names."""
+    module = model.build(seed)
+    module[5].embedding = nn.Embedding(11, WIDTH).double()
+    assert not torch.equal(module[0].token.weight, module[5].embedding.weight)
+    return module
+
+
+UNTIED = "different values under model.0.token.weight and model.5.embedding.weight"
+
+
 @scenario
-def every_holder_of_a_tied_weight_reads_the_same_key() -> None:
-    # A checkpoint whose two names of the tied weight differ (an untied model saved it):
-    # both processes read the first name, so that their copies stay equal.
-    untied = TIED.build(0)
-    untied[5].embedding = nn.Embedding(11, WIDTH).double()
-    first = untied[0].token.weight.detach().clone()
-    assert not torch.equal(first, untied[5].embedding.weight)
+def a_checkpoint_whose_names_of_a_tied_weight_differ_is_refused_by_every_process() -> None:
+    # An untied model's checkpoint: torch's load_state_dict keeps the last name's value,
+    # this load read the first's (both stage processes alike), silently.
+    saving = untied(TIED, seed=0)
+    optimizer = adamw(saving)
+    train(TIED, saving, optimizer, 0)
     alone = each_process_alone()
     with shared_directory("untied") as path:
         if rank() == 0:
-            save_checkpoint(path, untied, process_group=alone)
+            save_checkpoint(path, saving, optimizer, process_group=alone)
         dist.barrier()
         pipe = two_stages(TIED, TIED.balances[0], seed=7)
-        load_checkpoint(path, pipe)
-        (tied,) = [
-            p
-            for name, p in pipe.named_parameters()
-            if name.endswith("token.weight") or name.endswith("embedding.weight")
-        ]
-        torch.testing.assert_close(tied.detach(), first, rtol=0, atol=0)
+        loaded = adamw(pipe)
+        train(TIED, pipe, loaded, 0)
+        load = lambda: load_checkpoint(path, pipe, loaded)  # noqa: E731
+        refused_untouched(load, pipe, loaded, "refused, nothing was loaded", UNTIED, "not tied")
         pipe.close()
 
 
@@ -467,6 +477,151 @@ def a_load_is_refused_on_every_process_for_keys_no_process_asks_for_or_a_shape_o
             expect_error(KeyError, load, "cannot take it")
         else:
             expect_error(RuntimeError, load, "after the weights here were read", "KeyError")
+        pipe.close()
+
+
+@contextlib.contextmanager
+def a_full_disk(here: bool = True, after_writing: bool = False) -> Iterator[None]:
+    """DCP's writes failing in this process (if ``here``) as on a full disk: at once, or
+    ``after_writing`` its files."""
+    write = FileSystemWriter.write_data
+
+    def full(writer: FileSystemWriter, plan: Any, planner: Any) -> Any:
+        if after_writing:
+            write(writer, plan, planner).wait()
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    if not here:
+        yield
+        return
+    with mock.patch.object(FileSystemWriter, "write_data", full):
+        yield
+
+
+def weights(module: nn.Module) -> dict[str, Tensor]:
+    return {name: full(p.detach()).clone() for name, p in module.named_parameters()}
+
+
+def assert_weights(module: nn.Module, expected: dict[str, Tensor], what: str) -> None:
+    for name, param in module.named_parameters():
+        torch.testing.assert_close(
+            full(param.detach()), expected[name], rtol=0, atol=0, msg=f"{what}: {name}"
+        )
+
+
+@scenario
+def a_save_failing_on_one_process_leaves_the_checkpoint_there_as_it_was() -> None:
+    # Saved again into its directory, rank 1's disk full: rank 0's new files went over the
+    # old ones, under the old metadata, and the mix of two steps loaded without an error.
+    model = BLOCKS
+    with shared_directory("latest") as path:
+        pipe = two_stages(model, [4, 4], seed=0)
+        optimizer = adamw(pipe)
+        train(model, pipe, optimizer, 0)
+        save_checkpoint(path, pipe, optimizer)
+        saved = weights(pipe)
+        train(model, pipe, optimizer, 1)
+        with a_full_disk(here=rank() == 1):
+            expect_error(
+                ValueError,
+                lambda: save_checkpoint(path, pipe, optimizer),
+                "failed, the checkpoint there left as it was: rank 1 failed: OSError: [Errno 28]",
+            )
+        loading = two_stages(model, [4, 4], seed=7)
+        loaded = adamw(loading)
+        load_checkpoint(path, loading, loaded)
+        assert_weights(loading, saved, "after the failed save")
+        assert {float(state["step"]) for state in loaded.state.values()} == {1.0}
+        save_checkpoint(path, pipe, optimizer)  # a save that succeeds replaces it
+        load_checkpoint(path, loading, loaded)
+        assert_weights(loading, weights(pipe), "after the second save")
+        dist.barrier()
+        assert sorted(os.listdir(path)) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+        pipe.close()
+        loading.close()
+
+
+@scenario
+def a_damaged_or_missing_data_file_is_refused_by_every_process_naming_it() -> None:
+    # DCP failed halfway, on every process, with a CheckpointException: a BaseException
+    # that `except Exception` lets through, whose text was remote tracebacks.
+    model = BLOCKS
+    with shared_directory("damaged") as path:
+        pipe = two_stages(model, [4, 4], seed=0)
+        optimizer = adamw(pipe)
+        train(model, pipe, optimizer, 0)
+        save_checkpoint(path, pipe, optimizer)
+        dist.barrier()
+        if rank() == 0:
+            (path / "__1_0.distcp").rename(path / "elsewhere")  # which rank 1 alone reads
+        dist.barrier()
+        refused_untouched(
+            lambda: load_checkpoint(path, pipe, optimizer),
+            pipe,
+            optimizer,
+            "refused, nothing was loaded: the checkpoint's data files that rank 1 reads are "
+            "damaged or partly copied: __1_0.distcp cannot be read (FileNotFoundError",
+        )
+        pipe.close()
+
+
+@scenario
+def load_state_dict_with_strict_false_returns_the_keys_of_no_process_as_unexpected() -> None:
+    # It returned none: the keys another process holds were dropped with them.
+    plain = BLOCKS.build(0)
+    state = {**plain.state_dict(), "head.weight": torch.zeros(2, WIDTH)}
+    del state["6.bias"]  # rank 1's
+    pipe = two_stages(BLOCKS, [4, 4], seed=7)
+    result = pipe.load_state_dict(state, strict=False)
+    assert result.unexpected_keys == ["head.weight"], result
+    assert result.missing_keys == (["6.bias"] if rank() == 1 else []), result
+    assert BLOCKS.build(7).load_state_dict(state, strict=False).unexpected_keys == ["head.weight"]
+    pipe.close()
+
+
+def tanh_last(seed: int) -> nn.Sequential:
+    """Two Linear layers and a Tanh: in [2, 1], rank 1 holds no parameter."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH), nn.Tanh()).double()
+
+
+@scenario
+def a_process_without_parameters_passes_no_optimizer_and_disagreements_are_refused() -> None:
+    # Rank 1 holds a Tanh alone (torch.optim.AdamW([]) raises): the others' extra reads
+    # met no peer, and gloo aborted the process at its next collective.
+    model = Model("tanh-last", tanh_last, ([2, 1], [2, 1], [2, 1]), tokens=False)
+    with shared_directory("no-optimizer") as path:
+        saving = two_stages(model, [2, 1], seed=0)
+        optimizer = adamw(saving) if rank() == 0 else None
+        for step in range(2):
+            if optimizer is None:
+                saving.step(*model.batch(step), model.loss)
+            else:
+                train(model, saving, optimizer, step)
+        save_checkpoint(path, saving, optimizer)
+        loading = two_stages(model, [2, 1], seed=7)
+        loaded = adamw(loading) if rank() == 0 else None
+        load_checkpoint(path, loading, loaded)
+        assert_weights(loading, weights(saving), "loaded")
+        if loaded is not None:
+            assert {float(state["step"]) for state in loaded.state.values()} == {2.0}
+            train(model, loading, loaded, 2)
+        else:
+            loading.step(*model.batch(2), model.loss)
+        saving.close()
+        loading.close()
+
+        # A process holding parameters without an optimizer, the other with one: its
+        # optimizer's state would be left out. strict differing: only one would refuse.
+        pipe = two_stages(BLOCKS, [4, 4], seed=7)
+        one = adamw(pipe) if rank() == 0 else None
+        lacking = "rank 0 passed an optimizer and rank 1, whose stages hold parameters, none"
+        before = weights(pipe)
+        expect_error(ValueError, lambda: save_checkpoint(path, pipe, one), lacking)
+        expect_error(RuntimeError, lambda: load_checkpoint(path, pipe, one), lacking)
+        strict = lambda: load_checkpoint(path, pipe, strict=rank() == 0)  # noqa: E731
+        expect_error(RuntimeError, strict, "strict differs between the processes")
+        assert_weights(pipe, before, "refused")
         pipe.close()
 
 

@@ -10,12 +10,16 @@ lacks (unless strict=False), a shape that differs.
 
 from __future__ import annotations
 
+import errno
+import os
 import re
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from pipeline import Pipe
@@ -25,12 +29,18 @@ from tests.distributed.checkpoint_scenarios import (
     MODELS,
     SAVED_AFTER,
     STEPS,
+    TIED,
+    UNTIED,
     Model,
+    a_full_disk,
     adamw,
     assert_resumes,
+    assert_weights,
     refused_untouched,
     train,
     uninterrupted,
+    untied,
+    weights,
 )
 
 
@@ -263,3 +273,111 @@ def test_a_shape_that_differs_is_refused_naming_the_key_and_both_shapes(tmp_path
         "model.4.weight is (8, 8) in the checkpoint, (8, 16) in the model",
         "build the model with the checkpoint's sizes",
     )
+
+
+def test_a_failed_save_leaves_the_checkpoint_there_and_the_directorys_other_files(
+    tmp_path: Path,
+) -> None:
+    # DCP wrote over the old files, its old metadata kept: the failed save's data loaded.
+    plain, optimizer = trained_and_saved(tmp_path)
+    saved = weights(plain)
+    (tmp_path / "config.json").write_text("{}")  # the user's, beside the checkpoint
+    train(BLOCKS, plain, optimizer, 1)
+    with a_full_disk(after_writing=True), pytest.raises(ValueError) as refused:
+        save_checkpoint(tmp_path, plain, optimizer)
+    assert str(refused.value).endswith(
+        "failed, the checkpoint there left as it was: this process failed: OSError: [Errno 28] "
+        "No space left on device"
+    )
+    assert isinstance(refused.value.__cause__, CheckpointException)
+    loaded = BLOCKS.build(7)
+    load_checkpoint(tmp_path, loaded)
+    assert_weights(loaded, saved, "after the failed save")
+    save_checkpoint(tmp_path, plain, optimizer)
+    load_checkpoint(tmp_path, loaded)
+    assert_weights(loaded, weights(plain), "after the second save")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".metadata",
+        "__0_0.distcp",
+        "config.json",
+    ]
+
+
+def test_a_save_failing_while_its_files_move_in_leaves_no_checkpoint_rather_than_a_mix(
+    tmp_path: Path,
+) -> None:
+    # The old .metadata goes first: a load then finds none, never old metadata on new files.
+    plain, optimizer = trained_and_saved(tmp_path)
+    train(BLOCKS, plain, optimizer, 1)
+    replace = os.replace
+
+    def failing(source: str | os.PathLike[str], target: str | os.PathLike[str]) -> None:
+        if Path(target).name == ".metadata":
+            raise OSError(errno.EIO, "Input/output error")
+        replace(source, target)
+
+    with mock.patch("os.replace", failing), pytest.raises(ValueError) as failed:
+        save_checkpoint(tmp_path, plain, optimizer)
+    assert "failed after the old checkpoint's .metadata was removed" in str(failed.value)
+    assert "this process failed: OSError: [Errno 5] Input/output error" in str(failed.value)
+    with pytest.raises(RuntimeError, match=r"refused, nothing was loaded: .*\(its metadata\)"):
+        load_checkpoint(tmp_path, BLOCKS.build(7))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["__0_0.distcp"]
+
+
+@pytest.mark.parametrize("pipe", [False, True], ids=["plain", "Pipe"])
+def test_a_checkpoint_whose_names_of_a_tied_weight_differ_is_refused(
+    tmp_path: Path, pipe: bool
+) -> None:
+    # torch's load_state_dict keeps the last name's value; this load read the first's.
+    saving = untied(TIED, seed=0)
+    optimizer = adamw(saving)
+    train(TIED, saving, optimizer, 0)
+    save_checkpoint(tmp_path, saving, optimizer)
+    tied: nn.Module = cpu_pipe(TIED, seed=7) if pipe else TIED.build(7)
+    loaded = adamw(tied)
+    train(TIED, tied, loaded, 0)
+    refused_untouched(lambda: load_checkpoint(tmp_path, tied, loaded), tied, loaded, UNTIED)
+    refused_untouched(lambda: load_checkpoint(tmp_path, tied), tied, loaded, UNTIED)
+    # A tied model's checkpoint holds one value under both names: it loads.
+    save_checkpoint(tmp_path / "tied", tied, loaded)
+    fresh = TIED.build(5)
+    load_checkpoint(tmp_path / "tied", fresh, adamw(fresh))
+    assert_weights(fresh, weights(tied), "the tied model's checkpoint")
+    if isinstance(tied, Pipe):
+        tied.close()
+
+
+def test_a_damaged_or_missing_data_file_is_refused_and_a_corrupt_one_fails_as_an_exception(
+    tmp_path: Path,
+) -> None:
+    # DCP failed halfway with a CheckpointException: a BaseException, not an Exception.
+    plain, _ = trained_and_saved(tmp_path)
+    data = tmp_path / "__0_0.distcp"
+    whole = data.read_bytes()
+    loaded = adamw(plain)
+    train(BLOCKS, plain, loaded, 1)
+    load = lambda: load_checkpoint(tmp_path, plain, loaded)  # noqa: E731
+    data.write_bytes(whole[:100])  # partly copied
+    damaged = "refused, nothing was loaded: the checkpoint's data files that this process reads "
+    refused_untouched(
+        load,
+        plain,
+        loaded,
+        damaged,
+        f"__0_0.distcp holds 100 bytes, where its metadata needs {len(whole)}",
+    )
+    data.unlink()
+    refused_untouched(
+        load, plain, loaded, damaged, "__0_0.distcp cannot be read (FileNotFoundError"
+    )
+    data.write_bytes(bytes(len(whole)))  # whole, but zeros
+    # The optimizer's settings are read first, into tensors of their own: nothing changed.
+    unreadable = "this process failed: UnpicklingError: "
+    refused_untouched(load, plain, loaded, "refused, nothing was loaded: " + unreadable)
+    with pytest.raises(
+        RuntimeError, match="failed reading it, after some weights were read"
+    ) as failed:
+        load_checkpoint(tmp_path, plain)
+    assert unreadable in str(failed.value)
+    assert isinstance(failed.value.__cause__, CheckpointException)
