@@ -120,10 +120,10 @@ class Skippable(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         tracker = current_tracker()
         layer = "layer " + type(self).__name__
-        inputs = Carrier(args[0] if args else None, layer, "input")
+        inputs = Carrier(_called_with(args), layer, "input")
         popped = {name: tracker.load(inputs, self.namespaced(name)) for name in self.poppable_names}
         if popped and args:
-            args = (inputs.value, *args[1:])
+            args = (inputs.value,) if len(args) == 1 else tuple(inputs.value)
 
         stashed: dict[str, Tensor] = {}
         output = self._drive(self._generator_forward(*args, **kwargs), popped, stashed)
@@ -207,6 +207,19 @@ class Skippable(nn.Module):
             f"layer {type(self).__name__} (stash={list(self.stashable_names)}, "
             f"pop={list(self.poppable_names)})"
         )
+
+
+def _called_with(args: tuple[Any, ...]) -> Any:
+    """The value a layer was given, whose tensors a skip may hang its edges on.
+
+    One argument is that value (a tuple in the ``'tuple'`` call style). A layer of a
+    ``call_style='positional'`` pipe gets the previous layer's tuple spread into its
+    arguments, and the first of them may hold no floating-point tensor (a size):
+    the carrier is then found among them all, as in that tuple.
+    """
+    if not args:
+        return None
+    return args[0] if len(args) == 1 else args
 
 
 def skippable(

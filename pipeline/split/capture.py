@@ -20,14 +20,14 @@ import inspect
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, is_dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, fx, nn
 from torch.export import Dim, ExportedProgram
 from torch.export.graph_signature import InputKind
-from torch.utils._pytree import TreeSpec, tree_map
+from torch.utils._pytree import TreeSpec, tree_leaves, tree_map
 
 from pipeline.split.errors import SplitError, find_cause, is_data_dependent
 from pipeline.split.opaque import BlockCall, opaque_blocks
@@ -88,15 +88,20 @@ def capture(
     ``blocks`` and ``names`` map modules to their names in the model.
     """
     _check_call(model, args, kwargs)
+    unknown: list[type] = []
     with opaque_blocks(blocks) as calls, _quiet():
         try:
             program = torch.export.export(
-                _Call(model), (args, kwargs), strict=False, dynamic_shapes=_every_dim(args, kwargs)
+                _Call(model, unknown),
+                (args, kwargs),
+                strict=False,
+                dynamic_shapes=_every_dim(args, kwargs),
             )
         except Exception as error:
             # The message says where and what to do (and torch.export's first line): the
             # hundreds of lines of torch.export's frames and chain above it are noise.
-            raise _refusal(error, model, names).with_traceback(None) from None
+            refusal = _unknown_output(model, unknown) or _refusal(error, model, names)
+            raise refusal.with_traceback(None) from None
     return Captured(program, calls, model.training, argument_names(model, args, kwargs))
 
 
@@ -133,12 +138,17 @@ class _Call(nn.Module):
     plain parameters take any call. Names drop the prefix (``where.WRAPPED``).
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, unknown: list[type]) -> None:
         super().__init__()
         self.add_module(WRAPPED, model)
+        self.unknown = unknown
 
     def forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        return getattr(self, WRAPPED)(*args, **kwargs)
+        output = getattr(self, WRAPPED)(*args, **kwargs)
+        # Noted for the message if torch.export cannot take the output apart into tensors;
+        # types only: a tensor kept on the module would be taken for a state it changes.
+        self.unknown += [type(leaf) for leaf in tree_leaves(output) if _holds_tensors(leaf)]
+        return output
 
 
 @contextmanager
@@ -191,6 +201,39 @@ def _check_call(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any])
             f"({error}): pass pipeline.split(model, args, kwargs) the arguments of one call "
             "model(*args, **kwargs)"
         ) from None
+
+
+def _unknown_output(model: nn.Module, unknown: list[type]) -> SplitError | None:
+    """The refusal of an output holding an object torch's pytree cannot take apart (a plain
+    dataclass), by the types the model's call returned; None if it returned none.
+
+    torch.export fails after the forward, where it flattens the output: the failure's
+    place is torch's, and the usual advice (a point there) would not help.
+    """
+    if not unknown:
+        return None
+    kind = unknown[0]
+    what = "a dataclass" if is_dataclass(kind) else "an object"
+    register = (
+        f"torch.utils._pytree.register_dataclass({kind.__name__})"
+        if is_dataclass(kind)
+        else "torch.utils._pytree.register_pytree_node"
+    )
+    return SplitError(
+        f"cannot capture {type(model).__name__}(...): its output holds {kind.__qualname__} "
+        f"({what} from {kind.__module__}), a type torch.export cannot take apart into its "
+        f"tensors. Register it as a pytree node ({register}, before splitting) or return "
+        "a dict, a tuple or a transformers ModelOutput"
+    )
+
+
+def _holds_tensors(leaf: Any) -> bool:
+    """Whether an output leaf is an object holding tensors: a dataclass, or attributes."""
+    if isinstance(leaf, Tensor | type):
+        return False
+    if is_dataclass(leaf):
+        return True
+    return any(isinstance(v, Tensor) for v in getattr(leaf, "__dict__", {}).values())
 
 
 def _refusal(error: Exception, model: nn.Module, names: dict[nn.Module, str]) -> SplitError:

@@ -23,6 +23,7 @@ A model without that function and those attributes keeps the refusal of
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -90,7 +91,7 @@ class RouterLoss:
         """``output`` of ``seq(...)`` made the model's: its loss, ``aux_loss`` and logits added."""
         settings = self.settings()
         assert settings is not None, "called while the loss is asked for"
-        if not all(hasattr(output, key) for key in ("loss", "aux_loss", RECORDED)):
+        if not _has_the_fields(output):
             raise TypeError(
                 f"the split model returned {type(output).__name__}, but with {FLAG} on it "
                 "gives the model's output with its aux_loss, loss and router_logits: call it "
@@ -99,11 +100,29 @@ class RouterLoss:
         aux = self.function(
             tuple(logits), settings.experts, settings.top_k, call.get("attention_mask")
         )
-        output["aux_loss"] = aux
-        output[RECORDED] = tuple(logits)
-        if output.loss is not None:
-            output["loss"] = output.loss + settings.coefficient * aux.to(output.loss.device)
-        return output
+        loss = output.loss
+        if loss is not None:
+            loss = loss + settings.coefficient * aux.to(loss.device)
+        return _replaced(output, loss=loss, aux_loss=aux, **{RECORDED: tuple(logits)})
+
+
+def _has_the_fields(output: Any) -> bool:
+    """Whether ``output`` is a dataclass (a ``ModelOutput``) with the router loss's fields."""
+    fields = ("loss", "aux_loss", RECORDED)
+    return dataclasses.is_dataclass(output) and all(hasattr(output, f) for f in fields)
+
+
+def _replaced(output: Any, **values: Any) -> Any:
+    """A copy of the dataclass ``output`` (a ``ModelOutput``) with ``values`` in its fields.
+
+    Built anew rather than assigned: a ``ModelOutput`` keys its fields that are not None
+    in the order they were set, so ``aux_loss`` set after the model left it None came
+    after ``logits``, and ``out[1]`` and ``out.to_tuple()`` gave the logits where the
+    plain model gives ``aux_loss``. Its constructor keys them in the class's field order,
+    as the model's own output.
+    """
+    kept = {f.name: getattr(output, f.name) for f in dataclasses.fields(output) if f.init}
+    return type(output)(**{**kept, **values})
 
 
 def _around(model: nn.Module, routers: list[Router]) -> list[tuple[str, nn.Module]]:

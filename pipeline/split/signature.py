@@ -60,15 +60,12 @@ class Signature:
 
     def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
         """The flat arguments of ``model(*args, **kwargs)``, once they fit; else a clear error."""
-        leaves, spec = tree_flatten((args, in_order(kwargs, self.spec)))
-        if spec != self.spec and len(args) == 1 and type(args[0]) is tuple and not kwargs:
-            # A Pipe hands the first layer one value: a tuple of the positional arguments.
-            leaves, spec = tree_flatten((args[0], {}))
+        leaves, spec = self._flattened(args, in_order(kwargs, self.spec))
         if spec != self.spec:
             raise TypeError(
                 f"this split model takes {_describe(self.spec)}, as in the example it was split "
-                f"on, but was called with {_describe(spec)}; call it like the example (or split "
-                "the model again on an example of this call)"
+                f"on, but was called with {_describe(spec)}{_one_tuple(args)}; call it like the "
+                "example (or split the model again on an example of this call)"
             )
         tensors = []
         for leaf, value in zip(self.leaves, leaves, strict=True):
@@ -78,6 +75,19 @@ class Signature:
                 tensors.append((leaf, _checked(leaf, value)))
         self._check_sizes(tensors)
         return leaves
+
+    def _flattened(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[list[Any], TreeSpec]:
+        """The call's leaves and structure; one tuple given alone as the positional arguments
+        when only that fits: a Pipe of the 'tuple' call style hands the first layer one value,
+        a tuple of them, beside the keywords (``pipe((a, b), mask=m)``)."""
+        flat = tree_flatten((args, kwargs))
+        if flat[1] != self.spec and len(args) == 1 and type(args[0]) is tuple:
+            spread = tree_flatten((args[0], kwargs))
+            if spread[1] == self.spec:
+                return spread
+        return flat
 
     def arguments(self, value: Any) -> dict[str, Any]:
         """A first layer's input (``Arguments``, or the one argument) by name, bound as above.
@@ -176,6 +186,16 @@ def in_order(kwargs: dict[str, Any], spec: TreeSpec) -> dict[str, Any]:
     if keys is None or set(keys) != set(kwargs):
         return kwargs
     return {key: kwargs[key] for key in keys}
+
+
+def _one_tuple(args: tuple[Any, ...]) -> str:
+    """What a call of one tuple was taken as, for a message: it did not fit either way."""
+    if len(args) != 1 or type(args[0]) is not tuple:
+        return ""
+    return (
+        f" (a tuple of {len(args[0])} values, which does not fit as the positional arguments "
+        "either)"
+    )
 
 
 def _describe(spec: TreeSpec) -> str:

@@ -8,7 +8,7 @@ import io
 import pytest
 import torch
 import torch.nn.functional as F
-from split_models import Block, early_late
+from split_models import Block, assert_same, early_late, gradients, twin
 from torch import Tensor, nn
 
 import pipeline
@@ -62,6 +62,43 @@ class OwnDropout(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         h = F.dropout(x, 0.5, self.training)
+        for block in self.blocks:
+            h = block(h)
+        return h
+
+
+class SizeFirst(nn.Module):
+    """Reads its batch size first and its embedding last: past the first piece, each one
+    takes the size (an int) as its first argument and the embedding comes as a skip."""
+
+    def __init__(self, width: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Linear(width, width)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(3))
+        self.head = nn.Linear(2 * width, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        rows = x.size(0)
+        embedded = self.embed(x)
+        h = embedded
+        for block in self.blocks:
+            h = block(h)
+        return self.head(torch.cat([h, embedded], dim=-1)).reshape(rows, -1)
+
+
+class TwoInputs(nn.Module):
+    """Takes two positional tensors and a keyword mask."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+        self.blocks = nn.ModuleList(Block(4) for _ in range(2))
+
+    def forward(self, a: Tensor, b: Tensor, mask: Tensor | None = None) -> Tensor:
+        h = self.a(a) + self.b(b)
+        if mask is not None:
+            h = h * mask[:, None]
         for block in self.blocks:
             h = block(h)
         return h
@@ -209,3 +246,36 @@ def test_a_saved_split_model_loads_and_runs_on_its_own_modules() -> None:
     with torch.no_grad():
         loaded.head.bias.add_(1)
     torch.testing.assert_close(loaded(x), seq(x) + 1)
+
+
+def test_a_positional_pipe_carries_a_skip_past_a_size_given_first() -> None:
+    # With call_style="positional" a piece takes the previous one's tuple spread into its
+    # arguments, the size first: the skip's carrier was looked for in that int alone.
+    torch.manual_seed(0)
+    model = SizeFirst().double()
+    plain = twin(model)
+    x = torch.randn(6, 5, 4, dtype=torch.float64)
+    seq = pipeline.split(model, (x[:2],))
+    pipe = pipeline.Pipe(seq, [2, 1, 2], chunks=2, call_style="positional")
+    assert any(route.crosses_partitions for route in pipe.skip_layout.routes())
+    out = pipe(x)
+    expected = plain(x)
+    torch.testing.assert_close(out, expected)
+    out.sum().backward()
+    expected.sum().backward()
+    assert_same(gradients(model), gradients(plain))
+
+
+def test_one_tuple_of_the_positional_arguments_takes_keywords_too() -> None:
+    torch.manual_seed(0)
+    model = TwoInputs().double()
+    a, b = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 4, dtype=torch.float64)
+    mask = torch.rand(8, dtype=torch.float64)
+    seq = pipeline.split(model, (a[:2], b[:2]), {"mask": mask[:2]})
+    expected = model(a, b, mask=mask)
+    pipe = pipeline.Pipe(seq, [2, 1], chunks=4)  # the "tuple" call style
+    torch.testing.assert_close(pipe((a, b), mask=mask), expected)
+    torch.testing.assert_close(pipe.evaluate((a, b), kwargs={"mask": mask}), expected)
+    torch.testing.assert_close(seq((a, b), mask=mask), expected)
+    with pytest.raises(TypeError, match=r"a tuple of 3 values, which does not fit"):
+        seq((a, b, a), mask=mask)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import traceback
+from dataclasses import dataclass
 
 import pytest
 import torch
 from split_models import Block
 from torch import Tensor, nn
+from torch.utils._pytree import register_dataclass
 
 import pipeline
 from pipeline.split import SplitError
@@ -111,6 +113,42 @@ def test_a_model_on_meta_split_on_a_real_example_is_refused() -> None:
     with pytest.raises(SplitError, match="the model is on the meta device but the example"):
         pipeline.split(model, (torch.randn(2, 4),))
     assert len(pipeline.split(model, (torch.randn(2, 4, device="meta"),))) > 1
+
+
+@dataclass
+class Plain:
+    logits: Tensor
+
+
+@dataclass
+class Registered:
+    logits: Tensor
+
+
+register_dataclass(Registered)  # what the refusal of Plain advises
+
+
+class ReturnsPlain(Model):
+    def forward(self, x: Tensor) -> Plain:
+        return Plain(super().forward(x))
+
+
+class ReturnsRegistered(Model):
+    def forward(self, x: Tensor) -> Registered:
+        return Registered(super().forward(x))
+
+
+def test_an_output_torch_cannot_take_apart_is_named_with_the_fix() -> None:
+    # The advice was torch's failure place (`<string>:1`) and to add a point there.
+    message = refusal(ReturnsPlain())
+    assert message.startswith("cannot capture ReturnsPlain(...): its output holds Plain")
+    assert "register_dataclass(Plain)" in message and "ModelOutput" in message
+    assert "points" not in message
+    model = ReturnsRegistered()
+    x = torch.randn(5, 4)
+    out = pipeline.split(model, (torch.randn(3, 4),))(x)
+    assert type(out) is Registered
+    torch.testing.assert_close(out.logits, model(x).logits)
 
 
 def test_a_refusal_shows_split_s_frames_only() -> None:

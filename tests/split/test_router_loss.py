@@ -125,6 +125,26 @@ def test_the_split_model_gives_the_models_output_with_its_router_loss(name: str)
     assert_same(gradients(model), gradients(plain))
 
 
+@pytest.mark.parametrize("labelled", [True, False])
+@pytest.mark.parametrize("name", MODELS)
+def test_the_split_models_output_has_the_models_fields_in_its_order(
+    name: str, labelled: bool
+) -> None:
+    # The model leaves aux_loss None until it adds the router loss: set afterwards on the
+    # output, it was keyed after the logits, and out[1] gave the logits, silently.
+    model, seq = shared(name, labelled)
+    ids, mask, labels = batch()
+    call: dict[str, Any] = {"attention_mask": mask}
+    if labelled:
+        call |= {"labels": labels, "num_items_in_batch": count(labels)}
+    with torch.no_grad():
+        out, expected = seq(ids, **call), twin(model)(ids, **call)
+    assert type(out) is type(expected)
+    assert list(out.keys()) == list(expected.keys())
+    for ours, theirs in zip(out.to_tuple(), expected.to_tuple(), strict=True):
+        torch.testing.assert_close(ours, theirs)
+
+
 def test_asked_in_the_call_the_split_model_gives_the_models_output() -> None:
     torch.manual_seed(0)
     model = mixtral()
