@@ -134,9 +134,7 @@ class _ForwardPass:
         self.seeds = rng.BaseSeed()
         self.randomness = self.runtime.randomness(driver.stages_by_worker)
         self.completions = self._completions(completion_hooks)
-        self.skips = skip_portals(
-            driver.skip_layout, len(batches), self.runtime.protect_inputs, self.runtime.note_sharing
-        )
+        self.skips = skip_portals(driver.skip_layout, len(batches), self.runtime)
 
     def _completions(self, hooks: list[Hook]) -> list[PartitionCompletion | None]:
         """A completion counter per partition whose inputs all carry gradients."""

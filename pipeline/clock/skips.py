@@ -35,9 +35,9 @@ from torch import Tensor
 from pipeline.clock.dependency import fork, join
 from pipeline.clock.phony import get_phony
 from pipeline.clock.portal import Portal
-from pipeline.runtime.aliases import skip_aliases
+from pipeline.runtime.aliases import noted_leaves, skip_aliases
 from pipeline.runtime.microbatch import Batch, Value
-from pipeline.runtime.partitions import PartitionCall
+from pipeline.runtime.partitions import PartitionCall, PartitionRuntime
 from pipeline.skip.carrier import Carrier
 from pipeline.skip.layout import Route, SkipLayout
 from pipeline.skip.tracker import (
@@ -58,10 +58,6 @@ __all__ = ["Move", "PortalTracker", "SkipPortals", "skip_portals"]
 Move = Callable[[list[Tensor], int, int], list[Tensor]]
 
 Portals = dict[SkipKey, Portal]
-
-# note(j, groups): groups of partition j's output leaves noted as sharing memory
-# (``PartitionRuntime.note_sharing``).
-Note = Callable[[int, list[frozenset[int]]], None]
 
 
 class PortalTracker(SkipTracker):
@@ -129,12 +125,17 @@ class PortalTracker(SkipTracker):
         for key, version in self.versions.items():
             refuse_written_after_pop(key, self.popped[key], version, partition)
 
-    def note_shared(self, returned: list[Any], note: Note, partition: int) -> None:
-        """Note the output's leaves sharing memory with a skip this task sent on, and mark
-        the skips sharing memory with them or with each other (``runtime/aliases.py``)."""
+    def note_shared(
+        self, returned: list[Any], inputs: Value, runtime: PartitionRuntime, partition: int
+    ) -> None:
+        """Note the output's leaves sharing memory with a skip this task sent on, or with
+        what it was given sharing memory with one (``runtime/aliases.py``), and mark the skips
+        sharing memory with those, with the output, or with each other."""
+        shared = [tensor for _, tensor, _ in self.shared]
+        shared += noted_leaves(inputs, runtime.sharing(partition - 1)) if partition else []
         tensors = [tensor for _, tensor in self.entered]
-        shown, aliased = skip_aliases(returned, tensors)
-        note(partition, [frozenset({k}) for k in shown])
+        shown, aliased = skip_aliases(returned, tensors, shared)
+        runtime.note_sharing(partition, [frozenset({k}) for k in shown])
         for q in aliased:
             self.portals[self.entered[q][0]].shared = True
 
@@ -142,18 +143,16 @@ class PortalTracker(SkipTracker):
 class SkipPortals:
     """The skip state of one forward pass: the portals of each micro-batch."""
 
-    def __init__(self, layout: SkipLayout, m: int, copies_input: list[bool], note: Note) -> None:
+    def __init__(self, layout: SkipLayout, m: int, runtime: PartitionRuntime) -> None:
         self.layout = layout
         self.portals: list[Portals] = [{} for _ in range(m)]
-        self.copies_input = copies_input
-        self.note = note
+        self.runtime = runtime
 
     def bind(self, i: int, j: int, function: PartitionCall, checkpointed: bool) -> PartitionCall:
         """``function`` (partition ``j``) run with a fresh tracker for micro-batch ``i``, whose
         task is ``checkpointed`` or not."""
-        copied = j + 1 < len(self.copies_input) and self.copies_input[j + 1]
         tracker = PortalTracker(self.layout, self.portals[i], checkpointed)
-        return partial(_tracked, tracker, function, j, copied, self.note)
+        return partial(_tracked, tracker, function, j, self.runtime)
 
     def fence(self, i: int, j: int, batch: Batch, move: Move) -> None:
         """Move the skips partition ``j`` pops from other devices, for micro-batch ``i``."""
@@ -171,17 +170,13 @@ class SkipPortals:
 
 
 def skip_portals(
-    layout: SkipLayout | None, m: int, copies_input: list[bool], note: Note
+    layout: SkipLayout | None, m: int, runtime: PartitionRuntime
 ) -> SkipPortals | None:
-    """The skip state for a forward pass, or None for a model without skips (no cost then).
-
-    ``copies_input[j]``: whether partition ``j`` hands its first layer a copy
-    of its input (that layer writes in place); ``note``: where the leaves of a
-    partition's output that share memory with a skip are noted.
-    """
+    """The skip state for a forward pass over ``runtime``'s partitions, or None for a model
+    without skips (no cost then)."""
     if not layout:
         return None
-    return SkipPortals(layout, m, copies_input, note)
+    return SkipPortals(layout, m, runtime)
 
 
 def _fork(carrier: Carrier) -> Tensor:
@@ -219,20 +214,24 @@ def _portal(portals: Portals, route: Route) -> Portal:
 
 
 def _tracked(
-    tracker: PortalTracker, function: PartitionCall, j: int, copied: bool, note: Note, value: Value
+    tracker: PortalTracker, function: PartitionCall, j: int, runtime: PartitionRuntime, value: Value
 ) -> Value:
-    """Run ``function`` (partition ``j``) with ``tracker``; ``copied``: whether the next
-    partition copies its input."""
+    """Run ``function`` (partition ``j`` of ``runtime``) with ``tracker``.
+
+    Where every partition is on one device, a skip and the main path stay one
+    memory, and a write shows on both, as in the plain model: nothing is noted.
+    """
     tracker.runs += 1
     with use_tracker(tracker):
         output = function(value)
     if tracker.recomputing:
         return output
     tracker.check_popped(j)
-    if tracker.entered:
-        returned = Batch(output).leaves
-        if copied:
-            for key, tensor in tracker.entered:
-                refuse_returned_into_a_copy(key, tensor, returned, j)
-        tracker.note_shared(returned, note, j)
+    returned = Batch(output).leaves
+    protect = runtime.protect_inputs
+    if j + 1 < len(protect) and protect[j + 1]:
+        for key, tensor in tracker.entered:
+            refuse_returned_into_a_copy(key, tensor, returned, j)
+    if len(set(runtime.devices)) > 1:
+        tracker.note_shared(returned, value, runtime, j)
     return output

@@ -297,6 +297,10 @@ class P2PTransport:
             sharing=message.sharing,
         )
 
+    @property
+    def apart(self) -> bool:
+        return True  # other processes' stages receive copies
+
     def abort(self, error: BaseException | None = None) -> None:
         reason = error if error is not None else AbortedError("interrupted")
         if not self._mailboxes.abort(self.step, reason):

@@ -31,17 +31,23 @@ write into one would not show in the other::
     partition j + 1  receives a, a.add_(1)           the pop of "s" gets h unwritten
     partition t      pops "s", s.mul_(3)             the main path does not see it
 
-So such a leaf is noted as a group of one (``skip_aliases``), and a write
-into it by the next partition is refused as a write into a group is; a
-skip's message says it shares memory (a group of one), and a write into it
-by the partition that pops it is refused (``skip/tracker.py``). The
-rule is the same in every engine, also where one process holds one memory
-and the write would show in both.
+So where messages travel apart (between devices or processes), such a leaf
+is noted as a group of one (``skip_aliases``), and a write into it by the
+next partition is refused as a write into a group is; a leaf returned
+unchanged, or a skip stashed, from a noted input leaf or a popped shared
+skip is noted in turn; a skip's message says it shares memory (a group of
+one), and a write into it by the partition that pops it is refused
+(``skip/tracker.py``). Where every partition is on one device in one
+process, the paths stay one memory and a write shows on both, as in the
+plain model: nothing is noted. The refusal goes by version counters: a
+write into the part of the tensor a skip does not view is refused too,
+between devices or processes.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -53,7 +59,7 @@ from pipeline.runtime.microbatch import Value
 __all__ = [
     "SKIP_APART",
     "Noted",
-    "passed_on",
+    "noted_leaves",
     "raise_shared_written",
     "refuse_written",
     "sharing_groups",
@@ -87,31 +93,43 @@ def sharing_groups(value: Value) -> list[frozenset[int]]:
     return [frozenset(g) for g in groups if len(g) > 1]
 
 
-def skip_aliases(returned: list[Any], skips: list[Tensor]) -> tuple[list[int], list[int]]:
+def skip_aliases(
+    returned: list[Any], skips: list[Tensor], shared: Sequence[Tensor] = ()
+) -> tuple[list[int], list[int]]:
     """Which of a partition's ``returned`` leaves share memory with one of the ``skips``
-    leaving it; and which of those skips share memory with a returned leaf or another skip.
+    leaving it, or with one of the ``shared`` tensors (its input leaves noted as sharing
+    memory with a skip, the skips it popped that share memory with another path); and which
+    of those skips share memory with a returned leaf, another skip or a ``shared`` tensor.
 
     >>> h = torch.zeros(4, 4)
     >>> skip_aliases([h[:2], torch.ones(2)], [h, torch.ones(3)])
     ([0], [0])
     >>> skip_aliases([torch.ones(2)], [h[:, :2], h[:, 1]])  # two skips, one memory
     ([], [0, 1])
+    >>> skip_aliases([h], [], shared=[h[1]])  # passed on unchanged
+    ([0], [])
     """
-    if not skips:
-        return [], []
     kept = [s if _has_memory(s) else None for s in skips]
     leaves = [r if _has_memory(r) else None for r in returned]
-    shown = [k for k, r in enumerate(leaves) if r is not None and any(_meets(r, s) for s in kept)]
+    held = [t for t in shared if _has_memory(t)]
+    if not (held or any(k is not None for k in kept)):
+        return [], []
+    others = [*kept, *held]
+    shown = [k for k, r in enumerate(leaves) if any(_meets(r, o) for o in others)]
     aliased = [
         q
         for q, s in enumerate(kept)
-        if s is not None
-        and (
-            any(_meets(s, r) for r in leaves)
-            or any(_meets(s, o) for p, o in enumerate(kept) if p != q)
-        )
+        if any(_meets(s, r) for r in leaves)
+        or any(_meets(s, o) for p, o in enumerate(others) if p != q)
     ]
     return shown, aliased
+
+
+def noted_leaves(value: Value, groups: list[frozenset[int]]) -> list[Tensor]:
+    """``value``'s leaves noted as sharing memory with a skip (groups of one)."""
+    leaves = tree_leaves(value)
+    found = [leaves[k] for g in groups if len(g) == 1 for k in g if k < len(leaves)]
+    return [t for t in found if isinstance(t, Tensor)]
 
 
 def _meets(a: Tensor | None, b: Tensor | None) -> bool:
@@ -179,19 +197,6 @@ def _elements(layout: Layout) -> Tensor:
     for n, step in zip(shape, stride, strict=True):
         found = found.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * step
     return found.flatten()
-
-
-def passed_on(value: Value, noted: Noted) -> list[frozenset[int]]:
-    """Groups of one: ``value``'s leaves that share memory with an input leaf noted as a
-    skip's (a group of one), which a partition returning it unchanged passes on."""
-    held = [tensor for group in noted if len(group) == 1 for _, tensor, _ in group]
-    if not held:
-        return []
-    return [
-        frozenset({k})
-        for k, leaf in enumerate(tree_leaves(value))
-        if _has_memory(leaf) and any(_meets(leaf, t) for t in held if _has_memory(t))
-    ]
 
 
 def versions_at(value: Value, groups: list[frozenset[int]]) -> Noted:

@@ -23,7 +23,6 @@ import torch
 from torch import Tensor, nn
 
 from pipeline.runtime.aliases import (
-    passed_on,
     raise_shared_written,
     refuse_written,
     sharing_groups,
@@ -134,8 +133,6 @@ class PartitionRuntime:
         if j < len(self.partitions) - 1:
             refuse_attributes_in(output, f"partition {j}'s output", "the next partition's input")
             self._note_sharing(j, output)
-            if noted:
-                self.note_sharing(j, passed_on(output, noted))
         return output
 
     def _note_sharing(self, j: int, output: Value) -> None:

@@ -117,14 +117,14 @@ def refuse_written_after_pop(key: SkipKey, tensor: Tensor, version: int, partiti
 
 
 def refuse_written_shared(key: SkipKey, tensor: Tensor, version: int, partition: int) -> None:
-    """Refuse ``partition``'s write into the skip it popped, which its stashing partition
-    also returned, or stashed again, sharing memory (``version``: the skip's at its pop)."""
+    """Refuse ``partition``'s write into the skip it popped, which shares memory with the main
+    path or another skip where it was stashed (``version``: the skip's at its pop)."""
     if version_of(tensor) != version:
         namespace, name = key
         raise RuntimeError(
             f"partition {partition} wrote in place into the skip {name!r} ({namespace.label}) "
-            "it popped, which its stashing partition also returned, or stashed again, "
-            f"sharing memory: {SKIP_APART}"
+            "it popped, which shares memory with the main path or another skip where it was "
+            f"stashed: {SKIP_APART}"
         )
 
 

@@ -222,6 +222,12 @@ class Transport(Protocol):
         """Stop every waiting ``receive`` (the step failed)."""
         ...
 
+    @property
+    def apart(self) -> bool:
+        """Whether a message may arrive as a memory of its own (another device or process),
+        so that a later write into what was sent does not show in what was received."""
+        ...
+
     def check(self) -> None:
         """Raise ``AbortedError`` (with the reason) if the step was aborted."""
         ...
@@ -293,6 +299,10 @@ class LocalTransport:
 
     def abort(self, error: BaseException | None = None) -> None:
         self.mailboxes.abort(_ONE_STEP, AbortedError("another action of the step failed"))
+
+    @property
+    def apart(self) -> bool:
+        return len(set(self.devices)) > 1
 
     def check(self) -> None:
         self.mailboxes.check(_ONE_STEP)

@@ -54,7 +54,7 @@ from torch import Tensor
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from pipeline.runtime.aliases import skip_aliases
+from pipeline.runtime.aliases import noted_leaves, skip_aliases
 from pipeline.runtime.microbatch import Batch, check_gatherable, check_rows, refuse_attributes_in
 from pipeline.runtime.partitions import Hook, PartitionRuntime, protected
 from pipeline.runtime.recompute import Recomputation
@@ -323,7 +323,7 @@ class StageRun:
             tracker = _StageTracker(self, stashed, recomputing)
             with use_tracker(tracker):
                 output = inputs.call(function)
-            tracker.finish(output)
+            tracker.finish(output, inputs)
         if not any(True for _ in output.tensor_indices()):
             raise TypeError(
                 f"partition {self.j} returned {type(output.value).__name__}, which holds no "
@@ -600,15 +600,19 @@ class _StageTracker(SkipTracker):
         if not self.recomputing:
             self.sent.append((key, tensor, StashMark(tensor), route.target))
 
-    def finish(self, output: Batch) -> None:
+    def finish(self, output: Batch, inputs: Batch) -> None:
         """After the partition's forward: refuse a write into a popped skip that shares
-        memory with the main path (``runtime/aliases.py``), and a skip written in place
+        memory with another path (``runtime/aliases.py``), and a skip written in place
         since its stash, in the partition or, being what it returns, by the next
-        partition's first layer (on a copy); then send the skips, each saying whether it
-        shares memory with the output or another skip."""
+        partition's first layer (on a copy); note the output's leaves sharing memory with
+        a skip; then send the skips, each saying whether it shares memory with another.
+
+        Where every message stays in one memory (one device, one process), a write shows
+        on every path, as in the plain model: nothing is noted there.
+        """
         for key, tensor, version in self.shared:
             refuse_written_shared(key, tensor, version, self.stage.j)
-        if not self.sent:
+        if self.recomputing:
             return
         runtime = self.stage.context.runtime
         j = self.stage.j
@@ -616,8 +620,13 @@ class _StageTracker(SkipTracker):
             refuse_written_after_stash(key, tensor, mark)
             if j + 1 < len(runtime.protect_inputs) and runtime.protect_inputs[j + 1]:
                 refuse_returned_into_a_copy(key, tensor, output.leaves, j)
-        shown, aliased = skip_aliases(output.leaves, [tensor for _, tensor, _, _ in self.sent])
-        runtime.note_sharing(j, [frozenset({k}) for k in shown])
+        aliased: list[int] = []
+        if self.stage.context.transport.apart:
+            shared = [t for _, t, _ in self.shared]
+            shared += noted_leaves(inputs.value, runtime.sharing(j - 1)) if j else []
+            skips = [tensor for _, tensor, _, _ in self.sent]
+            shown, aliased = skip_aliases(output.leaves, skips, shared)
+            runtime.note_sharing(j, [frozenset({k}) for k in shown])
         i = self.stashed.i
         for q, (key, tensor, _, target) in enumerate(self.sent):
             sharing = [frozenset({0})] if q in aliased else []
