@@ -101,22 +101,26 @@ def shared_balances(
     layers: int,
     stages: int,
     cost: Cost,
-    total: Callable[[int, int, int], int],
+    totals: Callable[[list[tuple[int, int]]], list[int]],
     places: Sequence[str],
     limit: int,
 ) -> tuple[list[int] | None, list[int]] | None:
-    """Where stages share places (``places[j]``, stage ``j``'s): the fastest cut whose every
-    place's stages sum within ``limit`` (None if none does), and the cut whose fullest place
-    holds least; None where there are more than ``ENUMERATED`` cuts to walk.
+    """The fastest cut whose every place's stages sum within ``limit`` (None if none does),
+    and the cut whose fullest place holds least; None where there are more than
+    ``ENUMERATED`` cuts to walk. ``totals(spans)``: each stage's bytes under the cut of
+    ``spans`` (``(first, stop)`` per stage); ``places[j]``: where stage ``j``'s count.
 
-    Exact: every cut is walked. A place's stages are not adjacent (interleaved: stage ``j``
-    in process ``j % n``), so no dynamic program over the layers' order sums them.
+    Exact: every cut is walked. Where stages share a place, its stages are not
+    adjacent (interleaved: stage ``j`` in process ``j % n``); where a stage's
+    bytes depend on the rest of the cut (a skip's stages, a weight tied across
+    a process's stages), they are not its own: no dynamic program over the
+    layers' order sums them.
 
     Four layers of a byte each, stages 0 and 2 in place ``a``: within 2 bytes a place, only
     ``[1, 2, 1]`` fits (an even share of 1 byte a stage fits no cut):
 
-    >>> size = lambda j, a, b: b - a
-    >>> shared_balances(4, 3, size, size, ["a", "b", "a"], 2)
+    >>> sizes = lambda spans: [b - a for a, b in spans]
+    >>> shared_balances(4, 3, lambda j, a, b: b - a, sizes, ["a", "b", "a"], 2)
     ([1, 2, 1], [1, 2, 1])
     """
     if math.comb(layers - 1, stages - 1) > ENUMERATED:
@@ -126,8 +130,8 @@ def shared_balances(
     for stops in combinations(range(1, layers), stages - 1):
         spans = list(pairwise((0, *stops, layers)))
         loads: dict[str, int] = {}
-        for j, (a, b) in enumerate(spans):
-            loads[places[j]] = loads.get(places[j], 0) + total(j, a, b)
+        for j, stage_total in enumerate(totals(spans)):
+            loads[places[j]] = loads.get(places[j], 0) + stage_total
         cut = [b - a for a, b in spans]
         peak = max(loads.values())
         if least is None or peak < least[0]:

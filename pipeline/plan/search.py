@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from itertools import accumulate, pairwise
 
 import torch
@@ -218,47 +219,39 @@ def _balanced(
     """
     stages, m = len(config.devices), config.chunks
     recomputed = [sum((i, j) in checkpointed for i in range(m)) / m for j in range(stages)]
-    memo: dict[tuple[int, int, int], StageMemory] = {}
-
-    # In processes, each stage holds its own copy of a tied weight (its process's other
-    # stages are known once the cut is: each candidate's figures count it once there).
-    copies = frozenset[int]() if config.link is not None else None
-
-    def memory(j: int, a: int, b: int) -> StageMemory:
-        if (j, a, b) not in memo:
-            memo[j, a, b] = stage_memory(
-                order, j, checkpointed, saved, parameters, a, b, counted=copies
-            )
-        return memo[j, a, b]
+    figures = _Figures(order, checkpointed, saved, parameters, config.places, config.link)
 
     def cost(j: int, a: int, b: int) -> float:
         c = stage_costs(times, a, b, config.factor[j] * config.pace.scale)
         return c.forward * (1 + recomputed[j]) + c.backward
 
     def fits(j: int, a: int, b: int) -> bool:
-        return memory(j, a, b).total <= config.share[j]
+        return figures.stage(j, a, b).total <= config.share[j]
 
     def total(j: int, a: int, b: int) -> int:
-        return memory(j, a, b).total
+        return figures.stage(j, a, b).total
+
+    def totals(spans: list[tuple[int, int]]) -> list[int]:
+        return [stage.total for stage in figures.cut(spans)]
 
     tried = [
         fitting_balance(layers, stages, cost, fits),
         fitting_balance(layers, stages, cost, lambda j, a, b: True),
     ]
-    if len(set(config.places)) == stages:
+    shared = len(set(config.places)) < stages
+    walked = None
+    if shared or figures.whole_cut:  # what fits a sum, or figures of the whole cut
+        walked = shared_balances(layers, stages, cost, totals, config.places, config.limit)
+    if walked is not None:
+        tried += walked
+    elif shared:
+        tried.append(least_memory_balance(layers, stages, total))
+    else:
         tried.append(least_peak_balance(layers, stages, total))  # for PlanError's figures
-    else:  # stages sharing a limit: what fits their sum
-        walked = shared_balances(layers, stages, cost, total, config.places, config.limit)
-        tried += [least_memory_balance(layers, stages, total)] if walked is None else walked
     cuts = {tuple(cut) for cut in tried if cut is not None}
     found = []
     for cut in sorted(cuts):
         spans = list(pairwise([0, *accumulate(cut)]))
-        stages_memory = tuple(memory(j, a, b) for j, (a, b) in enumerate(spans))
-        if saved.skips or copies is not None:
-            stages_memory = _exact(
-                order, checkpointed, saved, parameters, spans, config.places, copies is not None
-            )
         owner = [config.places.index(p) for p in config.places]
         seconds = config.pace.outside + predicted_seconds(
             programs,
@@ -277,7 +270,7 @@ def _balanced(
                 balance=cut,
                 devices=config.devices,
                 seconds=seconds,
-                memory=stages_memory,
+                memory=figures.cut(spans),
                 limit=config.limit,
                 places=config.places if config.link is not None else (),
             )
@@ -285,27 +278,75 @@ def _balanced(
     return found
 
 
-def _exact(
-    order: Sequence[Action],
-    checkpointed: set[tuple[int, int]],
-    saved: Saved,
-    parameters: LayerParameters,
-    spans: list[tuple[int, int]],
-    places: tuple[str, ...],
-    copies: bool,
-) -> tuple[StageMemory, ...]:
-    """Each stage's memory under the cut of ``spans``: each skip from, and to, its own
-    stages; with ``copies`` (stages in processes), each tied weight once in each process."""
-    stage_of = _stage_of(spans)
-    counted: dict[str, frozenset[int]] = {}
-    found = []
-    for j, (a, b) in enumerate(spans):
-        earlier = counted.get(places[j], frozenset()) if copies else None
-        found.append(
-            stage_memory(order, j, checkpointed, saved, parameters, a, b, stage_of, earlier)
-        )
-        counted[places[j]] = counted.get(places[j], frozenset()) | parameters.holds(a, b)
-    return tuple(found)
+class _Figures:
+    """Each stage's predicted memory (``memory.stage_memory``), remembered.
+
+    Of a stage alone (``stage``: its layers), as the search's dynamic programs
+    ask; and under a whole cut (``cut``), which moves it where ``whole_cut``:
+    a skip comes from, and goes to, the stages of the cut (alone: the
+    neighbours), and in processes (``link``) a weight tied between stages of
+    one process is counted once there (alone: in every stage holding it).
+    """
+
+    def __init__(
+        self,
+        order: Sequence[Action],
+        checkpointed: set[tuple[int, int]],
+        saved: Saved,
+        parameters: LayerParameters,
+        places: tuple[str, ...],
+        link: Link | None,
+    ) -> None:
+        self._walk = partial(stage_memory, order, checkpointed=checkpointed, saved=saved)
+        self._saved, self._parameters, self._places = saved, parameters, places
+        # In processes, each stage holds its own copy of a tied weight.
+        self._copies = link is not None
+        self.whole_cut = bool(saved.skips) or self._copies
+        self._memo: dict[tuple[object, ...], StageMemory] = {}
+
+    def stage(self, j: int, a: int, b: int) -> StageMemory:
+        return self._remembered(j, a, b, None, frozenset() if self._copies else None)
+
+    def cut(self, spans: list[tuple[int, int]]) -> tuple[StageMemory, ...]:
+        if not self.whole_cut:
+            return tuple(self.stage(j, a, b) for j, (a, b) in enumerate(spans))
+        stage_of = _stage_of(spans)
+        counted: dict[str, frozenset[int]] = {}
+        found = []
+        for j, (a, b) in enumerate(spans):
+            held = self._parameters.holds(a, b)
+            earlier = counted.get(self._places[j], frozenset())
+            found.append(
+                self._remembered(j, a, b, stage_of, earlier & held if self._copies else None)
+            )
+            counted[self._places[j]] = earlier | held
+        return tuple(found)
+
+    def _remembered(
+        self,
+        j: int,
+        a: int,
+        b: int,
+        stage_of: Callable[[int], int] | None,
+        counted: frozenset[int] | None,
+    ) -> StageMemory:
+        ends: tuple[tuple[int, ...], ...] = ()
+        if stage_of is not None:  # what of the cut moves the figures: the skips' stages
+            ends = (
+                tuple(stage_of(s.stashed_by) for s in self._saved.skips_into(a, b)),
+                tuple(stage_of(s.popped_by) for s in self._saved.skips_out_of(a, b)),
+            )
+        key = (j, a, b, ends, counted)
+        if key not in self._memo:
+            self._memo[key] = self._walk(
+                stage=j,
+                parameters=self._parameters,
+                first=a,
+                stop=b,
+                stage_of=stage_of,
+                counted=counted,
+            )
+        return self._memo[key]
 
 
 def _stage_of(spans: list[tuple[int, int]]) -> Callable[[int], int]:

@@ -16,11 +16,11 @@ import pipeline
 from pipeline.plan import Candidate, PlanError
 from pipeline.plan.contention import NO_CONTENTION, Contention
 from pipeline.plan.links import CutSeconds, Link, cut_seconds
-from pipeline.plan.memory import layer_parameters, stage_memory
+from pipeline.plan.memory import layer_parameters
 from pipeline.plan.pace import Pace, _factor
 from pipeline.plan.profile import LayerTimes, Saved, saved_storages
 from pipeline.plan.result import Processes, choose
-from pipeline.plan.search import candidates
+from pipeline.plan.search import _Figures, candidates
 from pipeline.plan.sharding import stage_collectives
 from pipeline.plan.timing import StageCosts, predicted_seconds, stage_costs
 from pipeline.step.actions import parse_program
@@ -169,9 +169,13 @@ class Weights(nn.Module):
 
 
 @pytest.mark.parametrize("schedule", ["interleaved", "1f1b"])
-@pytest.mark.parametrize("sizes", [(3000, 0, 0, 0, 3000, 0), (0, 3000, 3000, 0, 500, 0)])
+@pytest.mark.parametrize(
+    ("sizes", "tied"),
+    [((3000, 0, 0, 0, 3000, 0), False), ((0, 3000, 3000, 0, 500, 0), False),
+     ((3000, 0, 3000, 0, 0, 0), True)],
+)  # fmt: skip
 def test_processes_fit_wherever_a_cut_does_and_the_least_overflow_is_named(
-    sizes: tuple[int, ...], schedule: str
+    sizes: tuple[int, ...], tied: bool, schedule: str
 ) -> None:
     # Interleaved over 2 processes: stages 0 and 2 in rank 0, 1 and 3 in rank 1. The search
     # tried an even share of the limit per stage, the compute cut and the least memory summed
@@ -182,6 +186,8 @@ def test_processes_fit_wherever_a_cut_does_and_the_least_overflow_is_named(
     blocks = [nn.Sequential(nn.Linear(16, 16), nn.GELU()) for _ in sizes]
     model = nn.Sequential(*(Weights(n) if n else b for n, b in zip(sizes, blocks, strict=True)))
     model = model.double()
+    if tied:  # the first layer's weights, tied to the third's: once in a process holding both
+        model[2].weights = model[0].weights
     x, y = batch(16)
     layers = len(model)
     saved = saved_storages(model, x[:8], y[:8], F.mse_loss, CPU)
@@ -189,13 +195,12 @@ def test_processes_fit_wherever_a_cut_does_and_the_least_overflow_is_named(
     stages = 4 if schedule == "interleaved" else 2
     programs = resolve_schedule(schedule).programs(2, stages)
     order = validate(programs, 2, stages).one_thread_order
+    places = tuple(f"rank {j % 2}" for j in range(stages))
+    figures = _Figures(order, set(), saved, parameters, places, Link(1e-4, 1e-9))
     loads = []
     for stops in itertools.combinations(range(1, layers), stages - 1):
         spans = list(itertools.pairwise((0, *stops, layers)))
-        totals = [
-            stage_memory(order, j, set(), saved, parameters, a, b, counted=frozenset()).total
-            for j, (a, b) in enumerate(spans)
-        ]
+        totals = [stage.total for stage in figures.cut(spans)]
         loads.append(max(sum(totals[0::2]), sum(totals[1::2])))
     least = min(loads)
     times = LayerTimes((1.0,) * layers + (0.0,), (2.0,) * layers + (0.0,), (1.0,) * layers + (0.0,))
