@@ -27,9 +27,9 @@ docs/plan.md writes the terms down):
     backward (or ``I``) until stage ``j``'s has used it; likewise a skip
     popped on stage ``j`` from its stashing stage's forward (then held as
     an input), and a skip's gradient from its popping stage's backward.
-    Within the search for a balance, which stage stashes or pops a skip is
-    not known yet: the neighbour is taken; each candidate's figures then
-    take the stages of its own cut;
+    Which stages those are comes from the cut (``stage_of``: ``search.py``
+    walks every cut where that moves the figures); without it, the
+    neighbours are taken;
   - **recorded**: under zero-bubble, the gradients ``I`` records for ``W``
     (the outputs' gradient on stage 0), from ``I`` to ``W``;
 
