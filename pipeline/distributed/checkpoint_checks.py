@@ -124,10 +124,11 @@ def check_arguments_alike(
     disagree where a process going its own way would be wrong or wait in a collective the
     others skip: an optimizer given on some processes and not on one whose stages hold
     parameters (their state would be left out), or ``strict`` differing (only some would
-    refuse). A process whose stages hold no parameter may pass None: it has no state."""
+    refuse). A process whose stages hold no parameter that trains may pass None: it has no
+    state."""
     if group is None or not _distributed():
         return
-    holds = any(True for _ in module.parameters())
+    holds = any(p.requires_grad for p in module.parameters())  # frozen ones have no state
     rows = gather_rows([optimizer is not None, holds, strict], group)
     given = [rank for rank, row in enumerate(rows) if row[0]]
     without = [rank for rank, row in enumerate(rows) if not row[0] and row[1]]
@@ -135,9 +136,9 @@ def check_arguments_alike(
     if given and without:
         problems.append(
             f"{refused_text(given)} passed an optimizer and {refused_text(without)}, whose "
-            "stages hold parameters, none (their optimizer's state would be left out): pass "
-            "each process's optimizer, or None on every process (a process whose stages hold "
-            "no parameter may pass None)"
+            "stages hold parameters that train, none (their optimizer's state would be left out): "
+            "pass each process's optimizer, or None on every process (a process whose stages "
+            "hold no parameter that trains may pass None)"
         )
     strictness = camps([row[2] for row in rows])
     if len(strictness) > 1:

@@ -312,6 +312,8 @@ def _failures(error: CheckpointException, group: dist.ProcessGroup | None) -> st
 _METADATA = ".metadata"
 # Then the rank: where a process writes until every process has written.
 _STAGING = ".saving-rank"
+# The suffix of DCP's data files (``FileSystemWriter``'s).
+_DATA = ".distcp"
 _UNMARKED = (
     "failed after the old checkpoint's .metadata was removed (first, so that no load can mix "
     "the two): the directory holds no checkpoint now, save again"
@@ -369,9 +371,11 @@ class _Staged:
             raise
 
     def _unmark(self) -> None:
-        """Rank 0: the old checkpoint's ``.metadata`` removed, its files noted."""
+        """Rank 0: the old checkpoint's ``.metadata`` removed, its files noted (and those of
+        a save that failed after removing its own: DCP's, by their suffix)."""
         if self._rank == 0:
-            self._replaced = _data_files(self._path)
+            left = {entry.name for entry in os.scandir(self._path) if entry.name.endswith(_DATA)}
+            self._replaced = _data_files(self._path) | left
             (self._path / _METADATA).unlink(missing_ok=True)
 
     def _move_in(self) -> None:
@@ -389,8 +393,10 @@ class _Staged:
             for name in self._replaced - _data_files(self._own):
                 (self._path / name).unlink(missing_ok=True)
             os.replace(self._own / _METADATA, self._path / _METADATA)
-            with contextlib.suppress(OSError):
-                self._own.rmdir()
+            # This save's staging, and any a killed save of more processes left.
+            for entry in os.scandir(self._path):
+                if entry.name.startswith(_STAGING) and entry.is_dir():
+                    shutil.rmtree(entry.path, ignore_errors=True)
 
 
 def _data_files(directory: Path) -> set[str]:
@@ -542,7 +548,7 @@ class _TiedValues:
         for saved in self._tied:
             first = _local(self.asked[saved[0]])
             for name in saved[1:]:
-                if not torch.equal(_local(self.asked[name]), first):
+                if not _same_values(_local(self.asked[name]), first):
                     return (
                         f"the checkpoint holds different values under model.{saved[0]} and "
                         f"model.{name}, which this model ties into one weight: it was saved "
@@ -551,6 +557,16 @@ class _TiedValues:
                         "again with the value you want under both names"
                     )
         return ""
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` hold the same values, a NaN the same as a NaN (a diverged
+    run's tied weight is one value under both names)."""
+    if torch.equal(a, b):
+        return True
+    if not (a.is_floating_point() or a.is_complex()) or a.shape != b.shape:
+        return False
+    return bool(((a == b) | (a.isnan() & b.isnan())).all())
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
