@@ -51,7 +51,7 @@ import os
 import shutil
 import warnings
 from collections import OrderedDict, defaultdict
-from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -133,6 +133,9 @@ def save_checkpoint(
     state: dict[str, Any] = {"model": names.every_name(model_state)}
     if optimizer is not None:
         state["optim"] = names.every_name(_optimizer_state(holder, optimizer))
+    ties = names.tie_marks(model_state)
+    if ties:
+        state[_TIES] = ties
     state.update(_extra(extra))
     check_extra_alike(extra or {}, group)
     _Staged(path, group).save(state, process_group)
@@ -412,7 +415,7 @@ def _data_files(directory: Path) -> set[str]:
 
 def _extra(extra: Mapping[str, Any] | None) -> dict[str, Any]:
     """``extra``'s entries, saved beside the model's and the optimizer's state."""
-    taken = sorted({"model", "optim"}.intersection(extra or {}))
+    taken = sorted({"model", "optim", _TIES}.intersection(extra or {}))
     if taken:
         raise ValueError(
             f"extra must not use the names {taken}: they hold the model's and the optimizer's "
@@ -469,6 +472,12 @@ class _Names:
                 field = key[len(section) + len(name) :]
                 return tuple(f"{section}{alias}{field}" for alias in self.aliases[name])
         return (key,)
+
+    def tie_marks(self, state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        """An empty tensor keyed by the names of each tied parameter in ``state``: the mark,
+        in a checkpoint, that its names hold one value (``_TiedValues``)."""
+        groups = dict.fromkeys(self.aliases[key] for key in state if key in self.aliases)
+        return {_tie_key(group): torch.empty(0) for group in groups}
 
     def every_name(self, state: Mapping[str, Any]) -> dict[str, Any]:
         """``state`` with each tied parameter's entries under all of its names."""
@@ -537,6 +546,8 @@ class _TiedValues:
         self.asked: dict[str, Any] = {}
         self._tied: list[list[str]] = []
         for group in dict.fromkeys(names.aliases[key] for key in target if key in names.aliases):
+            if f"{_TIES}.{_tie_key(group)}" in stored:
+                continue  # saved from a model that ties them: one value (no copies read)
             saved = [name for name in group if f"model.{name}" in stored]
             value = next(target[name] for name in group if name in target)
             if len(saved) > 1 and isinstance(value, torch.Tensor):
@@ -557,6 +568,15 @@ class _TiedValues:
                         "again with the value you want under both names"
                     )
         return ""
+
+
+# A checkpoint's marks of the weights its model tied (``_Names.tie_marks``).
+_TIES = "model-ties"
+
+
+def _tie_key(names: Sequence[str]) -> str:
+    """The key marking ``names`` as one tied parameter's, in a checkpoint."""
+    return "|".join(sorted(names))
 
 
 def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
