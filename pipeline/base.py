@@ -29,6 +29,7 @@ from pipeline.arguments import (
     LossReduction,
     PipeArguments,
     check_checkpoint,
+    check_chunks,
 )
 from pipeline.calls import EvaluateCall, MicroBatches, StepCall, check_flags
 from pipeline.runtime.batchnorm import DeferredBatchNorm, statistics_of_one_pass
@@ -84,7 +85,6 @@ class PipeBase(nn.Module, ABC):
     _EVALUATE: ClassVar[str] = ""
 
     balance: list[int]
-    chunks: int
     call_style: CallStyle
     partitions: list[nn.Sequential]
     skip_layout: SkipLayout
@@ -113,6 +113,15 @@ class PipeBase(nn.Module, ABC):
     @abstractmethod
     def _placement(self) -> str:
         """Where the partitions run, for ``extra_repr``."""
+
+    @property
+    def chunks(self) -> int:
+        """Micro-batches per mini-batch; set between calls, checked as at construction."""
+        return self._chunks
+
+    @chunks.setter
+    def chunks(self, chunks: Any) -> None:
+        self._chunks = check_chunks(chunks)
 
     @property
     def checkpoint(self) -> CheckpointMode:

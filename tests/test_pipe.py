@@ -137,6 +137,14 @@ def test_checkpoint_is_any_value_whose_str_names_a_mode_and_is_checked_on_assign
 def test_bad_chunks(chunks: object) -> None:
     with pytest.raises(ValueError, match="chunks must be a positive int"):
         Pipe(mlp(), [6], devices=["cpu"], chunks=chunks)  # type: ignore[arg-type]
+    # Set between calls: torch's "chunk expects 'chunks' to be greater than 0" in the next
+    # call, before; 2.0 was refused there where the constructor takes it.
+    pipe = Pipe(mlp(), [6], devices=["cpu"], chunks=2)
+    with pytest.raises(ValueError, match="chunks must be a positive int"):
+        pipe.chunks = chunks  # type: ignore[assignment]
+    assert pipe.chunks == 2
+    pipe.chunks = 4.0  # type: ignore[assignment]
+    assert pipe.chunks == 4 and type(pipe.chunks) is int
 
 
 def test_bad_checkpoint() -> None:
