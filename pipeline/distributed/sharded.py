@@ -285,8 +285,11 @@ def unit_layout(partitions: Sequence[nn.Module], stages: Iterable[int]) -> int:
         names = {id(m): name for name, m in partitions[s].named_modules()}
         for unit in fsdp_units(partitions[s]):
             module = cast(nn.Module, unit)
-            state = unit._get_fsdp_state()
-            resharded = [g.post_forward_mesh_info is not None for g in state._fsdp_param_groups]
+            # Read with care: on a torch lacking these, the step's own check refuses, after
+            # this digest has travelled (a process raising here would leave its peers waiting).
+            state = getattr(unit, "_get_fsdp_state", lambda: None)()
+            groups = getattr(state, "_fsdp_param_groups", ())
+            resharded = [getattr(g, "post_forward_mesh_info", None) is not None for g in groups]
             shapes = [(n, tuple(p.shape)) for n, p in module.named_parameters()]
             described.append((s, names.get(id(module)), shapes, resharded))
     return zlib.crc32(repr(described).encode())
