@@ -140,6 +140,7 @@ class PipeBase(nn.Module, ABC):
         layers = list(named_layers(module).items())
         self._token_loss = TokenLoss.of(module, layers[0][1] if layers else None)
         self._router_loss = getattr(module, "router_loss", None)
+        self._rows_across: tuple[str, ...] = getattr(module, "rows_across", ())
         sequential = PositionalSequential if self.call_style == "positional" else KeywordSequential
         bounds = [sum(self.balance[:j]) for j in range(len(self.balance) + 1)]
         return [sequential(OrderedDict(layers[a:b])) for a, b in itertools.pairwise(bounds)]
@@ -507,6 +508,20 @@ class PipeBase(nn.Module, ABC):
         """
         if self._token_loss is not None and reduction is not None:
             self._token_loss.check(batches, reduction, divisor)
+
+    def _refuse_rows_across(self, batches: list[Batch], gathered: bool) -> None:
+        """Refuse, before any work, to gather over several micro-batches a split model's
+        outputs that mix the rows of the batch (``SplitModel.rows_across``)."""
+        if not (gathered and self._rows_across and len(batches) > 1):
+            return
+        raise ValueError(
+            f"the split model's outputs at {', '.join(self._rows_across)} hold the batch's "
+            "size past their first dimension (every row against every row, as CLIP's "
+            f"similarities): each of the {len(batches)} micro-batches would give its own rows "
+            "against its own rows alone; split a model that returns what is computed row by "
+            "row (the embeddings) and compute the rest after the pipe (docs/split.md, "
+            "'Outputs that mix the rows of the batch'), or use chunks=1"
+        )
 
     def _router_tally(
         self,

@@ -211,6 +211,7 @@ class Pipe(PipeBase):
 
     def _run(self, input: Value) -> Value:
         batches = scatter(to_device(input, self.devices[0]), self.chunks)
+        self._refuse_rows_across(batches, gathered=True)
         hooks = list(self._completion_hooks.values())
         rows = [b.rows() for b in batches]
         stop = checkpoint_stop(self.checkpoint, len(batches), self.training)
@@ -285,6 +286,7 @@ class Pipe(PipeBase):
             )
         micro_batches = MicroBatches(batches, targets, _rows_of(batches, targets))
         self._check_token_loss(batches, loss_reduction, call.loss_divisor)
+        self._refuse_rows_across(batches, call.return_outputs)
         programs, simulation = self._programs(schedule, len(batches))
         self._refuse_reordered_updates(schedule, programs, range(n))
         router = self._router_tally(call, batches, programs)
@@ -346,6 +348,7 @@ class Pipe(PipeBase):
             targets = self._scatter_target(call.target) if call.loss_fn is not None else []
             rows = _rows_of(batches, targets) if targets else [b.rows() for b in batches]
             self._check_token_loss(batches, reduction, call.loss_divisor)
+            self._refuse_rows_across(batches, call.loss_fn is None or call.return_outputs)
             router = self._router_tally(call, batches, None)
             n = len(self.partitions)
             programs = forward_programs(len(batches), n, n)

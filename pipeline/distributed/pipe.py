@@ -439,6 +439,7 @@ class DistributedPipe(PipeBase):
             batches = self._scatter(self._input_of(call.input, call.kwargs), "input", needed=first)
             targets = self._scatter(call.target, "target", needed=last)
             self._check_token_loss(batches, reduction, call.loss_divisor)
+            self._refuse_rows_across(batches, call.return_outputs)
             router = self._router_here(call, batches, chosen)
             choice += _router_choice(router)
         except Exception as error:
@@ -822,6 +823,7 @@ class DistributedPipe(PipeBase):
             batches = self._scatter(self._input_of(call.input, call.kwargs), "input", needed=first)
             targets = self._scatter(call.target, "target", needed=last and with_loss)
             self._check_token_loss(batches, reduction, call.loss_divisor)
+            self._refuse_rows_across(batches, call.loss_fn is None or call.return_outputs)
             router = self._router_here(call, batches, None)
         except Exception as error:
             refusal = error

@@ -37,7 +37,11 @@ class SplitModel(nn.Sequential):
     """A model cut into pieces: an ``nn.Sequential`` of pieces with the model's names."""
 
     def __init__(
-        self, model: nn.Module, pieces: list[Piece], router_loss: RouterLoss | None = None
+        self,
+        model: nn.Module,
+        pieces: list[Piece],
+        router_loss: RouterLoss | None = None,
+        rows_across: tuple[str, ...] = (),
     ) -> None:
         nn.Module.__init__(self)
         for name, child in model._modules.items():
@@ -55,6 +59,7 @@ class SplitModel(nn.Sequential):
             model, "loss_function"
         )
         self._router_loss = router_loss
+        self._rows_across = rows_across
         config = getattr(model, "config", None)
         self._encoder_decoder = bool(getattr(config, "is_encoder_decoder", False))
 
@@ -80,6 +85,14 @@ class SplitModel(nn.Sequential):
         ``loss_function``, so that a ``num_items_in_batch`` given to it reaches its loss
         (Llama's token classification calls it without them)."""
         return self._loss_takes_count
+
+    @property
+    def rows_across(self) -> tuple[str, ...]:
+        """The outputs whose size past their first dimension is the batch's (every row
+        against every row, as CLIP's ``logits_per_image``), by their place in the output: a
+        pipe refuses gathering them over several micro-batches, each of which would hold
+        its own rows alone (docs/split.md, "Outputs that mix the rows of the batch")."""
+        return self._rows_across
 
     @property
     def router_loss(self) -> RouterLoss | None:

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, fx, nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
 from pipeline.skip.namespace import Namespace
 from pipeline.split.attributes import recording
@@ -44,7 +44,7 @@ from pipeline.split.piece import ModeCheck, Piece
 from pipeline.split.points import kept_whole, resolve_points
 from pipeline.split.routers import FLAG, RouterLoss, asked, flag_off, router_loss_of
 from pipeline.split.signature import Signature, in_order
-from pipeline.split.variants import Variants, variants
+from pipeline.split.variants import Variants, batch_symbols, variants
 from pipeline.split.watch import Watch
 from pipeline.split.where import describe_module, node_module
 
@@ -136,10 +136,43 @@ def split(
         for j, (nodes, one) in enumerate(zip(pieces.pieces, built, strict=True))
     ]
     router_loss = RouterLoss(model, *routers, in_call, signature) if routers else None
-    split_model = SplitModel(model, made, router_loss)
+    split_model = SplitModel(model, made, router_loss, rows_across(captured))
     # The split model holds the model's children too: seq.head = ... replaces one there.
     watch.add_places([split_model], watched)
     return split_model
+
+
+def rows_across(captured: Captured) -> tuple[str, ...]:
+    """The model's outputs whose size past their first dimension is the batch's (CLIP's
+    ``logits_per_image``, every image against every text), by their place in the output.
+
+    A pipe computes them per micro-batch and gathers them along dim 0: the
+    gathered tensor would hold each micro-batch's rows against its own rows
+    alone (``base.py`` refuses gathering them over several micro-batches).
+    """
+    batch = batch_symbols(captured)
+    if not batch:
+        return ()
+    output = next(node for node in captured.program.graph.nodes if node.op == "output")
+    leaves = list(output.args[0])
+    spec = captured.program.call_spec.out_spec
+    places = [keystr(path) for path, _ in tree_flatten_with_path(tree_unflatten(leaves, spec))[0]]
+    return tuple(
+        place or "output"
+        for place, node in zip(places, leaves, strict=True)
+        if _across(node.meta.get("val") if isinstance(node, fx.Node) else None, batch)
+    )
+
+
+def _across(value: Any, batch: set[str]) -> bool:
+    """Whether ``value`` is a tensor with the batch's size past its first dimension."""
+    if not isinstance(value, Tensor):
+        return False
+    symbols: set[str] = set()
+    for size in value.shape[1:]:
+        if isinstance(size, torch.SymInt):
+            symbols.update(str(symbol) for symbol in size.node.expr.free_symbols)
+    return bool(symbols & batch)
 
 
 def _piece(

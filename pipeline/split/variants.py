@@ -20,7 +20,7 @@ from pipeline.split.compare import first_difference
 from pipeline.split.errors import SplitError
 from pipeline.split.signature import in_order
 
-__all__ = ["Variants", "variants"]
+__all__ = ["Variants", "batch_symbols", "variants"]
 
 
 @dataclass
@@ -42,7 +42,7 @@ def variants(
     first: Captured,
 ) -> Variants:
     """Capture again to learn whether ``first`` holds in the other mode and for one row."""
-    batch = _batch_symbols(first)
+    batch = batch_symbols(first)
     one = _one_row(first, args, kwargs, batch) if batch else (args, kwargs)
 
     def same(training: bool, call: tuple[Any, Any]) -> bool:
@@ -62,7 +62,7 @@ def variants(
     return Variants(False, batch if same(first.training, one) else set())
 
 
-def _batch_symbols(captured: Captured) -> set[str]:
+def batch_symbols(captured: Captured) -> set[str]:
     """The free sizes at dimension 0 of the model's tensor arguments."""
     found: set[str] = set()
     for node in captured.inputs():
