@@ -123,12 +123,12 @@ def check_arguments_alike(
     """Raise ``error`` on every process of ``group`` (one ``all_gather``) if their arguments
     disagree where a process going its own way would be wrong or wait in a collective the
     others skip: an optimizer given on some processes and not on one whose stages hold
-    parameters (their state would be left out), or ``strict`` differing (only some would
-    refuse). A process whose stages hold no parameter that trains may pass None: it has no
-    state."""
+    parameters (their state would be left out, a frozen one's too, which a trained and then
+    frozen parameter keeps), or ``strict`` differing (only some would refuse). A process
+    whose stages hold no parameter may pass None: it has no state."""
     if group is None or not _distributed():
         return
-    holds = any(p.requires_grad for p in module.parameters())  # frozen ones have no state
+    holds = any(True for _ in module.parameters())
     rows = gather_rows([optimizer is not None, holds, strict], group)
     given = [rank for rank, row in enumerate(rows) if row[0]]
     without = [rank for rank, row in enumerate(rows) if not row[0] and row[1]]
@@ -136,9 +136,10 @@ def check_arguments_alike(
     if given and without:
         problems.append(
             f"{refused_text(given)} passed an optimizer and {refused_text(without)}, whose "
-            "stages hold parameters that train, none (their optimizer's state would be left out): "
-            "pass each process's optimizer, or None on every process (a process whose stages "
-            "hold no parameter that trains may pass None)"
+            "stages hold parameters, none (their optimizer's state would be left out): pass "
+            "each process's optimizer (over frozen parameters too: torch.optim.AdamW(params) "
+            "takes them, and keeps no state for those that never trained), or None on every "
+            "process (a process whose stages hold no parameter may pass None)"
         )
     strictness = camps([row[2] for row in rows])
     if len(strictness) > 1:

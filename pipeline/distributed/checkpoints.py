@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import warnings
 from collections import OrderedDict, defaultdict
@@ -315,8 +316,9 @@ def _failures(error: CheckpointException, group: dist.ProcessGroup | None) -> st
 _METADATA = ".metadata"
 # Then the rank: where a process writes until every process has written.
 _STAGING = ".saving-rank"
-# The suffix of DCP's data files (``FileSystemWriter``'s).
-_DATA = ".distcp"
+# The names of DCP's data files (``FileSystemWriter``'s: ``__<rank>_<n>.distcp``); others
+# in the directory are the user's.
+_DATA = re.compile(r"__\d+_\d+\.distcp")
 _UNMARKED = (
     "failed after the old checkpoint's .metadata was removed (first, so that no load can mix "
     "the two): the directory holds no checkpoint now, save again"
@@ -375,9 +377,9 @@ class _Staged:
 
     def _unmark(self) -> None:
         """Rank 0: the old checkpoint's ``.metadata`` removed, its files noted (and those of
-        a save that failed after removing its own: DCP's, by their suffix)."""
+        a save that failed after removing its own: DCP's, by their names)."""
         if self._rank == 0:
-            left = {entry.name for entry in os.scandir(self._path) if entry.name.endswith(_DATA)}
+            left = {entry.name for entry in os.scandir(self._path) if _DATA.fullmatch(entry.name)}
             self._replaced = _data_files(self._path) | left
             (self._path / _METADATA).unlink(missing_ok=True)
 
@@ -418,8 +420,8 @@ def _extra(extra: Mapping[str, Any] | None) -> dict[str, Any]:
     taken = sorted({"model", "optim", _TIES}.intersection(extra or {}))
     if taken:
         raise ValueError(
-            f"extra must not use the names {taken}: they hold the model's and the optimizer's "
-            "state; give its entries other names"
+            f"extra must not use the names {taken}: they are the checkpoint's own (the model's "
+            "and the optimizer's state, the marks of tied weights); give its entries other names"
         )
     return dict(extra or {})
 

@@ -326,10 +326,13 @@ def test_a_save_failing_while_its_files_move_in_leaves_no_checkpoint_rather_than
     assert sorted(p.name for p in tmp_path.iterdir()) == ["__0_0.distcp"]
     # What a failed save of two processes leaves beside, with no metadata naming it (a
     # later save kept it for good), and a killed one's staging: the next save clears both.
+    # A file of the user's own is kept, whatever its suffix.
     (tmp_path / "__1_0.distcp").write_bytes(b"stale")
     (tmp_path / ".saving-rank1").mkdir()
+    (tmp_path / "reference.distcp").write_bytes(b"the user's")
     save_checkpoint(tmp_path, plain, optimizer)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".metadata", "__0_0.distcp"]
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == [".metadata", "__0_0.distcp", "reference.distcp"]
 
 
 @pytest.mark.parametrize("pipe", [False, True], ids=["plain", "Pipe"])
