@@ -19,6 +19,7 @@ from itertools import combinations, pairwise
 
 __all__ = [
     "ENUMERATED",
+    "KEPT",
     "fitting_balance",
     "least_memory_balance",
     "least_peak_balance",
@@ -28,6 +29,8 @@ __all__ = [
 # The most cuts ``shared_balances`` walks: beyond, stages sharing a place are cut by the
 # even share of its limit and by the least memory summed over every stage alone.
 ENUMERATED = 50_000
+# The fitting cuts ``shared_balances`` keeps, whose step times the search then predicts.
+KEPT = 16
 
 # cost(j, first, stop) and fits(j, first, stop) of stage j holding layers first..stop.
 Cost = Callable[[int, int, int], float]
@@ -104,45 +107,53 @@ def shared_balances(
     totals: Callable[[list[tuple[int, int]]], list[int]],
     places: Sequence[str],
     limit: int,
-) -> tuple[list[int] | None, list[int]] | None:
-    """The fastest cut whose every place's stages sum within ``limit`` (None if none does),
-    and the cut whose fullest place holds least; None where there are more than
-    ``ENUMERATED`` cuts to walk. ``totals(spans)``: each stage's bytes under the cut of
-    ``spans`` (``(first, stop)`` per stage); ``places[j]``: where stage ``j``'s count.
+) -> tuple[list[list[int]], list[int]] | None:
+    """The ``KEPT`` cuts whose every place's stages sum within ``limit`` whose busiest place
+    computes least (none if none fits), and the cut whose fullest place holds least; None
+    where there are more than ``ENUMERATED`` cuts to walk. ``totals(spans)``: each stage's
+    bytes under the cut of ``spans`` (``(first, stop)`` per stage); ``places[j]``: where
+    stage ``j``'s count. The search then predicts each kept cut's step time.
 
-    Exact: every cut is walked. Where stages share a place, its stages are not
-    adjacent (interleaved: stage ``j`` in process ``j % n``); where a stage's
-    bytes depend on the rest of the cut (a skip's stages, a weight tied across
-    a process's stages), they are not its own: no dynamic program over the
-    layers' order sums them.
+    Exact for memory: every cut is walked. Where stages share a place, its stages
+    are not adjacent (interleaved: stage ``j`` in process ``j % n``); where a
+    stage's bytes depend on the rest of the cut (a skip's stages, a weight tied
+    across a process's stages), they are not its own: no dynamic program over
+    the layers' order sums them. A place runs its stages one after another, so
+    cuts are ranked by its summed cost, then by the slowest stage.
 
     Four layers of a byte each, stages 0 and 2 in place ``a``: within 2 bytes a place, only
     ``[1, 2, 1]`` fits (an even share of 1 byte a stage fits no cut):
 
     >>> sizes = lambda spans: [b - a for a, b in spans]
     >>> shared_balances(4, 3, lambda j, a, b: b - a, sizes, ["a", "b", "a"], 2)
-    ([1, 2, 1], [1, 2, 1])
+    ([[1, 2, 1]], [1, 2, 1])
     """
     if math.comb(layers - 1, stages - 1) > ENUMERATED:
         return None
-    fastest: tuple[float, float, list[int]] | None = None
-    least: tuple[int, list[int]] | None = None
+    fastest: list[tuple[float, float, float, list[int]]] = []
+    least: tuple[float, list[int]] | None = None
     for stops in combinations(range(1, layers), stages - 1):
         spans = list(pairwise((0, *stops, layers)))
-        loads: dict[str, int] = {}
-        for j, stage_total in enumerate(totals(spans)):
-            loads[places[j]] = loads.get(places[j], 0) + stage_total
         cut = [b - a for a, b in spans]
-        peak = max(loads.values())
+        peak = max(_by_place(totals(spans), places).values())
         if least is None or peak < least[0]:
             least = peak, cut
         if peak <= limit:
             seconds = [cost(j, a, b) for j, (a, b) in enumerate(spans)]
-            rank = (max(seconds), sum(t * t for t in seconds), cut)
-            if fastest is None or rank[:2] < fastest[:2]:
-                fastest = rank
+            busiest = max(_by_place(seconds, places).values())
+            fastest.append((busiest, max(seconds), sum(t * t for t in seconds), cut))
+            if len(fastest) > 4 * KEPT:
+                fastest = sorted(fastest)[:KEPT]
     assert least is not None, "at least one cut"
-    return (None if fastest is None else fastest[2]), least[1]
+    return [rank[3] for rank in sorted(fastest)[:KEPT]], least[1]
+
+
+def _by_place(values: Sequence[float], places: Sequence[str]) -> dict[str, float]:
+    """``values`` (one per stage) summed per place."""
+    summed: dict[str, float] = {}
+    for value, place in zip(values, places, strict=True):
+        summed[place] = summed.get(place, 0) + value
+    return summed
 
 
 def least_peak_balance(

@@ -402,7 +402,8 @@ def _nothing_fits(found: list[Candidate], limit: int) -> str:
     return (
         f"no configuration fits memory_limit={limit} bytes ({_bytes(limit)}) per {each}. The "
         f"one needing the least memory, {cheapest.describe()}: {over}. By stage: {terms}. "
-        f"Raise the limit, add {each}s, or try more micro-batches (chunks)"
+        f"Raise the limit, add {'processes' if cheapest.places else 'devices'}, or try more "
+        "micro-batches (chunks)"
     )
 
 

@@ -4,8 +4,8 @@ For each configuration the programs are made and validated once; the
 balance comes from ``partition.fitting_balance`` with each stage's
 predicted memory against its budget (a device's limit, split evenly among
 the stages it holds), and the compute-only cut is tried too; where stages
-share a place, every cut is walked for the fastest whose places fit and
-the one whose fullest place holds least (``partition.shared_balances``),
+share a place, every cut is walked for those whose places fit and compute
+least and the one whose fullest place holds least (``partition.shared_balances``),
 else the cut whose largest stage holds least is tried (the figures of
 ``PlanError`` when nothing fits). Each
 balance tried becomes a ``Candidate``: its predicted step time (``timing``)
@@ -243,7 +243,7 @@ def _balanced(
     if shared or figures.whole_cut:  # what fits a sum, or figures of the whole cut
         walked = shared_balances(layers, stages, cost, totals, config.places, config.limit)
     if walked is not None:
-        tried += walked
+        tried += [*walked[0], walked[1]]
     elif shared:
         tried.append(least_memory_balance(layers, stages, total))
     else:

@@ -4,6 +4,8 @@ plan made in every rank of a gloo group building its DistributedPipe."""
 from __future__ import annotations
 
 import itertools
+import random
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -218,6 +220,46 @@ def test_processes_fit_wherever_a_cut_does_and_the_least_overflow_is_named(
         choose(model, found(least - 1), least - 1, 1.0, 0.0, processes)
 
 
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_the_choice_is_the_fastest_predicted_cut_that_fits(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Fitting cuts were ranked by their slowest stage and one kept, where a process runs
+    # two interleaved stages: the plan was up to 19.5% slower, by its own prediction, than
+    # a cut that fitted.
+    rnd = random.Random(seed)
+    torch.manual_seed(seed)
+    layers = 8
+    model = nn.Sequential(*[Weights(rnd.choice([1, 1, 500, 2000, 4000])) for _ in range(layers)])
+    model = model.double()
+    x, y = batch(16)
+    saved = saved_storages(model, x[:8], y[:8], F.mse_loss, CPU)
+    forward = tuple(rnd.uniform(0.5, 3.0) for _ in range(layers)) + (0.0,)
+    times = LayerTimes(forward, tuple(2 * t for t in forward), forward)
+    link = Link(1e-4, 1e-9)
+
+    def found(limit: int) -> list[Candidate]:
+        return candidates(
+            layers, [CPU, CPU], 16, limit, (2,), ("interleaved",), ("never",),
+            lambda rows: (saved, times), layer_parameters(model, 16), overhead=0.0, link=link,
+        )  # fmt: skip
+
+    stops = itertools.combinations(range(1, layers), 3)
+    every = [[b - a for a, b in itertools.pairwise((0, *cut, layers))] for cut in stops]
+
+    def brute_force() -> list[Candidate]:  # every cut a candidate
+        with monkeypatch.context() as patched:
+            search = sys.modules[candidates.__module__]  # pipeline.plan is also a function
+            patched.setattr(search, "shared_balances", lambda *_: (every, every[0]))
+            return found(2**40)
+
+    peaks = sorted({max(c.device_bytes.values()) for c in brute_force()})
+    for limit in peaks[:: len(peaks) // 5]:
+        plan = choose(model, found(limit), limit, 1.0, 0.0, None).chosen
+        fastest = min(c.seconds for c in brute_force() if max(c.device_bytes.values()) <= limit)
+        assert plan.seconds == pytest.approx(fastest), limit
+
+
 def test_the_bytes_on_the_link_move_the_choice() -> None:
     # The same link, messages of 1 kB or of 100 GB: the large ones make one chunk win.
     link = Link(0.0, 1e-9)
@@ -350,20 +392,23 @@ def test_the_pace_fitted_to_a_step_plays_that_step_and_scales_every_candidate() 
         LAYERS, [CPU, CPU], 8, 2**40, (4,), ("1f1b",), ("never",), lambda rows: (saved, times),
         layer_parameters(gelu_mlp(LAYERS), 0), overhead=0.5, link=link, paces={("1f1b", 4): pace},
     )  # fmt: skip
-    assert [c.balance for c in found] == [(2, 2)]
-    assert found[0].seconds == pytest.approx(measured, rel=1e-6)
+    # The cut the pace was measured on (others fit too: the search predicts them all).
+    even = next(c for c in found if c.balance == (2, 2))
+    assert even.seconds == pytest.approx(measured, rel=1e-6)
     sharded_found = candidates(
         LAYERS, [CPU, CPU], 8, 2**40, (4,), ("1f1b",), ("never",), lambda rows: (saved, times),
         layer_parameters(gelu_mlp(LAYERS), 0), overhead=0.5, link=link, paces={("1f1b", 4): pace},
         collectives=sharded,
     )  # fmt: skip
-    assert sharded_found[0].seconds == pytest.approx(with_collectives, rel=1e-6)
+    even = next(c for c in sharded_found if c.balance == (2, 2))
+    assert even.seconds == pytest.approx(with_collectives, rel=1e-6)
     # Without it, the same candidate is the profile's time: less by the pace's share.
     plain = candidates(
         LAYERS, [CPU, CPU], 8, 2**40, (4,), ("1f1b",), ("never",), lambda rows: (saved, times),
         layer_parameters(gelu_mlp(LAYERS), 0), overhead=0.5, link=link,
     )  # fmt: skip
-    assert plain[0].seconds == pytest.approx(played(1.0), rel=1e-6)
+    even = next(c for c in plain if c.balance == (2, 2))
+    assert even.seconds == pytest.approx(played(1.0), rel=1e-6)
     # A step the link and the actions' own cost already exceed: the smallest factor.
     assert _factor("1f1b", 4, (saved, times), [2, 2], 2, 1.0, 2.0, link, 0.5) == 0.01
     assert str(pace) == "x1.50 + 2000.0 ms"
