@@ -147,12 +147,14 @@ class SkipPortals:
         self.layout = layout
         self.portals: list[Portals] = [{} for _ in range(m)]
         self.runtime = runtime
+        # Whether a skip and the main path may travel apart (partitions on several devices).
+        self.apart = len(set(runtime.devices)) > 1
 
     def bind(self, i: int, j: int, function: PartitionCall, checkpointed: bool) -> PartitionCall:
         """``function`` (partition ``j``) run with a fresh tracker for micro-batch ``i``, whose
         task is ``checkpointed`` or not."""
         tracker = PortalTracker(self.layout, self.portals[i], checkpointed)
-        return partial(_tracked, tracker, function, j, self.runtime)
+        return partial(_tracked, tracker, function, j, self.runtime, self.apart)
 
     def fence(self, i: int, j: int, batch: Batch, move: Move) -> None:
         """Move the skips partition ``j`` pops from other devices, for micro-batch ``i``."""
@@ -214,12 +216,18 @@ def _portal(portals: Portals, route: Route) -> Portal:
 
 
 def _tracked(
-    tracker: PortalTracker, function: PartitionCall, j: int, runtime: PartitionRuntime, value: Value
+    tracker: PortalTracker,
+    function: PartitionCall,
+    j: int,
+    runtime: PartitionRuntime,
+    apart: bool,
+    value: Value,
 ) -> Value:
     """Run ``function`` (partition ``j`` of ``runtime``) with ``tracker``.
 
-    Where every partition is on one device, a skip and the main path stay one
-    memory, and a write shows on both, as in the plain model: nothing is noted.
+    Where every partition is on one device (not ``apart``), a skip and the main
+    path stay one memory, and a write shows on both, as in the plain model:
+    nothing is noted.
     """
     tracker.runs += 1
     with use_tracker(tracker):
@@ -227,11 +235,13 @@ def _tracked(
     if tracker.recomputing:
         return output
     tracker.check_popped(j)
-    returned = Batch(output).leaves
     protect = runtime.protect_inputs
-    if j + 1 < len(protect) and protect[j + 1]:
-        for key, tensor in tracker.entered:
-            refuse_returned_into_a_copy(key, tensor, returned, j)
-    if len(set(runtime.devices)) > 1:
+    copied = j + 1 < len(protect) and protect[j + 1] and tracker.entered
+    if not (copied or apart):
+        return output
+    returned = Batch(output).leaves
+    for key, tensor in tracker.entered if copied else ():
+        refuse_returned_into_a_copy(key, tensor, returned, j)
+    if apart:
         tracker.note_shared(returned, value, runtime, j)
     return output
