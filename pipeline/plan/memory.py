@@ -118,6 +118,11 @@ class LayerParameters:
             return _summed(self.first[first:stop])
         return _summed([self.tensors[k] for k in self.holds(first, stop) - counted])
 
+    @property
+    def tied(self) -> bool:
+        """Whether a tensor is held by several layers (a tied weight)."""
+        return sum(map(len, self.held)) > len(self.tensors)
+
     def holds(self, first: int, stop: int) -> frozenset[int]:
         """The numbers of the tensors layers ``first..stop`` hold."""
         return frozenset().union(*self.held[first:stop])

@@ -301,7 +301,7 @@ class _Figures:
         self._saved, self._parameters, self._places = saved, parameters, places
         # In processes, each stage holds its own copy of a tied weight.
         self._copies = link is not None
-        self.whole_cut = bool(saved.skips) or self._copies
+        self.whole_cut = bool(saved.skips) or (self._copies and parameters.tied)
         self._memo: dict[tuple[object, ...], StageMemory] = {}
 
     def stage(self, j: int, a: int, b: int) -> StageMemory:
