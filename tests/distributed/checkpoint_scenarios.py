@@ -399,14 +399,20 @@ def torch_calls_with_a_flattened_optimizer_state_resume_two_stages() -> None:
         loading.close()
 
 
+def trained_and_saved(model: Model, path: Path) -> tuple[DistributedPipe, torch.optim.Optimizer]:
+    """Two stages of ``model`` (balance [4, 4]) after one AdamW step, saved into ``path``."""
+    pipe = two_stages(model, [4, 4], seed=0)
+    optimizer = adamw(pipe)
+    train(model, pipe, optimizer, 0)
+    save_checkpoint(path, pipe, optimizer)
+    return pipe, optimizer
+
+
 @scenario
 def a_load_is_refused_on_every_process_for_keys_no_process_asks_for_or_a_shape_one_finds() -> None:
     model = BLOCKS
     with shared_directory("strict") as path:
-        saving = two_stages(model, [4, 4], seed=0)
-        optimizer = adamw(saving)
-        train(model, saving, optimizer, 0)
-        save_checkpoint(path, saving, optimizer)
+        saving, _ = trained_and_saved(model, path)
         saving.close()
 
         # Layers 0-5 in two stages: rank 0 asks for model.0 and model.2, rank 1 for
@@ -515,10 +521,7 @@ def a_save_failing_on_one_process_leaves_the_checkpoint_there_as_it_was() -> Non
     # old ones, under the old metadata, and the mix of two steps loaded without an error.
     model = BLOCKS
     with shared_directory("latest") as path:
-        pipe = two_stages(model, [4, 4], seed=0)
-        optimizer = adamw(pipe)
-        train(model, pipe, optimizer, 0)
-        save_checkpoint(path, pipe, optimizer)
+        pipe, optimizer = trained_and_saved(model, path)
         saved = weights(pipe)
         train(model, pipe, optimizer, 1)
         with a_full_disk(here=rank() == 1):
@@ -547,10 +550,7 @@ def a_damaged_or_missing_data_file_is_refused_by_every_process_naming_it() -> No
     # that `except Exception` lets through, whose text was remote tracebacks.
     model = BLOCKS
     with shared_directory("damaged") as path:
-        pipe = two_stages(model, [4, 4], seed=0)
-        optimizer = adamw(pipe)
-        train(model, pipe, optimizer, 0)
-        save_checkpoint(path, pipe, optimizer)
+        pipe, optimizer = trained_and_saved(model, path)
         dist.barrier()
         if rank() == 0:
             (path / "__1_0.distcp").rename(path / "elsewhere")  # which rank 1 alone reads
