@@ -235,6 +235,43 @@ def layer_parameters(model: nn.Sequential, optimizer_bytes_per_param: int) -> La
     return by_layer(model, terms)
 
 
+# The terms one micro-batch holds on a stage, by index in ``_Held``.
+SAVED, INPUTS, MAIL, RECORDED = range(4)
+
+
+class _Held:
+    """What each micro-batch holds on one stage, term by term, and the sums over them.
+
+    The sums are kept as the terms change: a search samples them after every
+    action of every cut it weighs.
+    """
+
+    def __init__(self) -> None:
+        self._by_microbatch: dict[int, list[int]] = {}
+        self.sums = [0, 0, 0, 0]
+
+    def set(self, i: int, term: int, value: int) -> None:
+        terms = self._by_microbatch.setdefault(i, [0, 0, 0, 0])
+        self.sums[term] += value - terms[term]
+        terms[term] = value
+
+    def add(self, i: int, term: int, value: int) -> None:
+        if value:
+            self._by_microbatch.setdefault(i, [0, 0, 0, 0])[term] += value
+            self.sums[term] += value
+
+    def drop(self, i: int) -> None:
+        for term, value in enumerate(self._by_microbatch.pop(i, ())):
+            self.sums[term] -= value
+
+
+def _bytes_by_stage(mail: tuple[tuple[int, int], ...]) -> dict[int, int]:
+    by_stage: dict[int, int] = {}
+    for stage, nbytes in mail:
+        by_stage[stage] = by_stage.get(stage, 0) + nbytes
+    return by_stage
+
+
 def held_peaks(
     order: Sequence[Action], stage: int, checkpointed: set[tuple[int, int]], one: MicroBatchBytes
 ) -> HeldPeaks:
@@ -248,49 +285,50 @@ def held_peaks(
     >>> held_peaks(order, 0, set(), one)  # 1B1 mails a gradient back while 0 holds both
     HeldPeaks(activations=20, saved=20, inputs=0, mail=8, recorded=0)
     """
-    # Per micro-batch: saved, inputs, mail, recorded.
-    holds: dict[int, list[int]] = {}
+    held = _Held()
     peak_saved = 0
     peak = HeldPeaks(0, 0, 0, 0, 0)
 
     def sample() -> None:
         nonlocal peak_saved, peak
-        sums = [sum(h[k] for h in holds.values()) for k in range(4)]
-        peak_saved = max(peak_saved, sums[0])
+        sums = held.sums
+        peak_saved = max(peak_saved, sums[SAVED])
         if sum(sums) > peak.saved + peak.inputs + peak.mail + peak.recorded:
             peak = HeldPeaks(0, *sums)
 
     mailed = one.received - sum(b for _, b in one.skips_in)
+    skips_from = _bytes_by_stage(one.skips_in)
+    skip_grads_from = _bytes_by_stage(one.skip_grads)
     for action in order:
         i, kind = action.microbatch, action.kind
-        hold = holds.setdefault(i, [0, 0, 0, 0])
         if action.stage != stage and kind == "F":
-            hold[2] += sum(b for s, b in one.skips_in if s == action.stage)
+            held.add(i, MAIL, skips_from.get(action.stage, 0))
         elif action.stage != stage and kind in ("B", "I"):
-            hold[2] += sum(b for s, b in one.skip_grads if s == action.stage)
+            held.add(i, MAIL, skip_grads_from.get(action.stage, 0))
         if action.stage == stage - 1 and kind == "F":
-            hold[2] += mailed  # the activation, mailed
+            held.add(i, MAIL, mailed)  # the activation, mailed
         elif action.stage == stage + 1 and kind in ("B", "I"):
-            hold[2] += one.grad  # the gradient, mailed back
+            held.add(i, MAIL, one.grad)  # the gradient, mailed back
         elif action.stage == stage:
             task = (i, stage) in checkpointed
             if kind == "F":
                 # The mailed activation becomes the input, and what the layers save of it.
-                hold[:3] = [0, one.received, 0] if task else [one.saved, one.unsaved, 0]
+                held.set(i, SAVED, 0 if task else one.saved)
+                held.set(i, INPUTS, one.received if task else one.unsaved)
+                held.set(i, MAIL, 0)
             elif kind in ("B", "I") and task:
                 # Recomputed (on copies of the buffers it changes), its gradient still mailed.
-                hold[:2] = [one.saved + one.replayed, one.unsaved]
+                held.set(i, SAVED, one.saved + one.replayed)
+                held.set(i, INPUTS, one.unsaved)
             sample()
             if kind in ("B", "I"):
-                hold[2] = 0
+                held.set(i, MAIL, 0)
             if kind == "I":
-                hold[0] -= one.released + (one.replayed_released if task else 0)
-                hold[3] = one.recorded
+                held.add(i, SAVED, -(one.released + (one.replayed_released if task else 0)))
+                held.set(i, RECORDED, one.recorded)
             if kind in ("B", "W"):
-                del holds[i]
+                held.drop(i)
         sample()
-        if not any(holds.get(i, ())):
-            holds.pop(i, None)
     return HeldPeaks(peak_saved, peak.saved, peak.inputs, peak.mail, peak.recorded)
 
 

@@ -40,6 +40,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -221,7 +222,7 @@ class LayerTimes:
     backward: tuple[float, ...]
     input_grad: tuple[float, ...]
 
-    @property
+    @cached_property
     def weight(self) -> tuple[float, ...]:
         return tuple(max(b - i, 0.0) for b, i in zip(self.backward, self.input_grad, strict=True))
 
