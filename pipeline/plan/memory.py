@@ -52,17 +52,14 @@ from dataclasses import dataclass
 
 from torch import Tensor, nn
 
+from pipeline.plan.held import MicroBatchBytes, PeakForms
 from pipeline.plan.profile import Saved
-from pipeline.step.actions import Action
 
 __all__ = [
-    "HeldPeaks",
     "LayerParameters",
-    "MicroBatchBytes",
     "StageMemory",
     "TensorBytes",
     "by_layer",
-    "held_peaks",
     "layer_parameters",
     "stage_memory",
 ]
@@ -182,47 +179,6 @@ class StageMemory:
         return self.held + self.parameters + self.gathered + self.gradients + self.optimizer
 
 
-@dataclass(frozen=True)
-class MicroBatchBytes:
-    """What one micro-batch puts on a stage, by what holds it.
-
-    ``saved`` by autograd; ``received`` its input, whole (0 on stage 0);
-    ``unsaved`` the part of that its layers do not save; ``grad`` the
-    gradient mailed back to it (0 on the last stage); ``recorded`` what
-    zero-bubble's ``I`` keeps for ``W``; ``released`` the saved bytes ``I``
-    lets go (what lies above the stage's topmost anchor, the loss's
-    included, where ``I`` starts from the stage's received input:
-    ``Saved.released_bytes``); ``replayed`` the buffer copies a
-    recomputation saves beside ``saved`` (``Saved.replayed_bytes``), of
-    which ``I`` lets ``replayed_released`` go.
-    """
-
-    saved: int
-    received: int
-    unsaved: int
-    grad: int
-    recorded: int
-    released: int = 0
-    replayed: int = 0
-    replayed_released: int = 0
-    # Mail from other stages than the neighbours' activation and gradient: skips, as
-    # (stashing stage, bytes) arriving at its forward, and their gradients, as (popping
-    # stage, bytes) arriving at its backward (or I). ``received`` holds the skips too.
-    skips_in: tuple[tuple[int, int], ...] = ()
-    skip_grads: tuple[tuple[int, int], ...] = ()
-
-
-@dataclass(frozen=True)
-class HeldPeaks:
-    """``activations``: the peak saved bytes alone; the rest: the joint peak, by term."""
-
-    activations: int
-    saved: int
-    inputs: int
-    mail: int
-    recorded: int
-
-
 def layer_parameters(model: nn.Sequential, optimizer_bytes_per_param: int) -> LayerParameters:
     """Each layer's parameter and buffer bytes, whole (a buffer has no gradient or state)."""
 
@@ -235,107 +191,8 @@ def layer_parameters(model: nn.Sequential, optimizer_bytes_per_param: int) -> La
     return by_layer(model, terms)
 
 
-# The terms one micro-batch holds on a stage, by index in ``_Held``.
-SAVED, INPUTS, MAIL, RECORDED = range(4)
-
-
-class _Held:
-    """What each micro-batch holds on one stage, term by term, and the sums over them.
-
-    The sums are kept as the terms change: a search samples them after every
-    action of every cut it weighs.
-    """
-
-    def __init__(self) -> None:
-        self._by_microbatch: dict[int, list[int]] = {}
-        self.sums = [0, 0, 0, 0]
-
-    def set(self, i: int, term: int, value: int) -> None:
-        terms = self._by_microbatch.setdefault(i, [0, 0, 0, 0])
-        self.sums[term] += value - terms[term]
-        terms[term] = value
-
-    def add(self, i: int, term: int, value: int) -> None:
-        if value:
-            self._by_microbatch.setdefault(i, [0, 0, 0, 0])[term] += value
-            self.sums[term] += value
-
-    def drop(self, i: int) -> None:
-        for term, value in enumerate(self._by_microbatch.pop(i, ())):
-            self.sums[term] -= value
-
-
-def _bytes_by_stage(mail: tuple[tuple[int, int], ...]) -> dict[int, int]:
-    by_stage: dict[int, int] = {}
-    for stage, nbytes in mail:
-        by_stage[stage] = by_stage.get(stage, 0) + nbytes
-    return by_stage
-
-
-def held_peaks(
-    order: Sequence[Action], stage: int, checkpointed: set[tuple[int, int]], one: MicroBatchBytes
-) -> HeldPeaks:
-    """The peaks of ``stage`` along ``order`` (every stage's actions), each micro-batch ``one``.
-
-    >>> from pipeline.step.actions import parse_program
-    >>> one = MicroBatchBytes(saved=10, received=0, unsaved=0, grad=4, recorded=0)
-    >>> held_peaks(parse_program("0F0 0F1 0B0 0B1"), 0, set(), one).activations
-    20
-    >>> order = parse_program("0F0 1F0 0F1 1F1 1B1 1B0 0B1 0B0")
-    >>> held_peaks(order, 0, set(), one)  # 1B1 mails a gradient back while 0 holds both
-    HeldPeaks(activations=20, saved=20, inputs=0, mail=8, recorded=0)
-    """
-    held = _Held()
-    peak_saved = 0
-    peak = HeldPeaks(0, 0, 0, 0, 0)
-
-    def sample() -> None:
-        nonlocal peak_saved, peak
-        sums = held.sums
-        peak_saved = max(peak_saved, sums[SAVED])
-        if sum(sums) > peak.saved + peak.inputs + peak.mail + peak.recorded:
-            peak = HeldPeaks(0, *sums)
-
-    mailed = one.received - sum(b for _, b in one.skips_in)
-    skips_from = _bytes_by_stage(one.skips_in)
-    skip_grads_from = _bytes_by_stage(one.skip_grads)
-    for action in order:
-        i, kind = action.microbatch, action.kind
-        if action.stage != stage and kind == "F":
-            held.add(i, MAIL, skips_from.get(action.stage, 0))
-        elif action.stage != stage and kind in ("B", "I"):
-            held.add(i, MAIL, skip_grads_from.get(action.stage, 0))
-        if action.stage == stage - 1 and kind == "F":
-            held.add(i, MAIL, mailed)  # the activation, mailed
-        elif action.stage == stage + 1 and kind in ("B", "I"):
-            held.add(i, MAIL, one.grad)  # the gradient, mailed back
-        elif action.stage == stage:
-            task = (i, stage) in checkpointed
-            if kind == "F":
-                # The mailed activation becomes the input, and what the layers save of it.
-                held.set(i, SAVED, 0 if task else one.saved)
-                held.set(i, INPUTS, one.received if task else one.unsaved)
-                held.set(i, MAIL, 0)
-            elif kind in ("B", "I") and task:
-                # Recomputed (on copies of the buffers it changes), its gradient still mailed.
-                held.set(i, SAVED, one.saved + one.replayed)
-                held.set(i, INPUTS, one.unsaved)
-            sample()
-            if kind in ("B", "I"):
-                held.set(i, MAIL, 0)
-            if kind == "I":
-                held.add(i, SAVED, -(one.released + (one.replayed_released if task else 0)))
-                held.set(i, RECORDED, one.recorded)
-            if kind in ("B", "W"):
-                held.drop(i)
-        sample()
-    return HeldPeaks(peak_saved, peak.saved, peak.inputs, peak.mail, peak.recorded)
-
-
 def stage_memory(
-    order: Sequence[Action],
-    stage: int,
-    checkpointed: set[tuple[int, int]],
+    forms: PeakForms,
     saved: Saved,
     parameters: LayerParameters,
     first: int,
@@ -343,13 +200,14 @@ def stage_memory(
     stage_of: Callable[[int], int] | None = None,
     counted: frozenset[int] | None = None,
 ) -> StageMemory:
-    """The peak of ``stage``, of layers ``first..stop``, along ``order`` (every stage's actions).
+    """The peak of ``forms.stage``, of layers ``first..stop``, along the order of ``forms``.
 
     ``stage_of(layer)``: the stage holding a layer, where the cut is known
     (else a skip comes from, and goes to, the neighbouring stage);
     ``counted``: for a stage in a process of its own, the parameters its
     process's earlier stages hold (``LayerParameters.stage``).
     """
+    stage = forms.stage
     terms = parameters.stage(first, stop, counted)
     last = stop == len(saved.outputs)
     main = set(saved.outputs[first - 1]) if first else set()
@@ -376,7 +234,7 @@ def stage_memory(
         skips_in=skips_in,
         skip_grads=skip_grads,
     )
-    peaks = held_peaks(order, stage, checkpointed, one)
+    peaks = forms.peaks(one)
     return StageMemory(
         activations=peaks.activations,
         saved=peaks.saved,

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from functools import partial
 from itertools import accumulate, pairwise
 
 import torch
 
 from pipeline.plan.contention import NO_CONTENTION, Contention
+from pipeline.plan.held import PeakForms
 from pipeline.plan.links import Link, cut_seconds
 from pipeline.plan.memory import LayerParameters, StageMemory, stage_memory
 from pipeline.plan.pace import SAME_PACE, Pace, paced_as, virtual_stages
@@ -297,7 +297,8 @@ class _Figures:
         places: tuple[str, ...],
         link: Link | None,
     ) -> None:
-        self._walk = partial(stage_memory, order, checkpointed=checkpointed, saved=saved)
+        self._order, self._checkpointed = order, checkpointed
+        self._forms: dict[int, PeakForms] = {}  # each stage's walk, done once
         self._saved, self._parameters, self._places = saved, parameters, places
         # In processes, each stage holds its own copy of a tied weight.
         self._copies = link is not None
@@ -338,8 +339,11 @@ class _Figures:
             )
         key = (j, a, b, ends, counted)
         if key not in self._memo:
-            self._memo[key] = self._walk(
-                stage=j,
+            if j not in self._forms:
+                self._forms[j] = PeakForms(self._order, j, self._checkpointed)
+            self._memo[key] = stage_memory(
+                self._forms[j],
+                saved=self._saved,
                 parameters=self._parameters,
                 first=a,
                 stop=b,

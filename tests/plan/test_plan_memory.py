@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import pipeline
-from pipeline.plan.memory import HeldPeaks, MicroBatchBytes, held_peaks
+from pipeline.plan.held import HeldPeaks, MicroBatchBytes, held_peaks
 from pipeline.step.actions import parse_program
 from tests.plan.plan_models import WIDTH, batch, gelu_mlp, one_thread, planned_step
 

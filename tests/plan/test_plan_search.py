@@ -14,6 +14,7 @@ from torch import nn
 
 import pipeline
 from pipeline.plan import Candidate, PlanError
+from pipeline.plan.held import PeakForms
 from pipeline.plan.memory import layer_parameters, stage_memory
 from pipeline.plan.profile import LayerTimes, Saved, saved_storages
 from pipeline.plan.result import Plan, choose
@@ -117,8 +118,8 @@ def test_stages_sharing_a_device_share_its_limit_unevenly_where_that_fits() -> N
     parameters = layer_parameters(model, 8)
     layers = len(model)
     least = min(
-        stage_memory(order, 0, set(), saved, parameters, 0, k).total
-        + stage_memory(order, 1, set(), saved, parameters, k, layers).total
+        stage_memory(PeakForms(order, 0, set()), saved, parameters, 0, k).total
+        + stage_memory(PeakForms(order, 1, set()), saved, parameters, k, layers).total
         for k in range(1, layers)
     )
     model, found = searched([CPU, CPU], least, ("1f1b",), chunks=(2,), modes=("never",))
