@@ -32,7 +32,7 @@ from pipeline.arguments import (
     check_chunks,
 )
 from pipeline.calls import EvaluateCall, MicroBatches, StepCall, check_flags
-from pipeline.runtime.batchnorm import DeferredBatchNorm, statistics_of_one_pass
+from pipeline.runtime.batchnorm import DeferredBatchNorm, deferred_norms, statistics_of_one_pass
 from pipeline.runtime.buffers import updating_layer
 from pipeline.runtime.evaluation import evaluating, evaluation_seed
 from pipeline.runtime.grad_norm import clip_grad_norm
@@ -90,7 +90,7 @@ class PipeBase(nn.Module, ABC):
     skip_layout: SkipLayout
     _runtime: PartitionRuntime
     _finalizer: weakref.finalize
-    _deferred_batch_norms: list[DeferredBatchNorm]
+    _converts_batch_norm: bool
     _completion_hooks: OrderedDict[int, Hook]
     _validated: ProgramCache
     _token_loss: TokenLoss | None
@@ -134,6 +134,7 @@ class PipeBase(nn.Module, ABC):
 
     def _partition(self, module: nn.Sequential, deferred_batch_norm: bool) -> list[nn.Sequential]:
         """The module's layers as ``len(balance)`` partitions, BatchNorm converted if asked."""
+        self._converts_batch_norm = deferred_batch_norm
         if deferred_batch_norm:
             _refuse_nested_pipes(module)
             DeferredBatchNorm.convert(module)
@@ -159,15 +160,10 @@ class PipeBase(nn.Module, ABC):
     def _start_runtime(self, devices: list[torch.device]) -> None:
         """What running the partitions needs, and fresh step state (hooks, programs).
 
-        Called at construction and, for a ``Pipe``, after a copy. A pipe defers
-        the statistics of every DeferredBatchNorm it holds, converted or given.
+        Called at construction and, for a ``Pipe``, after a copy.
         """
-        self._deferred_batch_norms = [m for m in self.modules() if isinstance(m, DeferredBatchNorm)]
         self._runtime = PartitionRuntime(
-            self.partitions,
-            devices,
-            positional=self.call_style == "positional",
-            deferred_batch_norm=bool(self._deferred_batch_norms),
+            self.partitions, devices, positional=self.call_style == "positional"
         )
         self._completion_hooks = OrderedDict()
         self._validated = ProgramCache()
@@ -458,6 +454,7 @@ class PipeBase(nn.Module, ABC):
         self._refuse_own_hooks("step")
         for check, _, _ in self._step_checks:
             check()
+        deferred_norms(self, self._converts_batch_norm)  # within a DistributedPipe's agreement
         refuse_cached_parametrizations(self, f"{self._NAME}.step")
         reduction = self._check_loss(call.loss_fn, call.loss_reduction, call.loss_divisor)
         check_grad_scaler(call.grad_scaler, self._runtime.devices[-1])
@@ -689,8 +686,14 @@ class PipeBase(nn.Module, ABC):
     @contextmanager
     def _one_pass(self, batches: list[Batch]) -> Iterator[None]:
         """Around one pass over ``batches``: DeferredBatchNorm statistics committed once, at
-        its end; a write into a tensor every micro-batch holds refused."""
-        with statistics_of_one_pass(self._deferred_batch_norms), self._runtime.watching(batches):
+        its end; a write into a tensor every micro-batch holds refused.
+
+        The pipe defers every DeferredBatchNorm it holds as the pass starts:
+        converted by it or by the caller, before it was built or after.
+        """
+        norms = deferred_norms(self, self._converts_batch_norm)
+        self._runtime.deferred_batch_norm = bool(norms)
+        with statistics_of_one_pass(norms), self._runtime.watching(batches):
             yield
 
     # Gradients

@@ -455,7 +455,6 @@ _RUNTIME_STATE = (
     "_runtime",
     "_driver",
     "_completion_hooks",
-    "_deferred_batch_norms",
 )
 
 _COMPILE_MESSAGE = (

@@ -35,6 +35,7 @@ __all__ = [
     "DeferredBatchNorm1d",
     "DeferredBatchNorm2d",
     "DeferredBatchNorm3d",
+    "deferred_norms",
     "deferring_batch_norm",
     "statistics_of_one_pass",
 ]
@@ -253,6 +254,32 @@ class _Moments:
 def _channel_shape(input: Tensor) -> list[int]:
     """The shape that broadcasts a per-channel vector over ``input`` (channels in dim 1)."""
     return [1, input.size(1)] + [1] * (input.dim() - 2)
+
+
+def deferred_norms(module: nn.Module, converted: bool) -> list[DeferredBatchNorm]:
+    """The DeferredBatchNorm layers ``module`` holds now.
+
+    ``converted``: its BatchNorm layers were converted (``deferred_batch_norm=True``),
+    so a training BatchNorm that is not deferred came in after that, and is
+    refused: it would update its statistics once per micro-batch, where the
+    pipe promised once per mini-batch.
+    """
+    norms = []
+    for name, layer in module.named_modules():
+        if isinstance(layer, DeferredBatchNorm):
+            norms.append(layer)
+        elif converted and _updates_statistics(layer):
+            raise ValueError(
+                f"the layer {name!r} is a {type(layer).__name__} put in after the pipe "
+                "converted its BatchNorm layers (deferred_batch_norm=True): it would update "
+                "its running statistics once per micro-batch; convert it too "
+                "(DeferredBatchNorm.convert(layer)) before the next step"
+            )
+    return norms
+
+
+def _updates_statistics(layer: nn.Module) -> bool:
+    return isinstance(layer, _BatchNorm) and layer.training and layer.track_running_stats
 
 
 @contextmanager

@@ -64,7 +64,7 @@ class PartitionRuntime:
     ``partitions[j]`` runs on ``devices[j]``. ``positional``: a tuple reaches a
     partition as positional arguments (``partition(*value)``).
     ``deferred_batch_norm``: DeferredBatchNorm layers defer their statistics
-    to the end of the pass.
+    to the end of the pass (set for each pass: ``PipeBase._one_pass``).
     """
 
     def __init__(
@@ -73,12 +73,11 @@ class PartitionRuntime:
         devices: list[torch.device],
         *,
         positional: bool,
-        deferred_batch_norm: bool,
     ) -> None:
         self.partitions = partitions
         self.devices = devices
         self.positional = positional
-        self.deferred_batch_norm = deferred_batch_norm
+        self.deferred_batch_norm = False
         self.buffers = [PartitionBuffers(p, j) for j, p in enumerate(partitions)]
         # By partition: its buffers another partition (or a stage elsewhere) holds too.
         self.shared_buffers = shared_buffers(partitions)

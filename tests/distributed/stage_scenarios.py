@@ -770,6 +770,15 @@ def bad_arguments_are_refused_by_every_process_before_any_work() -> None:
         assert all(p.grad is None for p in ordered.parameters()), "a refused step computed"
         assert not (last and norm.num_batches_tracked.item()), "a refused step updated statistics"
     ordered.close()
+    # A BatchNorm put in after deferred_batch_norm=True converted the model's, on the last
+    # process alone: it would update once per micro-batch; refused by every process.
+    layers = blocks(2 * world(), seed=15)
+    deferring = DistributedPipe(layers, [2] * world(), chunks=2, deferred_batch_norm=True)
+    layers[-1].append(nn.BatchNorm1d(WIDTH).double()) if last else None
+    refused = "is a BatchNorm1d put in after" if last else f"rank {world() - 1} of the pipeline"
+    expect_error(ValueError, lambda: deferring.step(x, y, F.mse_loss), refused)
+    assert all(p.grad is None for p in deferring.parameters()), "a refused step computed"
+    deferring.close()
 
 
 def reordered_programs(m: int) -> list[str]:

@@ -179,3 +179,54 @@ def test_a_batch_norm_run_by_two_partitions_is_refused() -> None:
     with pytest.raises(ValueError, match="is also '2' of partition 1: its running statistics"):
         Pipe(model, [2, 1], devices=["cpu"] * 2)
     Pipe(model, [3], devices=["cpu"])  # one partition: its uses in the plain model's order
+
+
+def _stepped_alike(pipe: Pipe, model: nn.Sequential, engine: str) -> None:
+    x, y = torch.randn(12, 4, dtype=torch.float64), torch.randn(12, 6, dtype=torch.float64)
+    F.mse_loss(model(x), y).backward()
+    if engine == "step":
+        pipe.step(x, y, F.mse_loss)
+    else:
+        F.mse_loss(pipe(x), y).backward()  # type: ignore[arg-type]
+
+
+def _assert_statistics_equal(pipe: Pipe, model: nn.Sequential) -> None:
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(pipe.state_dict()[name], value, msg=name, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("engine", ["pipe(x)", "step"])
+def test_a_batch_norm_converted_after_the_pipe_was_built_is_deferred(engine: str) -> None:
+    model = bn_model().double()
+    plain = copy.deepcopy(model)
+    pipe = Pipe(model, [2, 1], devices=["cpu"] * 2, chunks=4)
+    DeferredBatchNorm.convert(model)  # the layer the pipe holds changes class
+    for _ in range(2):
+        _stepped_alike(pipe, plain, engine)
+    assert int(model[2].num_batches_tracked) == 2  # once per mini-batch, not per micro-batch
+    _assert_statistics_equal(pipe, plain)
+
+
+@pytest.mark.parametrize("engine", ["pipe(x)", "step"])
+def test_a_deferred_batch_norm_put_in_after_the_pipe_was_built_is_committed(engine: str) -> None:
+    model = nn.Sequential(nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6)), nn.Tanh()).double()
+    pipe = Pipe(model, [1, 1], devices=["cpu"] * 2, chunks=4, deferred_batch_norm=True)
+    model[0][1] = DeferredBatchNorm.convert(nn.Sequential(nn.BatchNorm1d(6).double()))[0]
+    plain = copy.deepcopy(model)
+    plain[0][1].__class__ = nn.BatchNorm1d  # the plain model's layer, updated on whole batches
+    _stepped_alike(pipe, plain, engine)
+    assert int(model[0][1].num_batches_tracked) == 1
+    _assert_statistics_equal(pipe, plain)
+
+
+@pytest.mark.parametrize("engine", ["pipe(x)", "step"])
+def test_a_batch_norm_put_in_after_the_pipe_converted_its_own_is_refused(engine: str) -> None:
+    model = nn.Sequential(nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6)), nn.Tanh()).double()
+    pipe = Pipe(model, [1, 1], devices=["cpu"] * 2, chunks=4, deferred_batch_norm=True)
+    model[0][1] = nn.BatchNorm1d(6).double()
+    with pytest.raises(ValueError, match=r"'0.1' is a BatchNorm1d put in after the pipe conv"):
+        _stepped_alike(pipe, copy.deepcopy(model), engine)
+    assert int(model[0][1].num_batches_tracked) == 0  # refused before any forward
+    assert model[0][0].weight.grad is None
+    model[0][1].eval()  # a layer that updates nothing is no concern
+    _stepped_alike(pipe, copy.deepcopy(model), engine)

@@ -550,9 +550,7 @@ def test_a_layer_compiled_after_the_pipe_was_built_makes_every_partition_seed_it
     # kept owning their generator and the CPU thread's compilation rewound it.
     gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
     partitions = [nn.Sequential(nn.Dropout()) for _ in range(3)]
-    runtime = PartitionRuntime(
-        partitions, [gpu, cpu, gpu], positional=False, deferred_batch_norm=False
-    )
+    runtime = PartitionRuntime(partitions, [gpu, cpu, gpu], positional=False)
     assert [plan.seeded for plan in runtime.randomness([[0, 2], [1]])] == [False, True, False]
     partitions[1][0].compile()
     assert [plan.seeded for plan in runtime.randomness([[0, 2], [1]])] == [True] * 3
