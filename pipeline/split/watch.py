@@ -12,7 +12,12 @@ after they change, before it computes anything:
 - a module whose code is captured got hooks, or a global module hook was
   registered (``hooks.py``, the check ``split`` makes too);
 - a captured module or a block was replaced in (or removed from) its
-  parent, the split model included (``seq.head = nn.Linear(8, 5)``).
+  parent, the split model included (``seq.head = nn.Linear(8, 5)``);
+- a parameter or buffer that the split model registered as its own (the
+  model's own, ``model.pos``) was replaced: the split model, and a pipe of
+  it, would train and save the old one while the pieces read the new;
+- weights tied at split time were untied (``head.weight = nn.Parameter(...)``):
+  the captured code reads one tensor for both.
 
 Every piece checks all of them, so that each process of a
 ``DistributedPipe`` checks its own copy of the model.
@@ -20,7 +25,7 @@ Every piece checks all of them, so that each process of a
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from torch import Tensor, nn
@@ -51,6 +56,34 @@ class Watch:
         self.captured = captured
         # (the parent's children, the key, the child there at split time, the child's name)
         self.places: list[tuple[dict[str, Any], str, nn.Module, str]] = []
+        # (the model's own parameters or buffers, the name, the one registered at split time)
+        self.own: list[tuple[Mapping[str, Tensor | None], str, Tensor]] = []
+        # Each tie the captured code reads as one tensor: (its holders' tensors, the name).
+        self.ties: list[list[tuple[Mapping[str, Tensor | None], str, str]]] = []
+
+    def add_tensors(
+        self,
+        model: nn.Module,
+        fetched: Iterable[tuple[nn.Module, str]],
+        blocks: dict[nn.Module, str],
+    ) -> None:
+        """Check that the model's own tensors stay the split model's, and that the tensors
+        the captured code reads (``fetched``) stay tied where they were.
+
+        A block runs as itself, reading its own attributes: a tie into one is followed.
+        """
+        self.own = [
+            (model._parameters, n, t) for n, t in model._parameters.items() if t is not None
+        ]
+        self.own += [(model._buffers, n, t) for n, t in model._buffers.items() if t is not None]
+        holders: dict[int, list[tuple[Mapping[str, Tensor | None], str, str]]] = {}
+        for prefix, module in _outside(model, blocks):
+            for tensors in (module._parameters, module._buffers):
+                for name, tensor in tensors.items():
+                    if tensor is not None:
+                        holders.setdefault(id(tensor), []).append((tensors, name, prefix + name))
+        read = {id(getattr(module, attribute)) for module, attribute in fetched}
+        self.ties = [held for key, held in holders.items() if key in read and len(held) > 1]
 
     def add_places(self, parents: Iterable[nn.Module], watched: dict[nn.Module, str]) -> None:
         """Check that each child of ``parents`` among ``watched`` stays where it is."""
@@ -69,12 +102,34 @@ class Watch:
             now = children.get(key)
             if now is not child:
                 raise RuntimeError(_replaced(describe_module(name, child), now))
+        for tensors, name, tensor in self.own:
+            if tensors.get(name) is not tensor:
+                raise RuntimeError(_own_replaced(name, tensor))
+        for held in self.ties:
+            first = held[0][0].get(held[0][1])
+            for tensors, name, where in held[1:]:
+                if tensors.get(name) is not first:
+                    raise RuntimeError(_untied(held[0][2], where))
         refuse_hooks(
             self.captured,
             RuntimeError,
             "they were registered after the split; remove them, or split the model again with "
             "the module in points (a point runs as itself, hooks included)",
         )
+
+
+def _outside(model: nn.Module, blocks: dict[nn.Module, str]) -> list[tuple[str, nn.Module]]:
+    """The model's modules outside its blocks, each with its name's prefix (``head.``)."""
+    found: list[tuple[str, nn.Module]] = []
+
+    def walk(prefix: str, module: nn.Module) -> None:
+        found.append((prefix, module))
+        for name, child in module._modules.items():
+            if child is not None and child not in blocks:
+                walk(f"{prefix}{name}.", child)
+
+    walk("", model)
+    return found
 
 
 def _describe(owner: Any, attribute: str, names: dict[nn.Module, str], held: dict[int, str]) -> str:
@@ -112,4 +167,22 @@ def _replaced(what: str, now: nn.Module | None) -> str:
         f"{what} was {change} after the split; the pieces run the code captured at split time "
         f"with the modules of that time, so the new one would never run: {_AGAIN} (after "
         "adding adapters or a new head)"
+    )
+
+
+def _own_replaced(name: str, tensor: Tensor) -> str:
+    kind = "parameter" if isinstance(tensor, nn.Parameter) else "buffer"
+    return (
+        f"the model's {kind} {name!r} was replaced after the split; the split model (and a "
+        "pipe of it) holds the one it was split with, so their parameters(), state_dict() and "
+        f"an optimizer of them would miss the new one: copy new values into it in place "
+        f"(with torch.no_grad(): model.{name}.copy_(...)), or {_AGAIN}"
+    )
+
+
+def _untied(first: str, other: str) -> str:
+    return (
+        f"{first!r} and {other!r} were one tensor when the model was split, and are two now; "
+        "the captured code reads that one tensor for both: tie them again, or "
+        f"{_AGAIN}"
     )

@@ -336,3 +336,74 @@ def test_a_config_value_changed_after_the_split_is_refused() -> None:
     torch.testing.assert_close(seq(ids, attention_mask=mask).logits, expected)
     # Capture put the config's class back as it was.
     assert "__getattribute__" not in vars(type(model.config))
+
+
+class OwnTensors(Model):
+    """A parameter and a buffer of the model itself, read by the captured code."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(8))
+        self.register_buffer("shift", torch.randn(8))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(x) + (self.pos + self.shift).sum()
+
+
+@pytest.mark.parametrize("change", ["parameter", "buffer"])
+def test_the_models_own_tensor_replaced_after_the_split_is_refused(change: str) -> None:
+    model = OwnTensors().double()
+    x = torch.randn(4, 4, dtype=torch.float64)
+    seq = pipeline.split(model, (x,))
+    pipe = Pipe(seq, [2, len(seq) - 2], devices=["cpu", "cpu"], chunks=2)
+    if change == "parameter":  # the pipe and an optimizer of it would train the old one
+        model.pos = nn.Parameter(torch.zeros(8, dtype=torch.float64))
+    else:
+        model.shift = torch.zeros(8, dtype=torch.float64)
+    for call in (lambda: seq(x), lambda: pipe(x)):
+        with pytest.raises(RuntimeError) as error:
+            call()
+        message = str(error.value)
+        assert (
+            f"the model's {change} '{'pos' if change == 'parameter' else 'shift'}' was " in message
+        )
+        assert "replaced after the split" in message and "copy new values into it" in message
+    pipe.close()
+
+
+def test_weights_untied_after_the_split_are_refused_and_retied_ones_run() -> None:
+    model = Model().double()
+    model.head = nn.Linear(8, 8).double()
+    model.emb = nn.Linear(8, 8).double()
+    model.head.weight = model.emb.weight  # tied: the captured code reads one tensor
+    x = torch.randn(4, 8, dtype=torch.float64)
+    seq = pipeline.split(model, (x,))
+    pipe = Pipe(seq, [2, len(seq) - 2], devices=["cpu", "cpu"], chunks=2)
+    plain = copy.deepcopy(model)
+    model.head.weight = nn.Parameter(model.emb.weight.detach().clone())
+    for call in (lambda: seq(x), lambda: pipe(x)):
+        with pytest.raises(RuntimeError, match=r"'emb.weight' and 'head.weight' were one tensor"):
+            call()
+    model.head.weight = model.emb.weight  # tied again: the plain model's results
+    torch.testing.assert_close(pipe(x), plain(x), rtol=0, atol=1e-14)
+    pipe.close()
+
+
+class TiedIntoBlock(Model):
+    """An output layer whose weight is a block's: the block runs as itself, reading its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.out = nn.Linear(8, 8)
+        self.out.weight = self.blocks[0].linear.weight
+
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(x) + self.out(self.emb(x)).sum()
+
+
+def test_a_weight_tied_into_a_block_may_be_untied() -> None:
+    model = TiedIntoBlock().double()
+    x = torch.randn(4, 4, dtype=torch.float64)
+    seq = pipeline.split(model, (x,))
+    model.out.weight = nn.Parameter(model.out.weight.detach() * 2)
+    same_as_plain(seq, copy.deepcopy(model), x)
