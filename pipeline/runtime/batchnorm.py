@@ -41,6 +41,12 @@ __all__ = [
 ]
 
 _local = threading.local()
+_TWICE = (
+    "a {} ran twice in one micro-batch's forward: its statistics are deferred to one update "
+    "per mini-batch, where the plain model's BatchNorm updates them at every call; give each "
+    "call a BatchNorm of its own, or keep this layer a BatchNorm (deferred_batch_norm=False, "
+    "and no DeferredBatchNorm.convert)"
+)
 _merging = threading.Lock()
 
 
@@ -50,17 +56,21 @@ def deferring_batch_norm(on: bool) -> AbstractContextManager[None]:
 
 
 class _Deferring:
-    """Sets this thread's deferral for a block (entered once per task: a class, not a generator)."""
+    """Sets this thread's deferral for a block (entered once per task: a class, not a generator).
+
+    While deferring, ``_local.deferring`` holds the layers that accumulated in
+    this task: each may run once per micro-batch.
+    """
 
     __slots__ = ("on", "previous")
 
     def __init__(self, on: bool) -> None:
         self.on = on
-        self.previous = False
+        self.previous: set[int] | None = None
 
     def __enter__(self) -> None:
-        self.previous = getattr(_local, "deferring", False)
-        _local.deferring = self.on
+        self.previous = getattr(_local, "deferring", None)
+        _local.deferring = set() if self.on else None
 
     def __exit__(self, *exc_info: object) -> None:
         _local.deferring = self.previous
@@ -101,9 +111,13 @@ class DeferredBatchNorm(_BatchNorm):
                 momentum=0.0,
                 eps=self.eps,
             )
-        if not getattr(_local, "deferring", False):
+        ran: set[int] | None = getattr(_local, "deferring", None)
+        if ran is None:
             return super().forward(input)
         if not is_recomputing():
+            if id(self) in ran:
+                raise RuntimeError(_TWICE.format(type(self).__name__))
+            ran.add(id(self))
             self._accumulate(input)
         return F.batch_norm(
             input, None, None, self.weight, self.bias, training=True, momentum=0.0, eps=self.eps

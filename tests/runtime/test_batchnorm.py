@@ -230,3 +230,37 @@ def test_a_batch_norm_put_in_after_the_pipe_converted_its_own_is_refused(engine:
     assert model[0][0].weight.grad is None
     model[0][1].eval()  # a layer that updates nothing is no concern
     _stepped_alike(pipe, copy.deepcopy(model), engine)
+
+
+class NormTwice(nn.Module):
+    """One BatchNorm called twice per forward: the plain model updates its statistics twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(torch.tanh(self.bn(x)))
+
+
+@pytest.mark.parametrize("engine", ["pipe(x)", "step"])
+@pytest.mark.parametrize("chunks", [1, 4])
+def test_a_deferred_batch_norm_called_twice_in_one_forward_is_refused(
+    engine: str, chunks: int
+) -> None:
+    model = nn.Sequential(nn.Linear(4, 6), NormTwice()).double()
+    pipe = Pipe(model, [1, 1], devices=["cpu"] * 2, chunks=chunks, deferred_batch_norm=True)
+    with pytest.raises(RuntimeError, match="DeferredBatchNorm1d ran twice in one micro-batch"):
+        _stepped_alike(pipe, copy.deepcopy(model), engine)
+    assert int(model[1].bn.num_batches_tracked) == 0 and model[0].weight.grad is None
+
+
+def test_a_deferred_batch_norm_of_ones_own_in_two_places_of_a_partition_is_refused() -> None:
+    norm = DeferredBatchNorm.convert(nn.Sequential(nn.BatchNorm1d(6)))[0]
+    model = nn.Sequential(nn.Linear(4, 6), norm, nn.Tanh(), norm).double()
+    with pytest.raises(ValueError, match="'1' of partition 0 is also '3' of partition 1"):
+        Pipe(model, [3, 1], devices=["cpu"] * 2, chunks=2)
+    pipe = Pipe(model, [4], devices=["cpu"], chunks=2)  # twice in one partition
+    with pytest.raises(RuntimeError, match="ran twice in one micro-batch's forward"):
+        _stepped_alike(pipe, copy.deepcopy(model), "step")
+    assert int(norm.num_batches_tracked) == 0
