@@ -264,3 +264,12 @@ def test_a_deferred_batch_norm_of_ones_own_in_two_places_of_a_partition_is_refus
     with pytest.raises(RuntimeError, match="ran twice in one micro-batch's forward"):
         _stepped_alike(pipe, copy.deepcopy(model), "step")
     assert int(norm.num_batches_tracked) == 0
+
+
+def test_a_lazy_batch_norm_in_a_checkpointed_partition_is_refused_with_the_way_out() -> None:
+    model = nn.Sequential(nn.Linear(4, 6), nn.LazyBatchNorm1d()).double()
+    pipe = Pipe(model, [2], devices=["cpu"], chunks=2, checkpoint="always")
+    with pytest.raises(RuntimeError, match=r"buffer '1.running_mean' is not materialised yet"):
+        _stepped_alike(pipe, nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6)).double(), "step")
+    model(torch.randn(4, 4, dtype=torch.float64))  # the dry run torch asks of lazy modules
+    _stepped_alike(pipe, copy.deepcopy(model), "step")
