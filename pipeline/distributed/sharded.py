@@ -362,12 +362,13 @@ def _check_ties_kept(
         shape = tuple(replaced[0].shape)
         raise ValueError(
             f"{len(replaced)} weight(s) tied across processes (the first of shape {shape}) "
-            "were replaced after the DistributedPipe was built, by fully_shard or "
-            "parallelize_module: the pipe sums the gradients of the tied parameters it found "
-            "at construction, which the layers no longer use. Weights tied across processes "
-            "cannot be sharded yet: untie them, or leave the layers holding them out of "
-            "parallelize_module (with fully_shard, every stage must be sharded: replicate the "
-            "stages with pipeline.DataParallel instead)"
+            "were replaced after the DistributedPipe was built (untied by assigning a new "
+            "parameter, or sharded by fully_shard or parallelize_module): the pipe sums the "
+            "gradients of the tied parameters it found at construction, which the layers no "
+            "longer use. To untie them, build a new DistributedPipe from the untied model. "
+            "Weights tied across processes cannot be sharded yet: leave the layers holding "
+            "them out of parallelize_module (with fully_shard, every stage must be sharded: "
+            "replicate the stages with pipeline.DataParallel instead)"
         )
 
 

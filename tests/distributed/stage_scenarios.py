@@ -319,6 +319,13 @@ def tied_weights_across_processes_stay_equal_and_train_like_the_plain_model() ->
     reference = dict(plain.named_parameters(remove_duplicate=False))
     for name, param in pipe.named_parameters():
         torch.testing.assert_close(param, reference[name], msg=f"loaded: {name}")
+    # Untied after the pipe was built, on the last process: refused by every process, with
+    # the way out (the pipe sums the tied parameters it found at construction).
+    if rank() == world() - 1:
+        embedding = pipe.partitions[-1][-1].embedding
+        embedding.weight = nn.Parameter(embedding.weight.detach().clone())
+    refused = "build a new DistributedPipe from the untied model"
+    expect_error(ValueError, lambda: pipe.step(tokens, targets, F.cross_entropy), refused)
     pipe.close()
 
 
