@@ -155,11 +155,16 @@ class BlockCall:
                 size is None or size == real for size, real in zip(sizes, tensor.shape, strict=True)
             )
             if not fits or tensor.dtype != dtype:
+                remedy = (
+                    _AUTOCAST
+                    if fits and torch.is_autocast_enabled(tensor.device.type)
+                    else _remedy(result)
+                )
                 raise RuntimeError(
                     f"block {self.name} ({type(self.module).__name__}) returned a {tensor.dtype} "
                     f"tensor of shape {tuple(tensor.shape)} as output tensor {k}, where the "
                     f"captured call returned {dtype} of shape {sizes} for these inputs; the code "
-                    f"after it was captured for that. {_remedy(result)}"
+                    f"after it was captured for that. {remedy}"
                 )
 
     def output(self, tensors: Sequence[Tensor]) -> Any:
@@ -204,6 +209,15 @@ def _(call: int, tensors: list[Tensor], sizes: list[int]) -> list[Tensor]:
     record.result, fakes = found
     # A custom op's outputs may not alias its inputs: the fake ones are copies.
     return [fake.clone() for fake in fakes]
+
+
+_AUTOCAST = (
+    "autocast is on here: split captures the code between blocks without it (in the dtypes "
+    "the example traced), and that code may read its inputs' dtype (an upcast for a "
+    "normalisation), so a split model runs under autocast only where every block still "
+    "returns the dtypes of the split. Run the split model without autocast, or make the "
+    "blocks return those dtypes (cast their outputs back inside them)"
+)
 
 
 def _remedy(result: Result) -> str:

@@ -407,3 +407,13 @@ def test_a_weight_tied_into_a_block_may_be_untied() -> None:
     seq = pipeline.split(model, (x,))
     model.out.weight = nn.Parameter(model.out.weight.detach() * 2)
     same_as_plain(seq, copy.deepcopy(model), x)
+
+
+def test_autocast_that_changes_a_blocks_dtype_is_refused_naming_autocast() -> None:
+    x = torch.randn(4, 4)  # float32: autocast on the CPU casts its matrix products to bfloat16
+    seq = pipeline.split(Model(), (x,))
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(RuntimeError) as error:
+        seq(x)
+    message = str(error.value)
+    assert "returned a torch.bfloat16 tensor" in message and "autocast is on here" in message
+    seq(x)  # without autocast, as split
