@@ -705,7 +705,11 @@ class PipeBase(nn.Module, ABC):
 
         Equal to ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)``
         on the plain model, with the same arguments and return value (the
-        norm before clipping). Call it after the backward or ``step``, every
+        norm before clipping), bit for bit with float32 and float64
+        gradients; with bfloat16 and float16 ones, the total is taken in
+        float64 and returned in float32, and the clipped gradients are
+        within about a unit in the last place of torch's (docs/guide.md,
+        "Gradient clipping"). Call it after the backward or ``step``, every
         process of a ``DistributedPipe`` alike: the norm counts every stage
         of the pipeline (a weight tied across processes once, a DTensor
         gradient sharded by FSDP2 or tensor parallelism whole), where

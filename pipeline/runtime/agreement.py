@@ -7,7 +7,10 @@ all of them at once, so they all raise, naming the ranks that agree with
 each other, instead of some waiting in a later collective whose sizes no
 longer match (gloo aborts such a process). Where a mismatch needs
 explaining, ``gather_texts`` brings every process's text, its length agreed
-and bounded first: texts are data, and nothing received is unpickled.
+and bounded first: texts are data, and nothing received is unpickled. A
+rank that refused its arguments says so in its row's first entry, with the
+kind of its error (``refusal_entry``): the others raise one of that kind,
+naming it, and saying why where its text travels too (``refusal_heard``).
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ __all__ = [
     "gather_texts",
     "ranks_text",
     "refusal_elsewhere",
+    "refusal_entry",
+    "refusal_heard",
     "refused_text",
 ]
 
@@ -84,15 +89,86 @@ def ranks_text(groups: Sequence[Sequence[int]]) -> str:
     return parts[0] if len(parts) == 1 else f"{', '.join(parts[:-1])} and {parts[-1]}"
 
 
-def refusal_elsewhere(rows: Sequence[Sequence[int]], what: str, undone: str) -> ValueError | None:
-    """The error naming the ranks whose row starts with 1 (they refused ``what``), or None.
+# A row's first entry where its rank refused with an error that is not the library's own
+# ValueError: the others raise a plain ValueError.
+_PLAIN_REFUSAL = 1
+# The most of a refusal's text that travels to the other ranks.
+REFUSAL_TEXT_LIMIT = 4096
+
+
+def refusal_entry(refusal: BaseException | None) -> int:
+    """A row's first entry: 0 where nothing was refused, else the refusal's kind.
+
+    The kind is the hash of the name of the library's own ``ValueError``
+    (``ProgramError``, ...) that the refusal is, so that the other ranks
+    raise it too; 1 for any other error.
+    """
+    if refusal is None:
+        return 0
+    kinds = _library_kinds()
+    kind = next((k for k in type(refusal).__mro__ if k in kinds), None)
+    return _PLAIN_REFUSAL if kind is None else _kind_entry(kind)
+
+
+def _kind_entry(kind: type) -> int:
+    return fingerprint(f"{kind.__module__}.{kind.__qualname__}")
+
+
+def _library_kinds(base: type[ValueError] = ValueError) -> list[type[ValueError]]:
+    """The library's own subclasses of ``base``, found by their module: the refusing rank's
+    kind is one of those the others import, where the runtime imports none of them."""
+    found: list[type[ValueError]] = []
+    for kind in base.__subclasses__():
+        if kind.__module__.split(".")[0] == __name__.split(".")[0]:
+            found.append(kind)
+        found += _library_kinds(kind)
+    return found
+
+
+def _refused_kind(entry: int) -> type[ValueError]:
+    """The error a row's first entry names (``refusal_entry``): ValueError where none."""
+    return next((k for k in _library_kinds() if _kind_entry(k) == entry), ValueError)
+
+
+def refusal_elsewhere(
+    rows: Sequence[Sequence[int]], what: str, undone: str, texts: Sequence[str] | None = None
+) -> ValueError | None:
+    """The error naming the ranks whose row's first entry is not 0 (they refused ``what``),
+    or None; of the first one's kind (``refusal_entry``), saying why with its text in
+    ``texts`` (every rank's, by rank) where given.
 
     ``undone``: what no process did, since one refused.
     """
     refused = [rank for rank, row in enumerate(rows) if row[0]]
     if not refused:
         return None
-    return ValueError(f"{refused_text(refused)} {what} (its error says why); {undone}")
+    first = refused[0]
+    said = texts[first] if texts else ""
+    why = f"(rank {first}: {said})" if said else "(its error says why)"
+    kind = _refused_kind(rows[first][0])
+    return kind(f"{refused_text(refused)} {what} {why}; {undone}")
+
+
+def refusal_heard(
+    refusal: Exception | None,
+    rows: Sequence[Sequence[int]],
+    group: dist.ProcessGroup,
+    what: str,
+    undone: str,
+) -> Exception | None:
+    """``refusal``, or the error of a rank that refused (``refusal_elsewhere``, saying why),
+    or None; ``rows`` gathered from ``refusal_entry`` rows.
+
+    A collective over ``group`` where a row says that its rank refused: the
+    refusals' texts travel (every rank sees the rows, so all of them take
+    part).
+    """
+    if not any(row[0] for row in rows):
+        return refusal
+    text = "" if refusal is None else str(refusal)
+    clipped = text.encode()[:REFUSAL_TEXT_LIMIT].decode("utf-8", "ignore")
+    texts = gather_texts(clipped, group, REFUSAL_TEXT_LIMIT)
+    return refusal or refusal_elsewhere(rows, what, undone, texts)
 
 
 def refused_text(refused: Sequence[int]) -> str:

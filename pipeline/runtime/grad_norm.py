@@ -11,6 +11,11 @@ norm), and the processes of the pipeline combine them:
     norm_0 = sum over processes of their gradients with a nonzero entry
 
 so every process gets the plain model's norm and scales by the same factor.
+The total and the factor are float64 whatever the gradients' dtypes, so
+processes holding bfloat16 and float32 stages combine the same numbers;
+torch rounds its own to the gradients' dtype, so in bfloat16 and float16
+the two differ by about a unit in the last place (docs/guide.md, "Gradient
+clipping"), and are equal bit for bit in float32 and float64.
 """
 
 from __future__ import annotations
