@@ -52,10 +52,33 @@ def materialized(
             if buffer is not None and id(buffer) in fresh:
                 holder._buffers[name] = fresh[id(buffer)]
     partition._apply(lambda t: t.to(device))
+    versions = {id(tensor): tensor._version for tensor in fresh.values()}
     with torch.no_grad():
         for reset in reversed(resets):
             reset()
+    _refuse_unwritten(partition, versions, "init" if init is not None else "reset_parameters()")
     return partition
+
+
+def _refuse_unwritten(partition: nn.Module, versions: dict[int, int], resets: str) -> None:
+    """Refuse new storage that no reset wrote into: it holds whatever memory held before.
+
+    A reset writes in place (``nn.init``, ``fill_``, ``copy_``: the version
+    moves) or puts another tensor in the slot.
+    """
+    named = chain(
+        partition.named_parameters(remove_duplicate=True),
+        partition.named_buffers(remove_duplicate=True),
+    )
+    unwritten = [name for name, t in named if versions.get(id(t)) == t._version]
+    if unwritten:
+        raise ValueError(
+            f"{', '.join(unwritten)} got storage when materialised from the meta device, but "
+            f"no {resets} wrote into it, so it would hold whatever that memory held: give it "
+            "its values in DistributedPipe(init=...) (a function that initialises one module, "
+            "buffers included: BatchNorm's running statistics, a counter, rotary tables), or "
+            "build the model on a real device"
+        )
 
 
 def _storage_for(tensor: Tensor, device: torch.device) -> Tensor:

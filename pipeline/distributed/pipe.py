@@ -31,6 +31,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from itertools import chain
 from typing import Any
 
 import torch
@@ -60,7 +61,8 @@ from pipeline.runtime.agreement import (
     fingerprint,
     gather_rows,
     ranks_text,
-    refusal_elsewhere,
+    refusal_entry,
+    refusal_heard,
 )
 from pipeline.runtime.buffers import shared_buffers
 from pipeline.runtime.lazy import instance_of
@@ -84,7 +86,16 @@ __all__ = ["DistributedPipe"]
 # Long enough for a slow step; a stalled or dead peer fails the others after it.
 DEFAULT_TIMEOUT_S = 300.0
 _SHARDED_SCALER = "torch.distributed.fsdp.sharded_grad_scaler"
-_LOSS_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+# The dtypes an evaluation's loss can travel in, by their place here (the same in every
+# process). The last stage sums its micro-batches' losses, so a count (of correct
+# predictions) or a flag arrives as int64.
+_LOSS_DTYPES = [
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64,
+    torch.complex128, torch.int64,
+]  # fmt: skip
+# A loss travels as its bytes, room for the widest (complex128), then its dtype's place
+# plus one: summed over the ranks with the others' zeros, the bytes come back unchanged.
+_LOSS_BYTES = 16
 
 
 class DistributedPipe(PipeBase):
@@ -258,12 +269,7 @@ class DistributedPipe(PipeBase):
         self._ties = TiedWeights(every, self.owner)
         # A step's stages signalled after its end (tied weights, weights the caller reaches).
         self._late_stages: list[int] = []
-        self.partitions = [
-            materialized(p, self.device, init, module)
-            if self.owner[s] == self.rank
-            else nn.Sequential()
-            for s, p in enumerate(every)
-        ]
+        self.partitions = self._materialized(every, init, module)
         self._register_names(module, [self.partitions[s] for s in self.local_stages])
         self._ties_here = local_ties(self.partitions, self.local_stages)
         # A step or evaluation that failed midway with stages sharded across pipelines.
@@ -278,6 +284,30 @@ class DistributedPipe(PipeBase):
         }
         self._ties.resolve(self.partitions, self.local_stages, pipelines, self.rank)
         self._ties.synchronize()
+
+    def _materialized(
+        self, every: list[nn.Sequential], init: Init | None, module: nn.Module
+    ) -> list[nn.Sequential]:
+        """This process's stages on its device, materialised if on ``meta``; a refusal there
+        (storage that no reset wrote into) heard by every process, which would otherwise wait
+        for this one in the next collective."""
+        on_meta = any(t.is_meta for t in chain(module.parameters(), module.buffers()))
+        refusal: Exception | None = None
+        stages: list[nn.Sequential] = []
+        try:
+            stages = [
+                materialized(p, self.device, init, module)
+                if self.owner[s] == self.rank
+                else nn.Sequential()
+                for s, p in enumerate(every)
+            ]
+        except ValueError as error:
+            refusal = error
+        if on_meta:  # alike in every process: each was given the whole model
+            refusal = told_over([self.group], refusal, "this pipeline")
+        if refusal is not None:
+            raise refusal
+        return stages
 
     def _connect(self, pipelines: list[list[int]], timeout: float, max_message_bytes: int) -> None:
         """The transport to this process's peers, closed with the pipe."""
@@ -465,15 +495,28 @@ class DistributedPipe(PipeBase):
             self._refuse_reordered_updates(schedule, programs, self.local_stages)
         except ProgramError as error:
             refusal = error
-        try:
-            rows = gather_rows([int(refusal is not None)], self.group)
-        except RuntimeError as error:
-            raise self._transport.explain("the step's agreement", error) from error
-        refusal = refusal or refusal_elsewhere(
-            rows, "of the pipeline refused this step's programs", "no process ran anything"
-        )
+        _, refusal = self._gathered([refusal_entry(refusal)], refusal, "this step's programs")
         if refusal is not None:
             raise refusal
+
+    def _gathered(
+        self, row: list[int], refusal: Exception | None, what: str
+    ) -> tuple[list[list[int]], Exception | None]:
+        """Every process's ``row``, its first entry ``refusal_entry(refusal)``, and what
+        every process raises where one refused ``what`` (``refusal_heard``): its own error
+        there, one of its kind saying why elsewhere."""
+        try:
+            rows = gather_rows(row, self.group)
+            refusal = refusal_heard(
+                refusal,
+                rows,
+                self.group,
+                f"of the pipeline refused {what}",
+                "no process ran anything",
+            )
+        except RuntimeError as error:
+            raise self._transport.explain("the step's agreement", error) from error
+        return rows, refusal
 
     def _router_here(
         self, call: StepCall | EvaluateCall, batches: list[Batch], schedule: Schedule | None
@@ -650,7 +693,8 @@ class DistributedPipe(PipeBase):
         """The micro-batches' sizes, as stage 0's process split them, known to every process.
 
         Before any work: if a process refused its arguments, every process
-        raises (that one its own error); so does every process if they chose
+        raises (that one its own error, the others one of its kind where it
+        is the library's own, saying why); so does every process if they chose
         different schedules, if the target and the input split differently,
         or if ``programs`` refuses the sizes (every process of the pipeline
         alike: the schedule's programs for their count); with sharded stages
@@ -659,10 +703,8 @@ class DistributedPipe(PipeBase):
         """
         if choice is not None:
             choice += f", {self.chunks} chunks"
-        try:
-            rows = gather_rows(self._agreement_row(batches, targets, choice, refusal), self.group)
-        except RuntimeError as error:
-            raise self._transport.explain("the step's agreement", error) from error
+        row = self._agreement_row(batches, targets, choice, refusal)
+        rows, refusal = self._gathered(row, refusal, "this step's arguments")
         agreed: list[int] = []
         try:
             agreed = self._agreed(rows, refusal, choice, with_target)
@@ -687,11 +729,6 @@ class DistributedPipe(PipeBase):
         """The micro-batches' sizes from every process's row, or what refuses the call."""
         if refusal is not None:
             raise refusal
-        elsewhere = refusal_elsewhere(
-            rows, "of the pipeline refused this step's arguments", "no process ran anything"
-        )
-        if elsewhere is not None:
-            raise elsewhere
         choices = camps([theirs[1] for theirs in rows])
         if len(choices) > 1:
             raise ValueError(
@@ -723,7 +760,7 @@ class DistributedPipe(PipeBase):
         # Every process's row has 8 entries and one per tied parameter, the ties
         # the whole model's: the rows cannot differ in length, which would make
         # gloo abort a process, even where the processes' chunks differ.
-        row = [int(refusal is not None), 0 if choice is None else fingerprint(choice)]
+        row = [refusal_entry(refusal), 0 if choice is None else fingerprint(choice)]
         for scattered in (batches, targets):
             row += _split_summary([b.rows() for b in scattered])
         return row + self._ties.training_states()
@@ -744,11 +781,14 @@ class DistributedPipe(PipeBase):
         ended its actions, and a failure in one ends the others' wait for it,
         where a broadcast kept them until the failed process exited.
         """
-        message = torch.zeros(2, dtype=torch.float64)
+        message = torch.zeros(_LOSS_BYTES + 1, dtype=torch.uint8)
         if total is not None:
-            message[0], message[1] = total.double(), _LOSS_DTYPES.index(total.dtype)
-        value, dtype = self._summed_over_ranks(message, END_KEYS).tolist()
-        return torch.tensor(value, dtype=_LOSS_DTYPES[int(dtype)], device=self.device)
+            message[: total.element_size()] = _loss_bytes(total)
+            message[_LOSS_BYTES] = _LOSS_DTYPES.index(total.dtype) + 1
+        summed = self._summed_over_ranks(message, END_KEYS)
+        dtype = _LOSS_DTYPES[int(summed[_LOSS_BYTES]) - 1]
+        value = summed[: dtype.itemsize].view(dtype).reshape(())
+        return value.to(self.device, copy=True)
 
     # Evaluation
 
@@ -950,6 +990,18 @@ def _closed(transport: P2PTransport, ties: TiedWeights) -> None:
     """Close the pipe's transport and retire its groups (a finalizer: destroys nothing)."""
     transport.close()
     retire(ties)
+
+
+def _loss_bytes(total: Tensor) -> Tensor:
+    """An evaluation's loss as bytes to send, refusing a dtype with no place to travel in."""
+    if total.dtype not in _LOSS_DTYPES:
+        names = ", ".join(str(d).removeprefix("torch.") for d in _LOSS_DTYPES)
+        raise TypeError(
+            f"loss_fn returned a loss of dtype {total.dtype}, which DistributedPipe.evaluate "
+            f"cannot send to the other processes; it sends {names}: return the loss in one "
+            "of them (loss.double(), for one)"
+        )
+    return total.detach().reshape(1).view(torch.uint8).cpu()
 
 
 def _loss_choice(reduction: LossReduction | None, divisor: LossDivisor | None) -> str:

@@ -16,6 +16,7 @@ import sys
 import time
 import warnings
 from collections import Counter, namedtuple
+from collections.abc import Callable
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
@@ -212,6 +213,19 @@ def a_model_on_the_meta_device_is_materialised_stage_by_stage() -> None:
     F.mse_loss(plain(x), y).backward()
     assert_grads_equal(pipe, plain, "from the meta device")
     pipe.close()
+    # An init giving weights their values and leaving a BatchNorm's statistics alone: they
+    # would hold whatever memory held. Refused where they are, heard by every process.
+    with torch.device("meta"):
+        normed = nn.Sequential(*blocks(2 * world() - 1), nn.BatchNorm1d(WIDTH).double())
+    name = f"{2 * world() - 1}.running_mean"
+    refused = f"{name}, " if rank() == world() - 1 else "a process of this pipeline refused"
+    build = partial(DistributedPipe, normed, [2] * world(), init=weights_only)
+    expect_error(Exception, build, refused)
+
+
+def weights_only(module: nn.Module) -> None:
+    for parameter in module.parameters(recurse=False):
+        nn.init.ones_(parameter)
 
 
 class HalfInit(nn.Module):
@@ -2155,6 +2169,59 @@ def tied_model_for(stages: int) -> nn.Sequential:
     embed = Embed()
     layers = [embed, *(block() for _ in range(2 * stages - 2)), Head(embed.token)]
     return nn.Sequential(*layers).double()
+
+
+CLASSES = 3
+
+
+def correct(output: Tensor, target: Tensor) -> Tensor:
+    return (output.argmax(1) == target).sum()
+
+
+LOSSES_OF_EVERY_DTYPE: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+    "int64 count": correct,
+    "int32 count": lambda o, t: correct(o, t).int(),
+    "uint8 count": lambda o, t: correct(o, t).to(torch.uint8),
+    "bool": lambda o, t: (o.argmax(1) == t).any(),
+    "float16": lambda o, t: F.cross_entropy(o.half(), t, reduction="sum"),
+    "complex64": lambda o, t: torch.complex(o.sum(), t.sum().float()),
+}
+
+
+@scenario
+def evaluate_returns_a_loss_of_any_dtype_as_the_single_process_pipe() -> None:
+    """Integer and boolean losses (counts, flags) come back as int64 sums, as from Pipe."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(WIDTH, WIDTH) for _ in range(2 * world() - 1)]
+    model = nn.Sequential(*layers, nn.Linear(WIDTH, CLASSES))
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(10, WIDTH, generator=gen), torch.randint(CLASSES, (10,), generator=gen)
+    one = Pipe(copy.deepcopy(model), [2] * world(), devices=["cpu"] * world(), chunks=4)
+    pipe = DistributedPipe(copy.deepcopy(model), [2] * world(), chunks=4)
+    for name, loss_fn in LOSSES_OF_EVERY_DTYPE.items():
+        expected = one.evaluate(x, y, loss_fn, loss_reduction="sum")
+        got = pipe.evaluate(x, y, loss_fn, loss_reduction="sum")
+        assert got.dtype == expected.dtype, (name, got.dtype, expected.dtype)
+        assert torch.equal(got, expected), (name, got, expected)
+    one.close()
+    pipe.close()
+
+
+@scenario
+def forwards_out_of_order_raise_program_error_on_every_process_saying_why() -> None:
+    """Refused where the BatchNorm's stage runs, heard by the others: one ProgramError kind."""
+    torch.manual_seed(2)
+    layers = [nn.Linear(WIDTH, WIDTH) for _ in range(2 * world() - 1)]
+    pipe = DistributedPipe(nn.Sequential(nn.BatchNorm1d(WIDTH), *layers), [2] * world(), chunks=3)
+    reversed_on_0 = "0F1 0F0 0F2 0B0 0B1 0B2"
+    programs = [reversed_on_0] + [f"{s}F0 {s}F1 {s}F2 {s}B0 {s}B1 {s}B2" for s in range(1, world())]
+    x, y = torch.randn(9, WIDTH), torch.randn(9, WIDTH)
+    why = "stage 0 runs the forward of micro-batch 1 before"
+    who = [] if rank() == 0 else ["rank 0 of the pipeline refused this step's programs"]
+    step = lambda: pipe.step(x, y, F.mse_loss, schedule=Programs(programs))  # noqa: E731
+    expect_error(ProgramError, step, why, *who)
+    assert all(p.grad is None for p in pipe.parameters()), "a refused step computed"
+    pipe.close()
 
 
 if __name__ == "__main__":

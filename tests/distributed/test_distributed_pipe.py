@@ -56,6 +56,8 @@ SHARED = [
     "tuples_dicts_and_plain_values_cross_processes",
     "evaluate_returns_loss_and_outputs_on_every_process",
     "evaluate_arguments_are_agreed_by_every_process",
+    "evaluate_returns_a_loss_of_any_dtype_as_the_single_process_pipe",
+    "forwards_out_of_order_raise_program_error_on_every_process_saying_why",
     "loss_reductions_and_divisors_equal_the_plain_model",
     "a_grad_scaler_must_agree_on_infs_across_processes",
     "last_step_reports_this_process_stages",
