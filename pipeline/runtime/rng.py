@@ -171,8 +171,11 @@ def _random(func: Any) -> bool:
 
 # Arguments that, given these values, make an op tagged random draw nothing: attention's
 # dropout of 0 (CPU's scaled dot product attention is tagged whatever its dropout), a
-# dropout outside training.
-_DRAWS_NOTHING = {"dropout_p": 0.0, "train": False}
+# dropout or RReLU outside training.
+_DRAWS_NOTHING = {"dropout_p": 0.0, "train": False, "training": False}
+# Arguments whose values may leave nothing to draw: an empty tensor, a size holding 0 (torch
+# draws nothing for zero elements, so its generator stays as it was).
+_SIZES = ("self", "input", "size")
 _switches: dict[Any, list[tuple[int, str, Any]]] = {}
 
 
@@ -185,13 +188,22 @@ def _draws(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         switches = _switches[func] = [
             (k, a.name, a.default_value)
             for k, a in enumerate(func._schema.arguments)
-            if a.name in _DRAWS_NOTHING
+            if a.name in _DRAWS_NOTHING or a.name in _SIZES
         ]
     for index, name, default in switches:
         value = kwargs.get(name, args[index] if index < len(args) else default)
-        if value is not None and value == _DRAWS_NOTHING[name]:
+        if name in _SIZES:
+            if _no_elements(value):
+                return False
+        elif value is not None and value == _DRAWS_NOTHING[name]:
             return False
     return True
+
+
+def _no_elements(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 0
+    return isinstance(value, list | tuple) and any(type(n) is int and n == 0 for n in value)
 
 
 def _state(generator: torch.Generator) -> torch.Tensor:

@@ -496,12 +496,23 @@ def test_generator_after_a_step_is_deterministic() -> None:
     assert torch.equal(draws[0], draws[1]) and torch.equal(draws[1], draws[2])
 
 
-def test_a_model_without_random_ops_leaves_the_generator_alone() -> None:
-    pipe = Pipe(nn.Sequential(nn.Linear(4, 4), nn.Tanh()), [1, 1], devices=["cpu"] * 2, chunks=2)
+class DrawsNothing(nn.Module):
+    """Ops tagged random that draw nothing here: RReLU outside training, draws of no elements."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        empty = torch.rand(0) + torch.randint(0, 3, (0,)) + x.new_empty(0).uniform_()
+        return F.rrelu(x, training=False) + empty.sum()
+
+
+@pytest.mark.parametrize("layer", [nn.Tanh, DrawsNothing])
+def test_a_model_without_random_draws_leaves_the_generator_alone(layer: type[nn.Module]) -> None:
+    model = nn.Sequential(nn.Linear(4, 4), layer())
+    pipe = Pipe(model, [1, 1], devices=["cpu"] * 2, chunks=2)
     torch.manual_seed(3)
     pipe(torch.ones(4, 4)).sum().backward()  # type: ignore[union-attr]
     after_pipe = torch.rand(3)
     torch.manual_seed(3)
+    model(torch.ones(4, 4)).sum().backward()
     assert torch.equal(torch.rand(3), after_pipe)
 
 
