@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import math
 import statistics
 import sys
 import time
@@ -299,6 +300,14 @@ def main(argv: list[str] | None = None) -> None:
         dist.destroy_process_group()
 
 
+def _relative_error(measured: int, predicted: int) -> float:
+    """Measured over predicted, less one; a stage predicted to hold nothing that held
+    something is infinitely off, not exact."""
+    if predicted:
+        return measured / predicted - 1
+    return 0.0 if measured == 0 else math.inf
+
+
 def report(
     args: argparse.Namespace,
     info: dict[str, Any],
@@ -317,7 +326,7 @@ def report(
     for c, seconds, saved in zip(candidates, measured, activations, strict=True):
         predicted = [s.activations for s in c.memory]
         worst = max(range(len(saved)), key=lambda j: abs(saved[j] - predicted[j]))
-        memory_error = saved[worst] / predicted[worst] - 1 if predicted[worst] else 0.0
+        memory_error = _relative_error(saved[worst], predicted[worst])
         time_error = seconds / c.seconds - 1
         print(f"| {c.describe()} | {c.seconds * 1e3:.2f} | {seconds * 1e3:.2f} | "
               f"{time_error:+.0%} | {max(predicted) / 1024:.1f} | {max(saved) / 1024:.1f} | "

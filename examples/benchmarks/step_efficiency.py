@@ -151,9 +151,11 @@ def activation_peak(
 
     One meter for the whole pipe (a step's ``measure_memory`` counts each
     stage on its own). Saved-tensor hooks are thread-local, so each layer's
-    forward enters the meter's hooks on whichever worker runs it.
+    forward enters the meter's hooks on whichever worker runs it. The
+    caller's batch is not counted, as ``last_step`` does not count it: every
+    micro-batch is a view of it, held by the caller whatever the schedule.
     """
-    meter = ActivationMeter(pipe.parameters())
+    meter = ActivationMeter([*pipe.parameters(), x, y])
     entered: dict[nn.Module, list[AbstractContextManager[None]]] = {}
 
     def enter(layer: nn.Module, args: Any) -> None:
