@@ -106,44 +106,8 @@ class PeakForms:
     ) -> None:
         self.stage = stage
         self._stages = 1 + max((action.stage for action in order), default=stage)
-        held = _Held()
-        samples: dict[tuple[_Read, ...], None] = {}
-
-        def sample() -> None:  # the first of equal samples is the one a peak keeps
-            samples.setdefault(held.frozen(), None)
-
-        skip_from, skip_grad_from = SKIPS, SKIPS + self._stages
-        for action in order:
-            i, kind = action.microbatch, action.kind
-            task = (i, stage) in checkpointed
-            if action.stage != stage and kind == "F":
-                held.add(i, MAIL, {skip_from + action.stage: 1})
-            elif action.stage != stage and kind in ("B", "I"):
-                held.add(i, MAIL, {skip_grad_from + action.stage: 1})
-            if action.stage == stage - 1 and kind == "F":
-                held.add(i, MAIL, {MAILED: 1})  # the activation, mailed
-            elif action.stage == stage + 1 and kind in ("B", "I"):
-                held.add(i, MAIL, {GRAD: 1})  # the gradient, mailed back
-            elif action.stage == stage:
-                if kind == "F":
-                    # The mailed activation becomes the input, and what the layers save of it.
-                    held.set(i, SAVED, {} if task else {SAVED_BYTES: 1})
-                    held.set(i, INPUTS, {RECEIVED: 1} if task else {UNSAVED: 1})
-                    held.set(i, MAIL, {})
-                elif kind in ("B", "I") and task:
-                    # Recomputed (on copies of the buffers it changes), its gradient still mailed.
-                    held.set(i, SAVED, {SAVED_BYTES: 1, REPLAYED: 1})
-                    held.set(i, INPUTS, {UNSAVED: 1})
-                sample()
-                if kind in ("B", "I"):
-                    held.set(i, MAIL, {})
-                if kind == "I":
-                    held.add(i, SAVED, {RELEASED: -1, **({REPLAYED_RELEASED: -1} if task else {})})
-                    held.set(i, RECORDED, {RECORDED_BYTES: 1})
-                if kind in ("B", "W"):
-                    held.drop(i)
-            sample()
         # Each sample's total beside its terms: a cut reads the terms of its peak alone.
+        samples = _walked(order, stage, checkpointed, self._stages)
         self._samples = tuple((_summed(terms), terms) for terms in samples)
 
     def peaks(self, one: MicroBatchBytes) -> HeldPeaks:
@@ -172,6 +136,50 @@ class PeakForms:
                 peak_total, peak_terms = held, terms
         peak = (0, 0, 0, 0) if peak_terms is None else [_read(t, values) for t in peak_terms]
         return HeldPeaks(activations, *peak)
+
+
+def _walked(
+    order: Sequence[Action], stage: int, checkpointed: set[tuple[int, int]], stages: int
+) -> list[tuple[_Read, ...]]:
+    """The stage's four sums after each action of ``order``, as forms, each once (the first
+    of equal samples is the one a peak keeps)."""
+    held = _Held()
+    samples: dict[tuple[_Read, ...], None] = {}
+
+    def sample() -> None:
+        samples.setdefault(held.frozen(), None)
+
+    for action in order:
+        i, kind = action.microbatch, action.kind
+        task = (i, stage) in checkpointed
+        if action.stage != stage and kind == "F":
+            held.add(i, MAIL, {SKIPS + action.stage: 1})
+        elif action.stage != stage and kind in ("B", "I"):
+            held.add(i, MAIL, {SKIPS + stages + action.stage: 1})
+        if action.stage == stage - 1 and kind == "F":
+            held.add(i, MAIL, {MAILED: 1})  # the activation, mailed
+        elif action.stage == stage + 1 and kind in ("B", "I"):
+            held.add(i, MAIL, {GRAD: 1})  # the gradient, mailed back
+        elif action.stage == stage:
+            if kind == "F":
+                # The mailed activation becomes the input, and what the layers save of it.
+                held.set(i, SAVED, {} if task else {SAVED_BYTES: 1})
+                held.set(i, INPUTS, {RECEIVED: 1} if task else {UNSAVED: 1})
+                held.set(i, MAIL, {})
+            elif kind in ("B", "I") and task:
+                # Recomputed (on copies of the buffers it changes), its gradient still mailed.
+                held.set(i, SAVED, {SAVED_BYTES: 1, REPLAYED: 1})
+                held.set(i, INPUTS, {UNSAVED: 1})
+            sample()
+            if kind in ("B", "I"):
+                held.set(i, MAIL, {})
+            if kind == "I":
+                held.add(i, SAVED, {RELEASED: -1, **({REPLAYED_RELEASED: -1} if task else {})})
+                held.set(i, RECORDED, {RECORDED_BYTES: 1})
+            if kind in ("B", "W"):
+                held.drop(i)
+        sample()
+    return list(samples)
 
 
 class _Held:
