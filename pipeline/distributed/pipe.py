@@ -301,7 +301,7 @@ class DistributedPipe(PipeBase):
                 else nn.Sequential()
                 for s, p in enumerate(every)
             ]
-        except ValueError as error:
+        except Exception as error:  # an init of the user's may raise anything
             refusal = error
         if on_meta:  # alike in every process: each was given the whole model
             refusal = told_over([self.group], refusal, "this pipeline")

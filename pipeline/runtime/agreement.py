@@ -38,7 +38,7 @@ __all__ = [
 
 def fingerprint(text: str) -> int:
     """A signed 64-bit hash of ``text``, alike in every process (``hash()`` is salted)."""
-    digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
+    digest = hashlib.blake2b(_utf8(text), digest_size=8).digest()
     return int.from_bytes(digest, "little", signed=True)
 
 
@@ -51,13 +51,19 @@ def gather_rows(row: Sequence[int], group: dist.ProcessGroup) -> list[list[int]]
     return [[int(v) for v in r.tolist()] for r in rows]
 
 
+def _utf8(text: str) -> bytes:
+    """``text`` as UTF-8, a lone surrogate (a file name decoded by ``os.fsdecode``) escaped:
+    a text that failed to encode on one rank would leave the others waiting for it."""
+    return text.encode("utf-8", "backslashreplace")
+
+
 def gather_texts(text: str, group: dist.ProcessGroup, limit: int) -> list[str] | None:
     """Every rank's ``text``, by group rank; None (on every rank) if one is over ``limit`` bytes.
 
     The lengths travel first, in a row of their own, so that no rank
     allocates more than ``limit`` bytes for another's text.
     """
-    data = text.encode()
+    data = _utf8(text)
     lengths = [row[0] for row in gather_rows([len(data)], group)]
     if any(not 0 <= n <= limit for n in lengths):
         return None
@@ -166,7 +172,7 @@ def refusal_heard(
     if not any(row[0] for row in rows):
         return refusal
     text = "" if refusal is None else str(refusal)
-    clipped = text.encode()[:REFUSAL_TEXT_LIMIT].decode("utf-8", "ignore")
+    clipped = _utf8(text)[:REFUSAL_TEXT_LIMIT].decode("utf-8", "ignore")
     texts = gather_texts(clipped, group, REFUSAL_TEXT_LIMIT)
     return refusal or refusal_elsewhere(rows, what, undone, texts)
 

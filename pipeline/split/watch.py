@@ -37,6 +37,8 @@ from pipeline.split.where import describe_module
 __all__ = ["Watch"]
 
 _AGAIN = "split the model again after the change"
+# A slot holding a tensor: its module's parameters or buffers, the name there, the full name.
+_Holder = tuple[Mapping[str, Tensor | None], str, str]
 
 
 class Watch:
@@ -59,31 +61,40 @@ class Watch:
         # (the model's own parameters or buffers, the name, the one registered at split time)
         self.own: list[tuple[Mapping[str, Tensor | None], str, Tensor]] = []
         # Each tie the captured code reads as one tensor: (its holders' tensors, the name).
-        self.ties: list[list[tuple[Mapping[str, Tensor | None], str, str]]] = []
+        self.ties: list[list[_Holder]] = []
 
     def add_tensors(
         self,
         model: nn.Module,
         fetched: Iterable[tuple[nn.Module, str]],
         blocks: dict[nn.Module, str],
+        names: dict[nn.Module, str],
     ) -> None:
         """Check that the model's own tensors stay the split model's, and that the tensors
         the captured code reads (``fetched``) stay tied where they were.
 
-        A block runs as itself, reading its own attributes: a tie into one is followed.
+        A block runs as itself, reading its own attributes: a tie into one is
+        followed, unless the captured code reads the tensor by the block's name.
         """
         self.own = [
             (model._parameters, n, t) for n, t in model._parameters.items() if t is not None
         ]
         self.own += [(model._buffers, n, t) for n, t in model._buffers.items() if t is not None]
-        holders: dict[int, list[tuple[Mapping[str, Tensor | None], str, str]]] = {}
+        holders: dict[int, list[_Holder]] = {}
         for prefix, module in _outside(model, blocks):
             for tensors in (module._parameters, module._buffers):
                 for name, tensor in tensors.items():
                     if tensor is not None:
                         holders.setdefault(id(tensor), []).append((tensors, name, prefix + name))
-        read = {id(getattr(module, attribute)) for module, attribute in fetched}
-        self.ties = [held for key, held in holders.items() if key in read and len(held) > 1]
+        self.ties = []
+        for module, attribute in dict.fromkeys(fetched):
+            tensors = module._parameters if attribute in module._parameters else module._buffers
+            # The holder the captured code reads, in a block or not, and the others outside.
+            tie: list[_Holder] = [(tensors, attribute, _qualified(names[module], attribute))]
+            others = holders.get(id(tensors[attribute]), [])
+            tie += [h for h in others if h[0] is not tensors or h[1] != attribute]
+            if len(tie) > 1:
+                self.ties.append(tie)
 
     def add_places(self, parents: Iterable[nn.Module], watched: dict[nn.Module, str]) -> None:
         """Check that each child of ``parents`` among ``watched`` stays where it is."""
@@ -103,8 +114,9 @@ class Watch:
             if now is not child:
                 raise RuntimeError(_replaced(describe_module(name, child), now))
         for tensors, name, tensor in self.own:
-            if tensors.get(name) is not tensor:
-                raise RuntimeError(_own_replaced(name, tensor))
+            now = tensors.get(name)
+            if now is not tensor:
+                raise RuntimeError(_own_replaced(name, tensor, now))
         for held in self.ties:
             first = held[0][0].get(held[0][1])
             for tensors, name, where in held[1:]:
@@ -116,6 +128,10 @@ class Watch:
             "they were registered after the split; remove them, or split the model again with "
             "the module in points (a point runs as itself, hooks included)",
         )
+
+
+def _qualified(module: str, attribute: str) -> str:
+    return f"{module}.{attribute}" if module else attribute
 
 
 def _outside(model: nn.Module, blocks: dict[nn.Module, str]) -> list[tuple[str, nn.Module]]:
@@ -170,8 +186,14 @@ def _replaced(what: str, now: nn.Module | None) -> str:
     )
 
 
-def _own_replaced(name: str, tensor: Tensor) -> str:
+def _own_replaced(name: str, tensor: Tensor, now: Tensor | None) -> str:
     kind = "parameter" if isinstance(tensor, nn.Parameter) else "buffer"
+    if now is not None and now.dtype != tensor.dtype:
+        return (
+            f"the model's {kind} {name!r} is {now.dtype}, but the model was split with it in "
+            f"{tensor.dtype} (.to(dtype) or .float() replaced it), and the code around it was "
+            "captured for that dtype: split the model again after changing dtypes"
+        )
     return (
         f"the model's {kind} {name!r} was replaced after the split; the split model (and a "
         "pipe of it) holds the one it was split with, so their parameters(), state_dict() and "

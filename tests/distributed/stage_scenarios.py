@@ -221,6 +221,19 @@ def a_model_on_the_meta_device_is_materialised_stage_by_stage() -> None:
     refused = f"{name}, " if rank() == world() - 1 else "a process of this pipeline refused"
     build = partial(DistributedPipe, normed, [2] * world(), init=weights_only)
     expect_error(Exception, build, refused)
+    # An init raising on one process only: every process hears it (the others waited in
+    # the next collective until the group's timeout).
+    with torch.device("meta"):
+        failing = blocks(2 * world())
+    refused = "no weight here" if rank() == world() - 1 else "a process of this pipeline refused"
+    build = partial(DistributedPipe, failing, [2] * world(), init=fails_on_the_last_process)
+    expect_error(Exception, build, refused)
+
+
+def fails_on_the_last_process(module: nn.Module) -> None:
+    if rank() == world() - 1:
+        raise AttributeError("no weight here")
+    weights_only(module)
 
 
 def weights_only(module: nn.Module) -> None:
@@ -754,6 +767,13 @@ def bad_arguments_are_refused_by_every_process_before_any_work() -> None:
         "chose different schedules",
         "Wrapped() (programs for 2 micro-batches: #",
     )
+    # A refusal whose text holds a lone surrogate (a file name from os.fsdecode) on one
+    # process: it raises its own error, the others hear it (its encoding failed, and they
+    # waited for its text until the group's timeout).
+    unreadable = FileNamed(os.fsdecode(b"/data/programs\xff.txt"))
+    heard = "no programs in /data/programs" if rank() == 0 else "rank 0 of the pipeline refused"
+    schedule = unreadable if rank() == 0 else "1f1b"
+    expect_error(ValueError, lambda: pipe.step(x, y, F.mse_loss, schedule=schedule), heard)
     # Programs whose stages are not their processes' (program r runs in process r).
     swapped = Programs([f"{s}F0 {s}F1 {s}B0 {s}B1" for s in reversed(range(world()))])
     expect_error(
@@ -800,6 +820,16 @@ def bad_arguments_are_refused_by_every_process_before_any_work() -> None:
     expect_error(ValueError, lambda: deferring.step(x, y, F.mse_loss), refused)
     assert all(p.grad is None for p in deferring.parameters()), "a refused step computed"
     deferring.close()
+
+
+class FileNamed(OneFOneB):
+    """A schedule of one's own that refuses, naming a file."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def workers(self, stages: int) -> int:
+        raise ValueError(f"no programs in {self.path}")
 
 
 def reordered_programs(m: int) -> list[str]:
