@@ -460,5 +460,5 @@ def test_the_models_own_buffer_in_another_dtype_is_refused_naming_the_dtype() ->
     x = torch.randn(4, 4, dtype=torch.float64)
     seq = pipeline.split(model, (x,))
     model.float()
-    with pytest.raises(RuntimeError, match="'shift' is torch.float32, but the model was split"):
+    with pytest.raises(RuntimeError, match=r"'shift' is torch\.float32, but the model was split"):
         seq(x.float())
