@@ -4,6 +4,7 @@ process's device, values from each module's reset (or the model's own initialisa
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from functools import partial
 from itertools import chain
@@ -61,31 +62,56 @@ def materialized(
 
 
 def _refuse_unwritten(partition: nn.Module, versions: dict[int, int], resets: str) -> None:
-    """Refuse new storage that no reset wrote into: it holds whatever memory held before.
+    """Refuse new storage that no reset wrote into: it would hold whatever memory held.
 
-    A reset writes in place (``nn.init``, ``fill_``, ``copy_``: the version
-    moves) or puts another tensor in the slot.
+    New storage starts marked (``_mark``): a float tensor with NaN, an
+    integer one with its type's least (unsigned: greatest) value. A float
+    tensor keeping a NaN was not written there; an integer one is unwritten
+    where every value keeps the mark and its version has not moved (a reset
+    may write zeros, or through ``.data``, which counts no version). A slot
+    given another tensor was written.
     """
     named = chain(
         partition.named_parameters(remove_duplicate=True),
         partition.named_buffers(remove_duplicate=True),
     )
-    unwritten = [name for name, t in named if versions.get(id(t)) == t._version]
+    unwritten = [name for name, t in named if id(t) in versions and _unwritten(t, versions[id(t)])]
     if unwritten:
         raise ValueError(
             f"{', '.join(unwritten)} got storage when materialised from the meta device, but "
-            f"no {resets} wrote into it, so it would hold whatever that memory held: give it "
-            "its values in DistributedPipe(init=...) (a function that initialises one module, "
-            "buffers included: BatchNorm's running statistics, a counter, rotary tables), or "
-            "build the model on a real device"
+            f"no {resets} wrote into all of it, so it would hold whatever that memory held: "
+            "give it its values in DistributedPipe(init=...) (a function that initialises one "
+            "module, buffers included: BatchNorm's running statistics, a counter, rotary "
+            "tables), or build the model on a real device"
         )
 
 
+def _mark(dtype: torch.dtype) -> float | int | None:
+    """What new storage of ``dtype`` starts as (``_refuse_unwritten``); None for bool."""
+    if dtype.is_floating_point or dtype.is_complex:
+        return math.nan
+    if dtype == torch.bool:
+        return None
+    info = torch.iinfo(dtype)
+    return info.max if info.min == 0 else info.min
+
+
+def _unwritten(tensor: Tensor, version: int) -> bool:
+    mark = _mark(tensor.dtype)
+    if mark is None or tensor.numel() == 0:
+        return False  # a bool starts False: nothing of the old memory is left
+    with torch.no_grad():
+        if isinstance(mark, float):
+            return bool(tensor.isnan().any())
+        return tensor._version == version and bool((tensor == mark).all())
+
+
 def _storage_for(tensor: Tensor, device: torch.device) -> Tensor:
-    empty = torch.empty_like(tensor, device=device)
+    mark = _mark(tensor.dtype)
+    new = torch.full_like(tensor, False if mark is None else mark, device=device)
     if isinstance(tensor, nn.Parameter):
-        return nn.Parameter(empty, requires_grad=tensor.requires_grad)
-    return empty
+        return nn.Parameter(new, requires_grad=tensor.requires_grad)
+    return new
 
 
 def meta_resets(module: nn.Module, init: Init | None = None) -> list[Callable[[], None]]:

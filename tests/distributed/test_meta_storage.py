@@ -1,0 +1,64 @@
+"""Storage materialised from ``meta``: every value written by a reset or init, or refused."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+from torch import nn
+
+meta = importlib.import_module("pipeline.distributed.meta")
+CPU = torch.device("cpu")
+
+
+class DataReset(nn.Linear):
+    """The older idiom: a reset writing through ``.data``, which counts no version."""
+
+    def reset_parameters(self) -> None:
+        self.weight.data.normal_(0, 0.02)
+        self.bias.data.zero_()
+
+
+class Counter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
+        self.register_buffer("seen", torch.zeros(3, dtype=torch.uint8))
+
+    def reset_parameters(self) -> None:
+        self.calls.zero_()
+        self.seen.data.zero_()
+
+
+def on_meta(*layers: type[nn.Module]) -> nn.Sequential:
+    with torch.device("meta"):
+        return nn.Sequential(*(layer() for layer in layers))
+
+
+def test_resets_writing_through_data_or_zeros_are_taken() -> None:
+    model = meta.materialized(on_meta(lambda: DataReset(4, 4), Counter), CPU)  # type: ignore[arg-type]
+    assert model[0].weight.std() > 0 and not model[0].bias.any()
+    assert int(model[1].calls) == 0 and not model[1].seen.any()
+
+
+def test_storage_no_init_wrote_into_is_refused_naming_it() -> None:
+    def weights_only(module: nn.Module) -> None:
+        for parameter in module.parameters(recurse=False):
+            nn.init.ones_(parameter)
+
+    model = on_meta(lambda: nn.Linear(4, 4), lambda: nn.BatchNorm1d(4))  # type: ignore[arg-type]
+    with pytest.raises(
+        ValueError, match=r"1\.running_mean, 1\.running_var, 1\.num_batches_tracked"
+    ):
+        meta.materialized(model, CPU, weights_only)
+
+
+def test_storage_an_init_wrote_into_in_part_is_refused() -> None:
+    def first_row(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            module.weight.data[0] = 1.0
+            module.bias.data.zero_()
+
+    with pytest.raises(ValueError, match=r"0\.weight got storage .* no init wrote into all of it"):
+        meta.materialized(on_meta(lambda: nn.Linear(4, 4)), CPU, first_row)  # type: ignore[arg-type]
