@@ -33,7 +33,7 @@ from pipeline.arguments import (
 )
 from pipeline.calls import EvaluateCall, MicroBatches, StepCall, check_flags
 from pipeline.runtime.batchnorm import DeferredBatchNorm, deferred_norms, statistics_of_one_pass
-from pipeline.runtime.buffers import updating_layer
+from pipeline.runtime.buffers import refuse_lazy, updating_layer
 from pipeline.runtime.evaluation import evaluating, evaluation_seed
 from pipeline.runtime.grad_norm import clip_grad_norm
 from pipeline.runtime.layers import named_layers, register_names
@@ -455,6 +455,7 @@ class PipeBase(nn.Module, ABC):
         for check, _, _ in self._step_checks:
             check()
         deferred_norms(self, self._converts_batch_norm)  # within a DistributedPipe's agreement
+        self._refuse_lazy_where_recomputed()
         refuse_cached_parametrizations(self, f"{self._NAME}.step")
         reduction = self._check_loss(call.loss_fn, call.loss_reduction, call.loss_divisor)
         check_grad_scaler(call.grad_scaler, self._runtime.devices[-1])
@@ -682,6 +683,10 @@ class PipeBase(nn.Module, ABC):
         return Measured(
             run.timed, programs, run.peak_in_flight, run.peak_activation_bytes, worker_of_program
         )
+
+    def _refuse_lazy_where_recomputed(self) -> None:
+        if self.checkpoint == "always" or (self.checkpoint == "except_last" and self.chunks > 1):
+            refuse_lazy(self.partitions)
 
     @contextmanager
     def _one_pass(self, batches: list[Batch]) -> Iterator[None]:

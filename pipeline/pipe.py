@@ -29,6 +29,7 @@ from pipeline.base import PipeBase
 from pipeline.calls import EvaluateCall, MicroBatches, StepCall
 from pipeline.clock.driver import ClockDriver
 from pipeline.runtime.borrowed import find_loans
+from pipeline.runtime.buffers import refuse_lazy
 from pipeline.runtime.microbatch import Batch, Value, check_input, gather, scatter, to_device
 from pipeline.runtime.partitions import Hook, PositionalSequential
 from pipeline.runtime.recompute import checkpoint_stop
@@ -218,6 +219,7 @@ class Pipe(PipeBase):
         if stop:
             refuse_reparametrized(self, "this Pipe")
             refuse_cached_parametrizations(self, "this Pipe, which recomputes,")
+            refuse_lazy(self.partitions)
         with self._one_pass(batches):
             self._driver.run(batches, stop, hooks, sum(rows))
         return gather(batches, rows)

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from pipeline.runtime.phase import is_recomputing
+from pipeline.runtime.rng import inside_a_checkpoint_of_its_own
 
 __all__ = [
     "DeferredBatchNorm",
@@ -41,6 +42,12 @@ __all__ = [
 ]
 
 _local = threading.local()
+_OWN_CHECKPOINT = (
+    "a {} runs inside a torch.utils.checkpoint of a layer's own: torch recomputes it in the "
+    "backward, outside the pipe's deferral, where it would update its statistics once per "
+    "micro-batch more; let the pipe recompute instead (checkpoint=...), or keep this layer a "
+    "BatchNorm (deferred_batch_norm=False)"
+)
 _TWICE = (
     "a {} ran twice in one micro-batch's forward: its statistics are deferred to one update "
     "per mini-batch, where the plain model's BatchNorm updates them at every call; give each "
@@ -117,6 +124,8 @@ class DeferredBatchNorm(_BatchNorm):
         if not is_recomputing():
             if id(self) in ran:
                 raise RuntimeError(_TWICE.format(type(self).__name__))
+            if inside_a_checkpoint_of_its_own():
+                raise RuntimeError(_OWN_CHECKPOINT.format(type(self).__name__))
             ran.add(id(self))
             self._accumulate(input)
         return F.batch_norm(

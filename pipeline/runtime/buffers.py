@@ -160,7 +160,6 @@ class PartitionBuffers:
         if now != self.learned_in:
             self.changing, self.learned_in = None, now
         keep = buffers.keys() if self.changing is None else self.changing
-        _refuse_lazy([(name, buffers[name]) for name in keep])
         with torch.no_grad():
             values = {name: buffers[name].clone() for name in keep}
         # Each buffer's tensor and version: a layer may write into it, or rebind it.
@@ -261,12 +260,16 @@ def _sharing_memory(buffers: Iterable[Tensor]) -> set[int]:
     return {i for found in by_storage.values() if len(found) > 1 for i in found}
 
 
-def _refuse_lazy(buffers: list[tuple[str, Tensor]]) -> None:
-    for name, buffer in buffers:
-        if isinstance(buffer, nn.parameter.UninitializedBuffer):
-            raise RuntimeError(
-                f"buffer {name!r} is not materialised yet (a lazy layer's), and this partition "
-                "recomputes its forward, so it keeps a copy of its buffers from before it: run "
-                "the model once on an example batch before building the pipe (as torch asks "
-                "of lazy modules before an optimizer), or pass checkpoint='never'"
-            )
+def refuse_lazy(partitions: Iterable[nn.Module]) -> None:
+    """Refuse a lazy layer's buffer not yet materialised in partitions that recompute: each
+    keeps a copy of its buffers from before its forward, and the buffer has no values yet."""
+    for j, partition in enumerate(partitions):
+        for name, buffer in partition.named_buffers():
+            if isinstance(buffer, nn.parameter.UninitializedBuffer):
+                raise RuntimeError(
+                    f"buffer {name!r} of partition {j} is not materialised yet (a lazy "
+                    "layer's), and this partition recomputes its forward, so it keeps a copy of "
+                    "its buffers from before it: run the model once on an example batch before "
+                    "building the pipe (as torch asks of lazy modules before an optimizer), or "
+                    "pass checkpoint='never'"
+                )

@@ -65,6 +65,7 @@ __all__ = [
     "PartitionRandomness",
     "TaskRandomness",
     "default_generator",
+    "inside_a_checkpoint_of_its_own",
     "running_microbatch",
 ]
 
@@ -562,7 +563,7 @@ def _refuse_a_checkpoint_of_its_own(partition: int) -> None:
     that are not the forward's, without an error (transformers' gradient
     checkpointing with dropout).
     """
-    if not _inside_non_reentrant_checkpoint() and not _inside_reentrant_checkpoint():
+    if not inside_a_checkpoint_of_its_own():
         return
     raise RuntimeError(
         f"partition {partition} drew random numbers inside a torch.utils.checkpoint of a "
@@ -572,6 +573,12 @@ def _refuse_a_checkpoint_of_its_own(partition: int) -> None:
         "(checkpoint=..., model.gradient_checkpointing_disable()), or run the partitions on "
         "one thread (threads='device'), or turn the dropout off"
     )
+
+
+def inside_a_checkpoint_of_its_own() -> bool:
+    """Whether this forward runs inside a layer's own ``torch.utils.checkpoint`` (either
+    kind), whose recomputation autograd runs in the backward, outside the pipe's task."""
+    return _inside_non_reentrant_checkpoint() or _inside_reentrant_checkpoint()
 
 
 def _inside_non_reentrant_checkpoint() -> bool:

@@ -266,10 +266,35 @@ def test_a_deferred_batch_norm_of_ones_own_in_two_places_of_a_partition_is_refus
     assert int(norm.num_batches_tracked) == 0
 
 
-def test_a_lazy_batch_norm_in_a_checkpointed_partition_is_refused_with_the_way_out() -> None:
-    model = nn.Sequential(nn.Linear(4, 6), nn.LazyBatchNorm1d()).double()
-    pipe = Pipe(model, [2], devices=["cpu"], chunks=2, checkpoint="always")
-    with pytest.raises(RuntimeError, match=r"buffer '1.running_mean' is not materialised yet"):
-        _stepped_alike(pipe, nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6)).double(), "step")
+@pytest.mark.parametrize("engine", ["pipe(x)", "step"])
+def test_a_lazy_batch_norm_in_a_recomputing_pipe_is_refused_before_any_partition_runs(
+    engine: str,
+) -> None:
+    model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.LazyBatchNorm1d()).double()
+    pipe = Pipe(model, [2, 1], devices=["cpu"] * 2, chunks=2, checkpoint="always")
+    plain = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.BatchNorm1d(6)).double()
+    with pytest.raises(RuntimeError, match=r"buffer '2.running_mean' of partition 1 is not mat"):
+        _stepped_alike(pipe, plain, engine)
+    assert int(model[1].num_batches_tracked) == 0  # partition 0 ran nothing either
     model(torch.randn(4, 4, dtype=torch.float64))  # the dry run torch asks of lazy modules
-    _stepped_alike(pipe, copy.deepcopy(model), "step")
+    _stepped_alike(pipe, copy.deepcopy(model), engine)
+
+
+class NormInItsOwnCheckpoint(nn.Module):
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.bn, self.reentrant = nn.BatchNorm1d(6), reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(self.bn, x, use_reentrant=self.reentrant)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_deferred_batch_norm_in_a_layers_own_checkpoint_is_refused(reentrant: bool) -> None:
+    # torch recomputes it in the backward, outside the deferral: one update per micro-batch
+    # more than the plain model's two (its forward's and its recomputation's).
+    model = nn.Sequential(nn.Linear(4, 6), NormInItsOwnCheckpoint(reentrant)).double()
+    pipe = Pipe(model, [1, 1], devices=["cpu"] * 2, chunks=2, deferred_batch_norm=True)
+    with pytest.raises(RuntimeError, match=r"runs inside a torch\.utils\.checkpoint of a layer's"):
+        _stepped_alike(pipe, copy.deepcopy(model), "step")
+    assert int(model[1].bn.num_batches_tracked) == 0
