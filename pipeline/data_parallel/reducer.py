@@ -290,7 +290,7 @@ class Reducer:
             try:
                 bucket.launch(self._group)
             except RuntimeError as error:
-                raise self._comm_error(bucket, error) from error
+                raise self._comm_error(bucket.describe(), error) from error
             self._next_launch += 1
 
     def _finish_backward(self) -> None:
@@ -309,7 +309,7 @@ class Reducer:
                 try:
                     bucket.wait()
                 except RuntimeError as error:
-                    raise self._comm_error(bucket, error) from error
+                    raise self._comm_error(bucket.describe(), error) from error
             self._check_same_step()
             # Only with find_unused can a bucket store nothing: its usage flags,
             # summed across ranks by the all-reduces just waited for, say no
@@ -339,7 +339,10 @@ class Reducer:
             dtype=torch.float64,
             device=self._buckets[0].flat.device,
         )
-        dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=self._group)
+        try:
+            dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=self._group)
+        except RuntimeError as error:
+            raise self._comm_error("the replicas' counts of steps", error) from error
         most, least = int(counts[0]), -int(counts[1])
         if most != least:
             raise RuntimeError(
@@ -399,10 +402,10 @@ class Reducer:
             "to the loss."
         )
 
-    def _comm_error(self, bucket: GradBucket, error: RuntimeError) -> RuntimeError:
+    def _comm_error(self, what: str, error: RuntimeError) -> RuntimeError:
         return RuntimeError(
-            f"DataParallel: all-reduce of {bucket.describe()} failed or timed out on rank "
-            f"{self._rank}: {error}"
+            f"DataParallel: all-reduce of {what} failed or timed out on rank {self._rank} "
+            f"(a replica that failed stops the others: its own error says why): {error}"
         )
 
 

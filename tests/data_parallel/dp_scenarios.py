@@ -1118,5 +1118,20 @@ def peer_stalls_mid_step() -> None:
     expect_error(RuntimeError, loss.backward, "all-reduce of gradient bucket", "rank 0")
 
 
+@scenario
+@breaks_group
+def peer_stalls_before_the_count_of_steps() -> None:
+    # The gradients averaged, one replica silent before the all-reduce of the replicas'
+    # step counts: its peer's error names that all-reduce (it was gloo's bare timeout).
+    dp = DataParallel(mlp(seed=9))
+    x, y = global_batch(0)
+    loss = F.mse_loss(dp(shard(x)), shard(y))
+    if rank() == 1:
+        dp.reducer._check_same_step = lambda: time.sleep(gloo_groups.PG_TIMEOUT_S + 1)  # type: ignore[method-assign]
+        expect_error(RuntimeError, loss.backward, "DataParallel: ")  # its peer left meanwhile
+        return
+    expect_error(RuntimeError, loss.backward, "all-reduce of the replicas' counts of steps")
+
+
 if __name__ == "__main__":
     main()

@@ -75,7 +75,9 @@ def test_data_parallel_needs_no_numpy(group_runner: GroupRunner) -> None:
             assert outcomes.get(name) == "ok", f"rank {rank}, {name}:\n{outcomes.get(name)}"
 
 
-@pytest.mark.parametrize("fault", ["peer_dies_mid_step", "peer_stalls_mid_step"])
+@pytest.mark.parametrize(
+    "fault", ["peer_dies_mid_step", "peer_stalls_mid_step", "peer_stalls_before_the_count_of_steps"]
+)
 def test_fault_mid_step_is_an_error_naming_the_all_reduce(
     group_runner: GroupRunner, fault: str
 ) -> None:
