@@ -139,7 +139,8 @@ def split(
     split_model = SplitModel(model, made, router_loss, rows_across(captured))
     # The split model holds the model's children too: seq.head = ... replaces one there.
     watch.add_places([split_model], watched)
-    watch.add_tensors(model, [read for one in built for read in one.fetched], blocks, names)
+    fetched = [read for one in built for read in one.fetched]
+    watch.add_tensors(model, split_model, fetched, blocks, names)
     return split_model
 
 

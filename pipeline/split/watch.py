@@ -58,28 +58,28 @@ class Watch:
         self.captured = captured
         # (the parent's children, the key, the child there at split time, the child's name)
         self.places: list[tuple[dict[str, Any], str, nn.Module, str]] = []
-        # (the model's own parameters or buffers, the name, the one registered at split time)
-        self.own: list[tuple[Mapping[str, Tensor | None], str, Tensor]] = []
+        # (the model's own parameters or buffers, the split model's, a name in both)
+        self.own: list[tuple[Mapping[str, Tensor | None], Mapping[str, Tensor | None], str]] = []
         # Each tie the captured code reads as one tensor: (its holders' tensors, the name).
         self.ties: list[list[_Holder]] = []
 
     def add_tensors(
         self,
         model: nn.Module,
+        split: nn.Module,
         fetched: Iterable[tuple[nn.Module, str]],
         blocks: dict[nn.Module, str],
         names: dict[nn.Module, str],
     ) -> None:
-        """Check that the model's own tensors stay the split model's, and that the tensors
-        the captured code reads (``fetched``) stay tied where they were.
+        """Check that the model's own tensors stay the ones the ``split`` model registered
+        (materialising from ``meta`` replaces both), and that the tensors the captured code
+        reads (``fetched``) stay tied where they were.
 
         A block runs as itself, reading its own attributes: a tie into one is
         followed, unless the captured code reads the tensor by the block's name.
         """
-        self.own = [
-            (model._parameters, n, t) for n, t in model._parameters.items() if t is not None
-        ]
-        self.own += [(model._buffers, n, t) for n, t in model._buffers.items() if t is not None]
+        self.own = [(model._parameters, split._parameters, n) for n in split._parameters]
+        self.own += [(model._buffers, split._buffers, n) for n in split._buffers]
         holders: dict[int, list[_Holder]] = {}
         for prefix, module in _outside(model, blocks):
             for tensors in (module._parameters, module._buffers):
@@ -113,8 +113,8 @@ class Watch:
             now = children.get(key)
             if now is not child:
                 raise RuntimeError(_replaced(describe_module(name, child), now))
-        for tensors, name, tensor in self.own:
-            now = tensors.get(name)
+        for tensors, registered, name in self.own:
+            now, tensor = tensors.get(name), registered.get(name)
             if now is not tensor:
                 raise RuntimeError(_own_replaced(name, tensor, now))
         for held in self.ties:
@@ -186,9 +186,9 @@ def _replaced(what: str, now: nn.Module | None) -> str:
     )
 
 
-def _own_replaced(name: str, tensor: Tensor, now: Tensor | None) -> str:
+def _own_replaced(name: str, tensor: Tensor | None, now: Tensor | None) -> str:
     kind = "parameter" if isinstance(tensor, nn.Parameter) else "buffer"
-    if now is not None and now.dtype != tensor.dtype:
+    if now is not None and tensor is not None and now.dtype != tensor.dtype:
         return (
             f"the model's {kind} {name!r} is {now.dtype}, but the model was split with it in "
             f"{tensor.dtype} (.to(dtype) or .float() replaced it), and the code around it was "

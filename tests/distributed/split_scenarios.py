@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 import pipeline
@@ -23,7 +24,7 @@ from pipeline.schedules import Interleaved1F1B
 from pipeline.step.mail import AbortedError
 from tests.gloo_groups import expect_error, main, rank, scenario, world
 from tests.split import hf_labels
-from tests.split.split_models import gpt2, llama, lm_loss, mixtral, tokens
+from tests.split.split_models import EarlyLate, gpt2, llama, lm_loss, mixtral, tokens
 
 
 def seeded(make: Callable[..., nn.Module], **config: Any) -> nn.Module:
@@ -456,6 +457,38 @@ def split_gpt2_own_loss_in_data_parallel_is_the_mean_over_every_token() -> None:
         assert parameter.grad is not None, name
         torch.testing.assert_close(parameter.grad, reference[name].grad, msg=name)
     dp.module.close()
+
+
+def values_by_place(module: nn.Module) -> None:
+    """An init giving each of a module's own tensors values by their place, alike anywhere."""
+    with torch.no_grad():
+        own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+        for k, tensor in enumerate(own):
+            place = torch.arange(tensor.numel(), dtype=torch.float64) * (k + 1) + tensor.numel()
+            tensor.copy_(torch.sin(place).reshape(tensor.shape))
+
+
+@scenario
+def a_split_model_with_tensors_of_its_own_built_on_meta_trains_like_the_plain_model() -> None:
+    """The model's own parameter and buffer, materialised: the split model's checks follow
+    them (they were refused as replaced after the split, midway through the first step)."""
+    plain = EarlyLate().double()
+    plain.apply(values_by_place)
+    with torch.device("meta"):
+        model = EarlyLate().double()
+    gen = torch.Generator().manual_seed(3)
+    x, y = torch.randn(8, 8, dtype=torch.float64, generator=gen), torch.randn(8, 3, generator=gen)
+    seq = pipeline.split(model, (x.to("meta"),))
+    half = len(seq) // 2
+    pipe = DistributedPipe(seq, [half, len(seq) - half], chunks=2, init=values_by_place)
+    first, last = ends(pipe)
+    loss = pipe.step(x if first else None, y.double() if last else None, F.mse_loss)
+    expected = F.mse_loss(plain(x), y.double())
+    expected.backward()
+    if last:
+        torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
+    assert_like_the_plain_model(pipe, plain, "a split model's own tensors, from meta")
+    pipe.close()
 
 
 if __name__ == "__main__":

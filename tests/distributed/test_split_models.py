@@ -19,6 +19,7 @@ SHARED = [
     "split_gpt2_equals_the_plain_model_with_every_schedule",
     "split_gpt2_tied_head_and_embedding_train_like_the_plain_model",
     "split_models_built_on_meta_materialise_only_their_pieces",
+    "a_split_model_with_tensors_of_its_own_built_on_meta_trains_like_the_plain_model",
     "split_gpt2_in_eval_mode_across_processes",
     "split_mixtral_with_eager_experts_on_meta_trains_like_the_plain_model",
     "split_mixtral_router_loss_on_meta_in_gpipe_like_the_plain_model",
