@@ -46,6 +46,7 @@ from pipeline.runtime.partitions import (
     PartitionRuntime,
     PositionalSequential,
 )
+from pipeline.runtime.recompute import checkpoint_stop
 from pipeline.runtime.router_loss import RouterLossSource, RouterTally, step_tally
 from pipeline.runtime.unseen import refuse_cached_parametrizations
 from pipeline.skip.layout import SkipLayout
@@ -685,7 +686,7 @@ class PipeBase(nn.Module, ABC):
         )
 
     def _refuse_lazy_where_recomputed(self) -> None:
-        if self.checkpoint == "always" or (self.checkpoint == "except_last" and self.chunks > 1):
+        if checkpoint_stop(self.checkpoint, self.chunks, self.training):
             refuse_lazy(self.partitions)
 
     @contextmanager

@@ -280,6 +280,17 @@ def test_a_lazy_batch_norm_in_a_recomputing_pipe_is_refused_before_any_partition
     _stepped_alike(pipe, copy.deepcopy(model), engine)
 
 
+def test_a_lazy_batch_norm_in_a_pipe_evaluated_or_not_recomputing_runs() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.LazyBatchNorm1d()).double()
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6)).double()
+    pipe = Pipe(model, [1, 1], devices=["cpu"] * 2, chunks=2, checkpoint="always").eval()
+    plain.eval()
+    _stepped_alike(pipe, plain, "step")  # in eval mode nothing recomputes
+    torch.testing.assert_close(model[0].weight.grad, plain[0].weight.grad)
+
+
 class NormInItsOwnCheckpoint(nn.Module):
     def __init__(self, reentrant: bool) -> None:
         super().__init__()
