@@ -8,10 +8,11 @@ import math
 from collections.abc import Callable
 from functools import partial
 from itertools import chain
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["Init", "materialized", "meta_resets"]
 
@@ -53,62 +54,88 @@ def materialized(
             if buffer is not None and id(buffer) in fresh:
                 holder._buffers[name] = fresh[id(buffer)]
     partition._apply(lambda t: t.to(device))
-    versions = {id(tensor): tensor._version for tensor in fresh.values()}
-    with torch.no_grad():
+    created = {id(tensor): _storage(tensor) for tensor in fresh.values()}
+    with torch.no_grad(), _Writes() as writes:
         for reset in reversed(resets):
             reset()
-    _refuse_unwritten(partition, versions, "init" if init is not None else "reset_parameters()")
+    resetting = "init" if init is not None else "reset_parameters()"
+    _refuse_unwritten(partition, created, writes.storages, resetting)
     return partition
 
 
-def _refuse_unwritten(partition: nn.Module, versions: dict[int, int], resets: str) -> None:
+def _refuse_unwritten(
+    partition: nn.Module, created: dict[int, int], written: set[int], resets: str
+) -> None:
     """Refuse new storage that no reset wrote into: it would hold whatever memory held.
 
-    New storage starts marked (``_mark``): a float tensor with NaN, an
-    integer one with its type's least (unsigned: greatest) value. A float
-    tensor keeping a NaN was not written there; an integer one is unwritten
-    where every value keeps the mark and its version has not moved (a reset
-    may write zeros, or through ``.data``, which counts no version). A slot
-    given another tensor was written.
+    ``created``: each new tensor's storage; ``written``: the storages that
+    ops wrote into during the resets (``_Writes``: in place, through a view
+    or ``.data``). A slot given another tensor, or a tensor given other
+    storage (``weight.data = ...``), was written too. (A tensor written in
+    part is not seen: its rest keeps the value new storage starts with,
+    NaN for floats, ``_mark``.)
     """
     named = chain(
         partition.named_parameters(remove_duplicate=True),
         partition.named_buffers(remove_duplicate=True),
     )
-    unwritten = [name for name, t in named if id(t) in versions and _unwritten(t, versions[id(t)])]
+    unwritten = [
+        name
+        for name, t in named
+        if t.numel() and created.get(id(t)) == _storage(t) and _storage(t) not in written
+    ]
     if unwritten:
         raise ValueError(
             f"{', '.join(unwritten)} got storage when materialised from the meta device, but "
-            f"no {resets} wrote into all of it, so it would hold whatever that memory held: "
-            "give it its values in DistributedPipe(init=...) (a function that initialises one "
-            "module, buffers included: BatchNorm's running statistics, a counter, rotary "
-            "tables), or build the model on a real device"
+            f"no {resets} wrote into it, so it would hold whatever that memory held: give it "
+            "its values in DistributedPipe(init=...) (a function that initialises one module, "
+            "buffers included: BatchNorm's running statistics, a counter, rotary tables, a "
+            "mask), or build the model on a real device"
         )
 
 
-def _mark(dtype: torch.dtype) -> float | int | None:
-    """What new storage of ``dtype`` starts as (``_refuse_unwritten``); None for bool."""
+class _Writes(TorchDispatchMode):
+    """The storages that ops write into while it is on: the arguments their schemas mark
+    as written (``normal_``, ``copy_``, ``out=``), whatever view or ``.data`` they go by."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.storages: set[int] = set()
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        for k, argument in enumerate(func._schema.arguments):
+            if argument.alias_info is not None and argument.alias_info.is_write:
+                value = kwargs.get(argument.name, args[k] if k < len(args) else None)
+                for tensor in value if isinstance(value, list | tuple) else (value,):
+                    if isinstance(tensor, Tensor):
+                        self.storages.add(_storage(tensor))
+        return func(*args, **kwargs)
+
+
+def _storage(tensor: Tensor) -> int:
+    return int(tensor.untyped_storage().data_ptr())
+
+
+def _mark(dtype: torch.dtype) -> float | int | bool:
+    """What new storage of ``dtype`` starts as: NaN for floats, so that a part no reset
+    wrote shows in the first loss; an integer's extreme value; False."""
     if dtype.is_floating_point or dtype.is_complex:
         return math.nan
     if dtype == torch.bool:
-        return None
+        return False
     info = torch.iinfo(dtype)
     return info.max if info.min == 0 else info.min
 
 
-def _unwritten(tensor: Tensor, version: int) -> bool:
-    mark = _mark(tensor.dtype)
-    if mark is None or tensor.numel() == 0:
-        return False  # a bool starts False: nothing of the old memory is left
-    with torch.no_grad():
-        if isinstance(mark, float):
-            return bool(tensor.isnan().any())
-        return tensor._version == version and bool((tensor == mark).all())
-
-
 def _storage_for(tensor: Tensor, device: torch.device) -> Tensor:
-    mark = _mark(tensor.dtype)
-    new = torch.full_like(tensor, False if mark is None else mark, device=device)
+    new = torch.full_like(tensor, _mark(tensor.dtype), device=device)
     if isinstance(tensor, nn.Parameter):
         return nn.Parameter(new, requires_grad=tensor.requires_grad)
     return new

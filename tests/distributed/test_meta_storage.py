@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import math
 
 import pytest
 import torch
@@ -54,11 +55,42 @@ def test_storage_no_init_wrote_into_is_refused_naming_it() -> None:
         meta.materialized(model, CPU, weights_only)
 
 
-def test_storage_an_init_wrote_into_in_part_is_refused() -> None:
+def test_storage_an_init_wrote_into_in_part_holds_nan_in_the_rest() -> None:
+    # Not refused (a write was seen), but no old memory is left: NaN shows in the first loss.
     def first_row(module: nn.Module) -> None:
         if isinstance(module, nn.Linear):
             module.weight.data[0] = 1.0
             module.bias.data.zero_()
 
-    with pytest.raises(ValueError, match=r"0\.weight got storage .* no init wrote into all of it"):
-        meta.materialized(on_meta(lambda: nn.Linear(4, 4)), CPU, first_row)  # type: ignore[arg-type]
+    model = meta.materialized(on_meta(lambda: nn.Linear(4, 4)), CPU, first_row)  # type: ignore[arg-type]
+    assert torch.equal(model[0].weight[0], torch.ones(4)) and model[0].weight[1:].isnan().all()
+
+
+class Masked(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("causal", torch.ones(3, 3, dtype=torch.bool).tril())
+
+    def reset_parameters(self) -> None:
+        pass  # the mask was made in __init__, on meta: it has no values
+
+
+def test_a_bool_buffer_no_reset_wrote_into_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"0\.causal got storage .* no reset_parameters\(\) wr"):
+        meta.materialized(on_meta(Masked), CPU)
+
+
+class Sentinels(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("missing", torch.zeros(2))
+        self.register_buffer("mask", torch.zeros(2, dtype=torch.uint8))
+
+    def reset_parameters(self) -> None:
+        self.missing.fill_(math.nan)
+        self.mask.data.fill_(255)
+
+
+def test_values_an_init_writes_on_purpose_are_taken_whatever_they_are() -> None:
+    model = meta.materialized(on_meta(Sentinels), CPU)
+    assert model[0].missing.isnan().all() and (model[0].mask == 255).all()
