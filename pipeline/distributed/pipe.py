@@ -292,7 +292,7 @@ class DistributedPipe(PipeBase):
         (storage that no reset wrote into) heard by every process, which would otherwise wait
         for this one in the next collective."""
         on_meta = any(t.is_meta for t in chain(module.parameters(), module.buffers()))
-        refusal: Exception | None = None
+        failure: BaseException | None = None
         stages: list[nn.Sequential] = []
         try:
             stages = [
@@ -301,12 +301,16 @@ class DistributedPipe(PipeBase):
                 else nn.Sequential()
                 for s, p in enumerate(every)
             ]
-        except Exception as error:  # an init of the user's may raise anything
-            refusal = error
+        except BaseException as error:  # an init of the user's may raise anything, ^C too
+            failure = error
+        heard = None
         if on_meta:  # alike in every process: each was given the whole model
-            refusal = told_over([self.group], refusal, "this pipeline")
-        if refusal is not None:
-            raise refusal
+            failed = None if failure is None else RuntimeError(str(failure))
+            heard = told_over([self.group], failed, "this pipeline")
+        if failure is not None:
+            raise failure
+        if heard is not None:
+            raise heard
         return stages
 
     def _connect(self, pipelines: list[list[int]], timeout: float, max_message_bytes: int) -> None:

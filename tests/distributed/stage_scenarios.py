@@ -228,11 +228,29 @@ def a_model_on_the_meta_device_is_materialised_stage_by_stage() -> None:
     refused = "no weight here" if rank() == world() - 1 else "a process of this pipeline refused"
     build = partial(DistributedPipe, failing, [2] * world(), init=fails_on_the_last_process)
     expect_error(Exception, build, refused)
+    # Interrupted there (^C), the process living on: the others hear it too.
+    with torch.device("meta"):
+        failing = blocks(2 * world())
+    build = partial(DistributedPipe, failing, [2] * world(), init=interrupted_on_the_last_process)
+    if rank() == world() - 1:
+        try:
+            build()
+            raise AssertionError("the interrupt was swallowed")
+        except KeyboardInterrupt:
+            pass
+    else:
+        expect_error(RuntimeError, build, "a process of this pipeline refused")
 
 
 def fails_on_the_last_process(module: nn.Module) -> None:
     if rank() == world() - 1:
         raise AttributeError("no weight here")
+    weights_only(module)
+
+
+def interrupted_on_the_last_process(module: nn.Module) -> None:
+    if rank() == world() - 1:
+        raise KeyboardInterrupt
     weights_only(module)
 
 
