@@ -42,6 +42,7 @@ def test_quick_run_measures_every_configuration_and_its_activations_are_the_pred
     assert configurations == {
         f"{s}, 2 chunks, {mode}" for s in ("gpipe", "1f1b") for mode in ("never", "always")
     }
+    assert len(rows) == len(configurations)  # one cut measured per configuration
     assert result["chosen"] in {row["configuration"] for row in rows}
     for row in rows:
         assert row["measured_activations"] == row["predicted_activations"], row
