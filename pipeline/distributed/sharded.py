@@ -51,7 +51,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeline.data_parallel.replicas import broadcast_from_rank0
-from pipeline.runtime.agreement import gather_rows
+from pipeline.runtime.agreement import gather_rows, refusal_texts
 from pipeline.runtime.buffers import updated_buffers, updated_in_forward
 from pipeline.runtime.layers import modules_only_read
 from pipeline.runtime.lazy import instance_of
@@ -257,11 +257,15 @@ def told_over(
     """
     heard = error is not None
     differs = False
+    said = "" if error is None else f"{type(error).__name__}: {error}"
     for _ in range(min(len(groups), 2)):
         for group in groups:
-            rows = gather_rows([int(heard), layout], group)
+            rows = gather_rows([int(bool(said)) + 2 * int(heard), layout], group)
             differs = differs or len({row[1] for row in rows}) > 1
             heard = any(row[0] for row in rows) or heard or differs
+            if any(row[0] % 2 for row in rows):  # the refusals' texts travel, passed on
+                texts = refusal_texts(said, group)  # a collective: every process calls it
+                said = said or next((t for t in texts if t), "")
     if error is None and differs:
         return ValueError(
             f"this pipeline and {who} shard their stages differently (other fully_shard "
@@ -270,9 +274,8 @@ def told_over(
             f"every replica's stages alike: {_RECIPE}"
         )
     if error is None and heard:
-        return RuntimeError(
-            f"a process of {who} refused this call (its error says why): no process ran anything"
-        )
+        why = f"({said})" if said else "(its error says why)"
+        return RuntimeError(f"a process of {who} refused this call {why}: no process ran anything")
     return error
 
 

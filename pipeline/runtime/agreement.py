@@ -32,6 +32,7 @@ __all__ = [
     "refusal_elsewhere",
     "refusal_entry",
     "refusal_heard",
+    "refusal_texts",
     "refused_text",
 ]
 
@@ -171,10 +172,14 @@ def refusal_heard(
     """
     if not any(row[0] for row in rows):
         return refusal
-    text = "" if refusal is None else str(refusal)
-    clipped = _utf8(text)[:REFUSAL_TEXT_LIMIT].decode("utf-8", "ignore")
-    texts = gather_texts(clipped, group, REFUSAL_TEXT_LIMIT)
+    texts = refusal_texts("" if refusal is None else str(refusal), group)
     return refusal or refusal_elsewhere(rows, what, undone, texts)
+
+
+def refusal_texts(text: str, group: dist.ProcessGroup) -> list[str]:
+    """Every rank's refusal ``text`` (empty where none), each clipped to the limit."""
+    clipped = _utf8(text)[:REFUSAL_TEXT_LIMIT].decode("utf-8", "ignore")
+    return gather_texts(clipped, group, REFUSAL_TEXT_LIMIT) or []
 
 
 def refused_text(refused: Sequence[int]) -> str:
