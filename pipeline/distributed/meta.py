@@ -82,7 +82,10 @@ def _refuse_unwritten(
     unwritten = [
         name
         for name, t in named
-        if t.numel() and created.get(id(t)) == _storage(t) and _storage(t) not in written
+        if id(t) in created
+        and t.numel()
+        and _storage(t) == created[id(t)]
+        and _storage(t) not in written
     ]
     if unwritten:
         raise ValueError(
@@ -114,9 +117,15 @@ class _Writes(TorchDispatchMode):
             if argument.alias_info is not None and argument.alias_info.is_write:
                 value = kwargs.get(argument.name, args[k] if k < len(args) else None)
                 for tensor in value if isinstance(value, list | tuple) else (value,):
-                    if isinstance(tensor, Tensor):
+                    if isinstance(tensor, Tensor) and _has_storage(tensor):
                         self.storages.add(_storage(tensor))
         return func(*args, **kwargs)
+
+
+def _has_storage(tensor: Tensor) -> bool:
+    """A plain tensor's (a DTensor's ops reach this mode again on its local tensors; a sparse
+    tensor has none of its own)."""
+    return type(tensor) in (Tensor, nn.Parameter) and tensor.layout == torch.strided
 
 
 def _storage(tensor: Tensor) -> int:

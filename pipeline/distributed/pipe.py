@@ -31,7 +31,6 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from itertools import chain
 from typing import Any
 
 import torch
@@ -46,6 +45,7 @@ from pipeline.distributed.meta import Init, materialized, meta_resets
 from pipeline.distributed.p2p import DONE_KEYS, END_KEYS, ROUTER_KEYS, P2PTransport, PeerError
 from pipeline.distributed.sharded import (
     check_sharding,
+    described,
     local_ties,
     sharding_groups,
     sharding_kind,
@@ -288,10 +288,9 @@ class DistributedPipe(PipeBase):
     def _materialized(
         self, every: list[nn.Sequential], init: Init | None, module: nn.Module
     ) -> list[nn.Sequential]:
-        """This process's stages on its device, materialised if on ``meta``; a refusal there
-        (storage that no reset wrote into) heard by every process, which would otherwise wait
-        for this one in the next collective."""
-        on_meta = any(t.is_meta for t in chain(module.parameters(), module.buffers()))
+        """This process's stages on its device, materialised if on ``meta``; a failure there
+        (storage that no reset wrote into, an init raising) heard by every process of the
+        job, which would otherwise wait for this one in the next collective."""
         failure: BaseException | None = None
         stages: list[nn.Sequential] = []
         try:
@@ -303,10 +302,12 @@ class DistributedPipe(PipeBase):
             ]
         except BaseException as error:  # an init of the user's may raise anything, ^C too
             failure = error
-        heard = None
-        if on_meta:  # alike in every process: each was given the whole model
-            failed = None if failure is None else RuntimeError(str(failure))
-            heard = told_over([self.group], failed, "this pipeline")
+        # Every process of the job builds its pipeline at once (``_every_pipeline``): a
+        # failure here is heard by all, other pipelines of a grid too.
+        failed = (
+            failure if isinstance(failure, Exception | None) else RuntimeError(described(failure))
+        )
+        heard = told_over([_job()], failed, "this job")
         if failure is not None:
             raise failure
         if heard is not None:
@@ -1080,6 +1081,13 @@ def _filled_in(key: str, given: Mapping[str, Any]) -> bool:
     versions = getattr(given, "_metadata", None) or {}
     version = versions.get(key.rpartition(".")[0], {}).get("version")
     return version is None or version < 2
+
+
+def _job() -> dist.ProcessGroup:
+    """The whole job's group, in which every process builds its pipeline at once."""
+    job = dist.group.WORLD
+    assert job is not None, "a DistributedPipe is built in an initialised process group"
+    return job
 
 
 def _every_pipeline(

@@ -257,7 +257,7 @@ def told_over(
     """
     heard = error is not None
     differs = False
-    said = "" if error is None else f"{type(error).__name__}: {error}"
+    said = "" if error is None else described(error)
     for _ in range(min(len(groups), 2)):
         for group in groups:
             rows = gather_rows([int(bool(said)) + 2 * int(heard), layout], group)
@@ -277,6 +277,11 @@ def told_over(
         why = f"({said})" if said else "(its error says why)"
         return RuntimeError(f"a process of {who} refused this call {why}: no process ran anything")
     return error
+
+
+def described(error: BaseException) -> str:
+    """``ValueError: what was wrong``; the kind alone where there is no text (^C)."""
+    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
 
 
 def unit_layout(partitions: Sequence[nn.Module], stages: Iterable[int]) -> int:

@@ -218,7 +218,7 @@ def a_model_on_the_meta_device_is_materialised_stage_by_stage() -> None:
     with torch.device("meta"):
         normed = nn.Sequential(*blocks(2 * world() - 1), nn.BatchNorm1d(WIDTH).double())
     name = f"{2 * world() - 1}.running_mean"
-    heard = [] if rank() == world() - 1 else ["a process of this pipeline refused"]
+    heard = [] if rank() == world() - 1 else ["a process of this job refused"]
     build = partial(DistributedPipe, normed, [2] * world(), init=weights_only)
     expect_error(Exception, build, f"{name}, ", *heard)  # the reason, on every process
     # An init raising on one process only: every process hears it (the others waited in
@@ -238,12 +238,18 @@ def a_model_on_the_meta_device_is_materialised_stage_by_stage() -> None:
         except KeyboardInterrupt:
             pass
     else:
-        expect_error(RuntimeError, build, "a process of this pipeline refused")
+        expect_error(RuntimeError, build, "a process of this job refused")
 
 
 def fails_on_the_last_process(module: nn.Module) -> None:
     if rank() == world() - 1:
         raise AttributeError("no weight here")
+    weights_only(module)
+
+
+def fails_on_rank_0(module: nn.Module) -> None:
+    if rank() == 0:
+        raise AttributeError("no weight on rank 0")
     weights_only(module)
 
 
@@ -1724,6 +1730,13 @@ def a_pipeline_refused_in_a_grid_stops_every_pipeline() -> None:
     expect_error(
         ValueError, lambda: DistributedPipe(blocks(4), balance, group=pp_group), *fragments
     )
+    # An init failing in one process of one pipeline, on meta: every pipeline hears it
+    # (the other pipeline built, and its groups' count drifted from the failed one's).
+    with torch.device("meta"):
+        failing = blocks(4)
+    build = partial(DistributedPipe, failing, [2, 2], group=pp_group, init=fails_on_rank_0)
+    heard = [] if rank() == 0 else ["a process of this job refused", "no weight on rank 0"]
+    expect_error(Exception, build, "no weight on rank 0", *heard)
     # A failure names the failed process by its rank in the pipeline and in the job.
     model = blocks(4)
     model.append(RaiseOnRank(on_rank=3, error=KeyError("bad batch")))

@@ -94,3 +94,20 @@ class Sentinels(nn.Module):
 def test_values_an_init_writes_on_purpose_are_taken_whatever_they_are() -> None:
     model = meta.materialized(on_meta(Sentinels), CPU)
     assert model[0].missing.isnan().all() and (model[0].mask == 255).all()
+
+
+class SparseScratch(nn.Linear):
+    """A reset writing into a sparse tensor of its own (no storage to record) on the way."""
+
+    def reset_parameters(self) -> None:
+        if self.weight.is_meta:
+            return  # built on meta: its values come when it is materialised
+        scratch = torch.zeros(4, 4).to_sparse()
+        scratch.mul_(2.0)
+        self.weight.copy_(scratch.to_dense() + 1.0)
+        self.bias.zero_()
+
+
+def test_a_reset_writing_into_tensors_without_storage_of_their_own_is_taken() -> None:
+    model = meta.materialized(on_meta(lambda: SparseScratch(4, 4)), CPU)  # type: ignore[arg-type]
+    assert torch.equal(model[0].weight, torch.ones(4, 4))
