@@ -577,8 +577,14 @@ def _refuse_a_checkpoint_of_its_own(partition: int) -> None:
 
 def inside_a_checkpoint_of_its_own() -> bool:
     """Whether this forward runs inside a layer's own ``torch.utils.checkpoint`` (either
-    kind), whose recomputation autograd runs in the backward, outside the pipe's task."""
-    return _inside_non_reentrant_checkpoint() or _inside_reentrant_checkpoint()
+    kind), whose recomputation autograd runs in the backward, outside the pipe's task.
+
+    A reentrant checkpoint's forward is an autograd Function's, run with grad
+    off: only then are the frames walked (a DeferredBatchNorm asks at every call).
+    """
+    if _inside_non_reentrant_checkpoint():
+        return True
+    return not torch.is_grad_enabled() and _inside_reentrant_checkpoint()
 
 
 def _inside_non_reentrant_checkpoint() -> bool:
